@@ -1,0 +1,360 @@
+"""Frame types: one frozen dataclass per frame, each able to read itself from a CBOR map.
+
+A frame's payload is a CBOR map with text keys. ``from_payload`` is the untrusted path: it checks
+every field's presence, type and range, and rejects unknown keys, raising a :class:`ProtocolError`
+subclass that carries the wire code. ``to_payload`` omits fields left at their defaults, so the
+encoding stays small and older peers never see keys they do not know.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from dataclasses import dataclass, field
+from enum import IntEnum, StrEnum
+from typing import Any, ClassVar
+
+from ._fields import FieldReader
+from .errors import InvalidField, MissingField
+
+__all__ = [
+    "MAX_MAX_TOKENS",
+    "ChatMessage",
+    "Checkpoint",
+    "End",
+    "EndReason",
+    "Error",
+    "Frame",
+    "FrameType",
+    "Generate",
+    "ResumeStream",
+    "Token",
+]
+
+#: Protocol-wide ceilings. A server narrows them further with its own configuration.
+MAX_MAX_TOKENS = 1 << 16
+MAX_PROMPT_CHARS = 1 << 18
+MAX_MESSAGES = 256
+MAX_STOP_SEQUENCES = 8
+MAX_STOP_CHARS = 128
+MAX_TOKEN_TEXT_CHARS = 4096
+MAX_ERROR_MESSAGE_CHARS = 1024
+MAX_SEED = (1 << 64) - 1
+MAX_TOKEN_ID = (1 << 31) - 1
+MAX_TOKEN_INDEX = (1 << 31) - 1
+SESSION_ID_BYTES = 16
+SNAPSHOT_HASH_BYTES = 32
+CHAT_ROLES = frozenset({"system", "user", "assistant"})
+
+
+class FrameType(IntEnum):
+    """The frame type byte of the header."""
+
+    GENERATE = 1
+    TOKEN = 2
+    END = 3
+    ERROR = 4
+    RESUME_STREAM = 5  # reserved for resumable sessions
+    CHECKPOINT = 6  # reserved for resumable sessions
+
+
+class EndReason(StrEnum):
+    """Why a generation stopped."""
+
+    LENGTH = "length"  # max_tokens reached
+    STOP = "stop"  # a stop sequence matched
+    EOS = "eos"  # the model emitted end-of-generation
+    CANCELLED = "cancelled"  # the client went away or reset the stream
+    SHUTDOWN = "shutdown"  # the server is shutting down
+    SUPERSEDED = "superseded"  # a newer stream resumed the same session
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Frame(ABC):
+    """Base of all frames."""
+
+    frame_type: ClassVar[FrameType]
+
+    @abstractmethod
+    def to_payload(self) -> dict[str, Any]:
+        """The CBOR map for this frame."""
+
+    @classmethod
+    @abstractmethod
+    def from_payload(cls, payload: object) -> Frame:
+        """Read and validate a frame of this type from a decoded CBOR value."""
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class ChatMessage:
+    """One chat turn; the server renders messages with the model's chat template."""
+
+    role: str
+    """``system``, ``user`` or ``assistant``."""
+    content: str
+    """The turn's text."""
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Generate(Frame):
+    """Client → server: start a generation. Exactly one of ``prompt`` and ``messages``."""
+
+    frame_type: ClassVar[FrameType] = FrameType.GENERATE
+
+    prompt: str | None = None
+    """Plain text, tokenized as it is."""
+    messages: tuple[ChatMessage, ...] | None = None
+    """Chat turns, rendered with the model's chat template."""
+    max_tokens: int = 128
+    """Upper bound on generated tokens, 1 ≤ n ≤ the server's limit."""
+    temperature: float = 0.0
+    """0 means greedy; otherwise logits are divided by it before sampling."""
+    top_p: float = 1.0
+    """Nucleus sampling mass in (0, 1]; 1 disables it."""
+    top_k: int = 0
+    """Keep the k most likely tokens; 0 disables it."""
+    min_p: float = 0.0
+    """Drop tokens less likely than min_p times the best one; 0 disables it."""
+    repeat_penalty: float = 1.0
+    """Penalty on recently generated tokens; 1 disables it."""
+    seed: int | None = None
+    """Seed of the counter-based draw; None lets the server pick one."""
+    stop: tuple[str, ...] = ()
+    """Stop sequences; the match itself is not emitted."""
+    ignore_eos: bool = False
+    """Keep generating past end-of-generation tokens (benchmarks)."""
+
+    def to_payload(self) -> dict[str, Any]:
+        payload: dict[str, Any] = {"max_tokens": self.max_tokens}
+        if self.prompt is not None:
+            payload["prompt"] = self.prompt
+        if self.messages is not None:
+            payload["messages"] = [{"role": m.role, "content": m.content} for m in self.messages]
+        defaults = _GENERATE_DEFAULTS
+        for name in ("temperature", "top_p", "top_k", "min_p", "repeat_penalty", "ignore_eos"):
+            value = getattr(self, name)
+            if value != defaults[name]:
+                payload[name] = value
+        if self.seed is not None:
+            payload["seed"] = self.seed
+        if self.stop:
+            payload["stop"] = list(self.stop)
+        return payload
+
+    @classmethod
+    def from_payload(cls, payload: object) -> Generate:
+        r = FieldReader("GENERATE", payload)
+        prompt = r.optional_text("prompt", max_chars=MAX_PROMPT_CHARS)
+        raw_messages = r.array("messages", max_items=MAX_MESSAGES)
+        messages = None if raw_messages is None else tuple(_read_message(m) for m in raw_messages)
+        if (prompt is None) == (messages is None):
+            if prompt is None:
+                raise MissingField("GENERATE needs one of prompt and messages")
+            raise InvalidField("GENERATE takes prompt or messages, not both")
+        if messages is not None and not messages:
+            raise InvalidField("GENERATE.messages must not be empty")
+        raw_stop = r.array("stop", max_items=MAX_STOP_SEQUENCES) or []
+        stop = tuple(_read_stop(s) for s in raw_stop)
+        frame = cls(
+            prompt=prompt,
+            messages=messages,
+            max_tokens=r.integer("max_tokens", lo=1, hi=MAX_MAX_TOKENS),
+            temperature=r.number("temperature", lo=0.0, hi=100.0, default=0.0),
+            top_p=r.number("top_p", lo=0.0, hi=1.0, default=1.0),
+            top_k=r.integer("top_k", lo=0, hi=MAX_TOKEN_ID, default=0),
+            min_p=r.number("min_p", lo=0.0, hi=1.0, default=0.0),
+            repeat_penalty=r.number("repeat_penalty", lo=0.0, hi=10.0, default=1.0),
+            seed=r.optional_integer("seed", lo=0, hi=MAX_SEED),
+            stop=stop,
+            ignore_eos=r.flag("ignore_eos", default=False),
+        )
+        r.finish()
+        if frame.top_p <= 0.0:
+            raise InvalidField("GENERATE.top_p must be greater than 0")
+        if frame.repeat_penalty <= 0.0:
+            raise InvalidField("GENERATE.repeat_penalty must be greater than 0")
+        return frame
+
+
+_GENERATE_DEFAULTS: dict[str, object] = {
+    "temperature": 0.0,
+    "top_p": 1.0,
+    "top_k": 0,
+    "min_p": 0.0,
+    "repeat_penalty": 1.0,
+    "ignore_eos": False,
+}
+
+
+def _read_message(value: object) -> ChatMessage:
+    r = FieldReader("GENERATE.messages[]", value)
+    role = r.text("role", max_chars=16)
+    content = r.text("content", max_chars=MAX_PROMPT_CHARS)
+    r.finish()
+    if role not in CHAT_ROLES:
+        raise InvalidField(f"GENERATE.messages[].role must be one of {sorted(CHAT_ROLES)}")
+    return ChatMessage(role=role, content=content)
+
+
+def _read_stop(value: object) -> str:
+    if not isinstance(value, str) or not value or len(value) > MAX_STOP_CHARS:
+        raise InvalidField(f"GENERATE.stop[] must be non-empty text of <= {MAX_STOP_CHARS} chars")
+    return value
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Token(Frame):
+    """Server → client: one generated token."""
+
+    frame_type: ClassVar[FrameType] = FrameType.TOKEN
+
+    index: int
+    """Position in the generation, 0 for the first generated token."""
+    token_id: int
+    """The model's vocabulary id."""
+    text: str
+    """The text this token completes; may be empty while a UTF-8 character is incomplete."""
+
+    def to_payload(self) -> dict[str, Any]:
+        return {"index": self.index, "id": self.token_id, "text": self.text}
+
+    @classmethod
+    def from_payload(cls, payload: object) -> Token:
+        r = FieldReader("TOKEN", payload)
+        frame = cls(
+            index=r.integer("index", lo=0, hi=MAX_TOKEN_INDEX),
+            token_id=r.integer("id", lo=0, hi=MAX_TOKEN_ID),
+            text=r.text("text", max_chars=MAX_TOKEN_TEXT_CHARS),
+        )
+        r.finish()
+        return frame
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class End(Frame):
+    """Server → client: the generation is over; nothing follows on this stream."""
+
+    frame_type: ClassVar[FrameType] = FrameType.END
+
+    reason: EndReason
+    """Why it stopped."""
+    prompt_tokens: int = 0
+    """Tokens in the prompt as the model saw it."""
+    completion_tokens: int = 0
+    """Tokens generated."""
+
+    def to_payload(self) -> dict[str, Any]:
+        return {
+            "reason": self.reason.value,
+            "prompt_tokens": self.prompt_tokens,
+            "completion_tokens": self.completion_tokens,
+        }
+
+    @classmethod
+    def from_payload(cls, payload: object) -> End:
+        r = FieldReader("END", payload)
+        reason = r.text("reason", max_chars=32)
+        try:
+            end_reason = EndReason(reason)
+        except ValueError:
+            raise InvalidField(f"END.reason {reason!r} is not a known reason") from None
+        frame = cls(
+            reason=end_reason,
+            prompt_tokens=r.integer("prompt_tokens", lo=0, hi=MAX_TOKEN_INDEX, default=0),
+            completion_tokens=r.integer("completion_tokens", lo=0, hi=MAX_TOKEN_INDEX, default=0),
+        )
+        r.finish()
+        return frame
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Error(Frame):
+    """Either direction: the request failed; nothing follows on this stream."""
+
+    frame_type: ClassVar[FrameType] = FrameType.ERROR
+
+    code: int
+    """A stable :class:`~proto.errors.ErrorCode` value (unknown codes are kept as ints)."""
+    message: str
+    """Human-readable detail; never parse it."""
+    retry_after_s: float | None = None
+    """For ``overloaded`` and ``too_early``: when trying again makes sense."""
+
+    def to_payload(self) -> dict[str, Any]:
+        payload: dict[str, Any] = {"code": self.code, "message": self.message}
+        if self.retry_after_s is not None:
+            payload["retry_after_s"] = self.retry_after_s
+        return payload
+
+    @classmethod
+    def from_payload(cls, payload: object) -> Error:
+        r = FieldReader("ERROR", payload)
+        code = r.integer("code", lo=0, hi=0xFFFF)
+        message = r.text("message", max_chars=MAX_ERROR_MESSAGE_CHARS)
+        retry = r.number("retry_after_s", lo=0.0, hi=86400.0, default=-1.0)
+        r.finish()
+        return cls(code=code, message=message, retry_after_s=None if retry < 0 else retry)
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class ResumeStream(Frame):
+    """Client → server: continue a session after the last token index the client holds."""
+
+    frame_type: ClassVar[FrameType] = FrameType.RESUME_STREAM
+
+    session_id: bytes = field(repr=False)
+    """The 128-bit session id."""
+    last_index: int
+    """Index of the last token the client holds; -1 if it holds none."""
+    snapshot_hash: bytes = field(repr=False)
+    """A CHECKPOINT hash of this session."""
+
+    def to_payload(self) -> dict[str, Any]:
+        return {
+            "session": self.session_id,
+            "last_index": self.last_index,
+            "hash": self.snapshot_hash,
+        }
+
+    @classmethod
+    def from_payload(cls, payload: object) -> ResumeStream:
+        r = FieldReader("RESUME_STREAM", payload)
+        frame = cls(
+            session_id=r.raw_bytes("session", length=SESSION_ID_BYTES),
+            last_index=r.integer("last_index", lo=-1, hi=MAX_TOKEN_INDEX),
+            snapshot_hash=r.raw_bytes("hash", length=SNAPSHOT_HASH_BYTES),
+        )
+        r.finish()
+        return frame
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Checkpoint(Frame):
+    """Server → client: the state after token ``index`` is saved under ``snapshot_hash``."""
+
+    frame_type: ClassVar[FrameType] = FrameType.CHECKPOINT
+
+    session_id: bytes = field(repr=False)
+    """The session this checkpoint belongs to."""
+    index: int
+    """Index of the last token covered; -1 before the first token."""
+    snapshot_hash: bytes = field(repr=False)
+    """Keyed MAC naming the snapshot; present it in RESUME_STREAM."""
+
+    def to_payload(self) -> dict[str, Any]:
+        return {"session": self.session_id, "index": self.index, "hash": self.snapshot_hash}
+
+    @classmethod
+    def from_payload(cls, payload: object) -> Checkpoint:
+        r = FieldReader("CHECKPOINT", payload)
+        frame = cls(
+            session_id=r.raw_bytes("session", length=SESSION_ID_BYTES),
+            index=r.integer("index", lo=-1, hi=MAX_TOKEN_INDEX),
+            snapshot_hash=r.raw_bytes("hash", length=SNAPSHOT_HASH_BYTES),
+        )
+        r.finish()
+        return frame
+
+
+FRAME_CLASSES: dict[FrameType, type[Frame]] = {
+    cls.frame_type: cls for cls in (Generate, Token, End, Error, ResumeStream, Checkpoint)
+}
