@@ -26,6 +26,7 @@ from .errors import (
     UnknownField,
     UnknownFrameType,
     UnsupportedVersion,
+    http_status_for,
 )
 from .frames import (
     MAX_MAX_TOKENS,
@@ -77,4 +78,5 @@ __all__ = [
     "canonical_cbor",
     "decode_frames",
     "encode_frame",
+    "http_status_for",
 ]

@@ -34,6 +34,7 @@ __all__ = [
     "UnknownField",
     "UnknownFrameType",
     "UnsupportedVersion",
+    "http_status_for",
 ]
 
 
@@ -126,3 +127,32 @@ class UnknownField(ProtocolError):
 
 class UnexpectedFrame(ProtocolError):
     error_code = ErrorCode.UNEXPECTED_FRAME
+
+
+_HTTP_STATUS: dict[ErrorCode, int] = {
+    ErrorCode.FRAME_TOO_LARGE: 413,
+    ErrorCode.PROMPT_TOO_LONG: 413,
+    ErrorCode.NOT_FOUND: 404,
+    ErrorCode.METHOD_NOT_ALLOWED: 405,
+    ErrorCode.OVERLOADED: 503,
+    ErrorCode.SHUTTING_DOWN: 503,
+    ErrorCode.TOO_EARLY: 425,  # RFC 8470 §5.2
+    ErrorCode.UNKNOWN_SESSION: 404,
+    ErrorCode.SESSION_EXPIRED: 410,
+    ErrorCode.HASH_MISMATCH: 403,
+    ErrorCode.INDEX_BEYOND_SNAPSHOT: 416,
+    ErrorCode.MODEL_CHANGED: 409,
+    ErrorCode.SESSION_BUSY: 409,
+    ErrorCode.INTERNAL_ERROR: 500,
+}
+
+
+def http_status_for(code: int) -> int:
+    """The HTTP status of a response whose body is an ERROR frame with ``code``.
+
+    Codes without their own status are request errors: 400.
+    """
+    try:
+        return _HTTP_STATUS.get(ErrorCode(code), 400)
+    except ValueError:
+        return 400
