@@ -1,0 +1,391 @@
+"""The HTTP/3 client: one QUIC connection, one request stream per generation."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import ssl
+from collections.abc import AsyncIterator, Iterable, Mapping, Sequence
+from pathlib import Path
+from types import TracebackType
+from typing import Any
+
+from aioquic.asyncio.client import connect
+from aioquic.asyncio.protocol import QuicConnectionProtocol
+from aioquic.h3.connection import H3_ALPN, H3Connection
+from aioquic.h3.events import DataReceived, H3Event, HeadersReceived
+from aioquic.quic.configuration import QuicConfiguration
+from aioquic.quic.events import ConnectionTerminated, QuicEvent, StreamReset
+
+import proto
+
+from ._errors import ConnectTimeout, NetworkError, ProtocolError, ServerError, TransportError
+from ._events import (
+    CheckpointReceived,
+    Event,
+    GenerationEnded,
+    GenerationResult,
+    SessionStarted,
+    TokenReceived,
+)
+
+__all__ = ["DEFAULT_CA", "GENERATE_PATH", "Client", "MessageLike"]
+
+DEFAULT_CA = "certs/ca.pem"
+GENERATE_PATH = "/v1/generate"
+CONTENT_TYPE = "application/vnd.quicsrv.frames"
+SESSION_HEADER = "quicsrv-session"
+#: HTTP/3 error code used when the consumer abandons a generation (RFC 9114 §8.1).
+H3_REQUEST_CANCELLED = 0x10C
+
+MessageLike = proto.ChatMessage | Mapping[str, str]
+
+_StreamItem = H3Event | Exception
+
+
+class _H3Protocol(QuicConnectionProtocol):
+    """Feeds QUIC events through an H3Connection and routes them to per-stream queues."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.h3 = H3Connection(self._quic)
+        self.streams: dict[int, asyncio.Queue[_StreamItem]] = {}
+        self.terminated: NetworkError | None = None
+
+    def open_stream(self) -> tuple[int, asyncio.Queue[_StreamItem]]:
+        if self.terminated is not None:
+            raise self.terminated
+        stream_id = self._quic.get_next_available_stream_id()
+        queue: asyncio.Queue[_StreamItem] = asyncio.Queue()
+        self.streams[stream_id] = queue
+        return stream_id, queue
+
+    def quic_event_received(self, event: QuicEvent) -> None:
+        if isinstance(event, ConnectionTerminated):
+            reason = event.reason_phrase or "no reason given"
+            self.terminated = NetworkError(
+                f"connection terminated (error 0x{event.error_code:x}: {reason})"
+            )
+            for queue in self.streams.values():
+                queue.put_nowait(self.terminated)
+        elif isinstance(event, StreamReset):
+            reset_queue = self.streams.get(event.stream_id)
+            if reset_queue is not None:
+                reset_queue.put_nowait(
+                    NetworkError(f"server reset the stream (error 0x{event.error_code:x})")
+                )
+        for h3_event in self.h3.handle_event(event):
+            if isinstance(h3_event, HeadersReceived | DataReceived):
+                stream_queue = self.streams.get(h3_event.stream_id)
+                if stream_queue is not None:
+                    stream_queue.put_nowait(h3_event)
+        super().quic_event_received(event)
+
+    def cancel_stream(self, stream_id: int) -> None:
+        """Abort a request the consumer no longer wants: RESET_STREAM and STOP_SENDING."""
+        if self.terminated is not None:
+            return
+        with contextlib.suppress(Exception):
+            self._quic.reset_stream(stream_id, H3_REQUEST_CANCELLED)
+        with contextlib.suppress(Exception):
+            self._quic.stop_stream(stream_id, H3_REQUEST_CANCELLED)
+        with contextlib.suppress(Exception):
+            self.transmit()
+
+
+def _to_message(message: MessageLike) -> proto.ChatMessage:
+    if isinstance(message, proto.ChatMessage):
+        return message
+    try:
+        return proto.ChatMessage(role=str(message["role"]), content=str(message["content"]))
+    except KeyError as exc:
+        raise ValueError(f"chat message is missing {exc.args[0]!r}") from None
+
+
+class Client:
+    """An HTTP/3 connection to a quicsrv server.
+
+    Use it as an async context manager; each :meth:`generate` call opens its own request
+    stream, so several generations can share one connection concurrently.
+    """
+
+    def __init__(
+        self,
+        host: str = "localhost",
+        port: int = 4433,
+        *,
+        ca: str | Path | None = None,
+        insecure_skip_verify: bool = False,
+        connect_timeout_s: float = 10.0,
+    ) -> None:
+        self.host = host
+        self.port = port
+        self.ca = Path(ca if ca is not None else DEFAULT_CA)
+        self.insecure_skip_verify = insecure_skip_verify
+        self.connect_timeout_s = connect_timeout_s
+        self._stack: contextlib.AsyncExitStack | None = None
+        self._protocol: _H3Protocol | None = None
+
+    @property
+    def authority(self) -> str:
+        host = f"[{self.host}]" if ":" in self.host else self.host
+        return f"{host}:{self.port}"
+
+    def _configuration(self) -> QuicConfiguration:
+        config = QuicConfiguration(is_client=True, alpn_protocols=list(H3_ALPN))
+        if self.insecure_skip_verify:
+            config.verify_mode = ssl.CERT_NONE
+        else:
+            try:
+                config.load_verify_locations(cafile=str(self.ca))
+            except (OSError, ssl.SSLError) as exc:
+                raise TransportError(f"cannot load CA certificate {self.ca}: {exc}") from exc
+        return config
+
+    async def connect(self) -> None:
+        """Open the QUIC connection (done by ``async with``)."""
+        if self._protocol is not None:
+            return
+        config = self._configuration()
+        stack = contextlib.AsyncExitStack()
+        try:
+            protocol = await asyncio.wait_for(
+                stack.enter_async_context(
+                    connect(
+                        self.host,
+                        self.port,
+                        configuration=config,
+                        create_protocol=_H3Protocol,
+                    )
+                ),
+                timeout=self.connect_timeout_s,
+            )
+        except TimeoutError:
+            await stack.aclose()
+            raise ConnectTimeout(
+                f"no QUIC handshake with {self.authority} within {self.connect_timeout_s}s"
+            ) from None
+        except (OSError, ConnectionError) as exc:
+            await stack.aclose()
+            raise NetworkError(f"cannot connect to {self.authority}: {exc}") from exc
+        assert isinstance(protocol, _H3Protocol)
+        self._stack = stack
+        self._protocol = protocol
+
+    async def close(self) -> None:
+        """Close the connection gracefully (done on leaving ``async with``)."""
+        stack, self._stack, self._protocol = self._stack, None, None
+        if stack is not None:
+            await stack.aclose()
+
+    async def __aenter__(self) -> Client:
+        await self.connect()
+        return self
+
+    async def __aexit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        await self.close()
+
+    def _require_protocol(self) -> _H3Protocol:
+        if self._protocol is None:
+            raise RuntimeError("Client is not connected; use `async with Client(...)`")
+        return self._protocol
+
+    async def generate(
+        self,
+        prompt: str | None = None,
+        *,
+        messages: Sequence[MessageLike] | None = None,
+        max_tokens: int = 128,
+        temperature: float = 0.0,
+        top_p: float = 1.0,
+        top_k: int = 0,
+        min_p: float = 0.0,
+        repeat_penalty: float = 1.0,
+        seed: int | None = None,
+        stop: Iterable[str] = (),
+        ignore_eos: bool = False,
+    ) -> AsyncIterator[Event]:
+        """Stream one generation's events; the last one is :class:`GenerationEnded`.
+
+        Raises :class:`ServerError` on an ERROR frame, :class:`ProtocolError` on malformed
+        bytes, and :class:`NetworkError` if the stream ends without END. Leaving the loop
+        early cancels the request on the server (RESET_STREAM + STOP_SENDING).
+        """
+        if (prompt is None) == (messages is None):
+            raise ValueError("pass exactly one of prompt and messages")
+        frame = proto.Generate(
+            prompt=prompt,
+            messages=None if messages is None else tuple(_to_message(m) for m in messages),
+            max_tokens=max_tokens,
+            temperature=temperature,
+            top_p=top_p,
+            top_k=top_k,
+            min_p=min_p,
+            repeat_penalty=repeat_penalty,
+            seed=seed,
+            stop=tuple(stop),
+            ignore_eos=ignore_eos,
+        )
+        protocol = self._require_protocol()
+        stream_id, queue = protocol.open_stream()
+        finished = False
+        try:
+            protocol.h3.send_headers(
+                stream_id,
+                [
+                    (b":method", b"POST"),
+                    (b":scheme", b"https"),
+                    (b":authority", self.authority.encode()),
+                    (b":path", GENERATE_PATH.encode()),
+                    (b"content-type", CONTENT_TYPE.encode()),
+                ],
+            )
+            protocol.h3.send_data(stream_id, proto.encode_frame(frame), end_stream=True)
+            protocol.transmit()
+            async for event in _read_response(queue):
+                if isinstance(event, GenerationEnded):
+                    finished = True
+                yield event
+                if finished:
+                    return
+            finished = True  # unreachable in practice: _read_response raises or ends on END
+        except (ServerError, ProtocolError, NetworkError):
+            finished = True
+            raise
+        finally:
+            protocol.streams.pop(stream_id, None)
+            if not finished:
+                protocol.cancel_stream(stream_id)
+
+    async def generate_text(
+        self,
+        prompt: str | None = None,
+        *,
+        messages: Sequence[MessageLike] | None = None,
+        max_tokens: int = 128,
+        temperature: float = 0.0,
+        top_p: float = 1.0,
+        top_k: int = 0,
+        min_p: float = 0.0,
+        repeat_penalty: float = 1.0,
+        seed: int | None = None,
+        stop: Iterable[str] = (),
+        ignore_eos: bool = False,
+    ) -> GenerationResult:
+        """Run a whole generation and return its text, token ids and END."""
+        parts: list[str] = []
+        token_ids: list[int] = []
+        end: GenerationEnded | None = None
+        events = self.generate(
+            prompt,
+            messages=messages,
+            max_tokens=max_tokens,
+            temperature=temperature,
+            top_p=top_p,
+            top_k=top_k,
+            min_p=min_p,
+            repeat_penalty=repeat_penalty,
+            seed=seed,
+            stop=stop,
+            ignore_eos=ignore_eos,
+        )
+        try:
+            async for event in events:
+                if isinstance(event, TokenReceived):
+                    parts.append(event.text)
+                    token_ids.append(event.token_id)
+                elif isinstance(event, GenerationEnded):
+                    end = event
+        finally:
+            await events.aclose()  # type: ignore[attr-defined]
+        if end is None:  # pragma: no cover - generate() raises instead
+            raise NetworkError("stream ended without END")
+        return GenerationResult(text="".join(parts), token_ids=tuple(token_ids), end=end)
+
+
+async def _read_response(queue: asyncio.Queue[_StreamItem]) -> AsyncIterator[Event]:
+    """Turn one request stream's H3 events into client events; stops after END."""
+    status: int | None = None
+    decoder = proto.FrameDecoder()
+    while True:
+        item = await queue.get()
+        if isinstance(item, Exception):
+            raise item
+        if isinstance(item, HeadersReceived):
+            if status is None:
+                status, session = _parse_headers(item.headers)
+                if session is not None and status == 200:
+                    yield SessionStarted(session_id=session)
+            frames: list[proto.Frame] = []  # trailers carry nothing we use
+        elif isinstance(item, DataReceived):
+            if status is None:
+                raise ProtocolError(
+                    "DATA before response headers", proto.ErrorCode.UNEXPECTED_FRAME
+                )
+            try:
+                frames = decoder.feed(item.data)
+            except proto.ProtocolError as exc:
+                raise ProtocolError.from_proto(exc) from None
+        else:  # pragma: no cover - only those two are routed here
+            continue
+        for frame in frames:
+            assert status is not None
+            if isinstance(frame, proto.Error):
+                raise ServerError(
+                    frame.code,
+                    frame.message,
+                    http_status=status,
+                    retry_after_s=frame.retry_after_s,
+                )
+            if status != 200:
+                raise ProtocolError(
+                    f"HTTP {status} response body holds {type(frame).__name__}, not ERROR",
+                    proto.ErrorCode.UNEXPECTED_FRAME,
+                )
+            if isinstance(frame, proto.Token):
+                yield TokenReceived(index=frame.index, token_id=frame.token_id, text=frame.text)
+            elif isinstance(frame, proto.Checkpoint):
+                yield CheckpointReceived(index=frame.index, snapshot_hash=frame.snapshot_hash)
+            elif isinstance(frame, proto.End):
+                yield GenerationEnded(
+                    reason=frame.reason,
+                    prompt_tokens=frame.prompt_tokens,
+                    completion_tokens=frame.completion_tokens,
+                )
+                return
+            else:
+                raise ProtocolError(
+                    f"unexpected {type(frame).__name__} frame from the server",
+                    proto.ErrorCode.UNEXPECTED_FRAME,
+                )
+        if item.stream_ended:
+            try:
+                decoder.end_of_stream()
+            except proto.ProtocolError as exc:
+                raise ProtocolError.from_proto(exc) from None
+            if status is not None and status != 200:
+                raise ServerError(0, f"HTTP {status} without an ERROR frame", http_status=status)
+            raise NetworkError("stream ended before the END frame")
+
+
+def _parse_headers(headers: list[tuple[bytes, bytes]]) -> tuple[int, str | None]:
+    status: int | None = None
+    session: str | None = None
+    for name, value in headers:
+        if name == b":status":
+            try:
+                status = int(value)
+            except ValueError:
+                raise ProtocolError(
+                    f"bad :status {value!r}", proto.ErrorCode.MALFORMED_PAYLOAD
+                ) from None
+        elif name == SESSION_HEADER.encode():
+            session = value.decode("ascii", errors="replace")
+    if status is None:
+        raise ProtocolError("response has no :status", proto.ErrorCode.MALFORMED_PAYLOAD)
+    return status, session

@@ -1,0 +1,61 @@
+"""What :meth:`client.Client.generate` yields, in stream order."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import proto
+
+__all__ = [
+    "CheckpointReceived",
+    "Event",
+    "GenerationEnded",
+    "GenerationResult",
+    "SessionStarted",
+    "TokenReceived",
+]
+
+
+@dataclass(frozen=True, slots=True)
+class SessionStarted:
+    """The server named the generation's session (``quicsrv-session`` response header)."""
+
+    session_id: str
+
+
+@dataclass(frozen=True, slots=True)
+class TokenReceived:
+    """One generated token."""
+
+    index: int
+    token_id: int
+    text: str
+
+
+@dataclass(frozen=True, slots=True)
+class CheckpointReceived:
+    """The server saved the state after token ``index`` under ``snapshot_hash``."""
+
+    index: int
+    snapshot_hash: bytes
+
+
+@dataclass(frozen=True, slots=True)
+class GenerationEnded:
+    """The generation finished normally; always the last event."""
+
+    reason: proto.EndReason
+    prompt_tokens: int
+    completion_tokens: int
+
+
+Event = SessionStarted | TokenReceived | CheckpointReceived | GenerationEnded
+
+
+@dataclass(frozen=True, slots=True)
+class GenerationResult:
+    """A whole generation, collected by :meth:`client.Client.generate_text`."""
+
+    text: str
+    token_ids: tuple[int, ...]
+    end: GenerationEnded
