@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import ssl
+import warnings
 from collections.abc import AsyncIterator, Iterable, Mapping, Sequence
 from pathlib import Path
 from types import TracebackType
@@ -16,6 +17,7 @@ from aioquic.h3.connection import H3_ALPN, H3Connection
 from aioquic.h3.events import DataReceived, H3Event, HeadersReceived
 from aioquic.quic.configuration import QuicConfiguration
 from aioquic.quic.events import ConnectionTerminated, QuicEvent, StreamReset
+from cryptography.x509 import load_pem_x509_certificates
 
 import proto
 
@@ -52,6 +54,17 @@ class _H3Protocol(QuicConnectionProtocol):
         self.streams: dict[int, asyncio.Queue[_StreamItem]] = {}
         self.terminated: NetworkError | None = None
 
+    async def wait_connected(self) -> None:
+        try:
+            await super().wait_connected()
+        except asyncio.CancelledError:
+            # Connect timed out: the shielded waiter later fails with ConnectionError when the
+            # connection is closed; retrieve it so asyncio does not log "never retrieved".
+            waiter = self._connected_waiter
+            if waiter is not None:
+                waiter.add_done_callback(_consume_result)
+            raise
+
     def open_stream(self) -> tuple[int, asyncio.Queue[_StreamItem]]:
         if self.terminated is not None:
             raise self.terminated
@@ -79,7 +92,8 @@ class _H3Protocol(QuicConnectionProtocol):
                 stream_queue = self.streams.get(h3_event.stream_id)
                 if stream_queue is not None:
                     stream_queue.put_nowait(h3_event)
-        super().quic_event_received(event)
+        # Deliberately no super() call: the base class would wrap every stream in an unused
+        # StreamReader/StreamWriter pair, which complains when garbage-collected.
 
     def cancel_stream(self, stream_id: int) -> None:
         """Abort a request the consumer no longer wants: RESET_STREAM and STOP_SENDING."""
@@ -91,6 +105,11 @@ class _H3Protocol(QuicConnectionProtocol):
             self._quic.stop_stream(stream_id, H3_REQUEST_CANCELLED)
         with contextlib.suppress(Exception):
             self.transmit()
+
+
+def _consume_result(future: asyncio.Future[None]) -> None:
+    if not future.cancelled():
+        future.exception()
 
 
 def _to_message(message: MessageLike) -> proto.ChatMessage:
@@ -136,10 +155,17 @@ class Client:
         if self.insecure_skip_verify:
             config.verify_mode = ssl.CERT_NONE
         else:
+            # Read and parse the CA here: aioquic only opens the file mid-handshake, where a
+            # missing file surfaces as a stalled connection instead of a clear error.
             try:
-                config.load_verify_locations(cafile=str(self.ca))
-            except (OSError, ssl.SSLError) as exc:
+                cadata = self.ca.read_bytes()
+                with warnings.catch_warnings():
+                    warnings.simplefilter("ignore")
+                    if not load_pem_x509_certificates(cadata):
+                        raise ValueError("no certificate found")
+            except (OSError, ValueError) as exc:
                 raise TransportError(f"cannot load CA certificate {self.ca}: {exc}") from exc
+            config.load_verify_locations(cadata=cadata)
         return config
 
     async def connect(self) -> None:
@@ -148,6 +174,13 @@ class Client:
             return
         config = self._configuration()
         stack = contextlib.AsyncExitStack()
+        created: list[_H3Protocol] = []
+
+        def create_protocol(*args: Any, **kwargs: Any) -> _H3Protocol:
+            protocol = _H3Protocol(*args, **kwargs)
+            created.append(protocol)
+            return protocol
+
         try:
             protocol = await asyncio.wait_for(
                 stack.enter_async_context(
@@ -155,7 +188,7 @@ class Client:
                         self.host,
                         self.port,
                         configuration=config,
-                        create_protocol=_H3Protocol,
+                        create_protocol=create_protocol,
                     )
                 ),
                 timeout=self.connect_timeout_s,
@@ -167,7 +200,10 @@ class Client:
             ) from None
         except (OSError, ConnectionError) as exc:
             await stack.aclose()
-            raise NetworkError(f"cannot connect to {self.authority}: {exc}") from exc
+            detail = str(exc)
+            if created and created[0].terminated is not None:
+                detail = str(created[0].terminated)
+            raise NetworkError(f"cannot connect to {self.authority}: {detail}") from exc
         assert isinstance(protocol, _H3Protocol)
         self._stack = stack
         self._protocol = protocol
