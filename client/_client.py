@@ -6,10 +6,10 @@ import asyncio
 import contextlib
 import ssl
 import warnings
-from collections.abc import AsyncIterator, Iterable, Mapping, Sequence
+from collections.abc import AsyncGenerator, AsyncIterator, Iterable, Mapping, Sequence
 from pathlib import Path
 from types import TracebackType
-from typing import Any
+from typing import Any, cast
 
 from aioquic.asyncio.client import connect
 from aioquic.asyncio.protocol import QuicConnectionProtocol
@@ -317,18 +317,21 @@ class Client:
         parts: list[str] = []
         token_ids: list[int] = []
         end: GenerationEnded | None = None
-        events = self.generate(
-            prompt,
-            messages=messages,
-            max_tokens=max_tokens,
-            temperature=temperature,
-            top_p=top_p,
-            top_k=top_k,
-            min_p=min_p,
-            repeat_penalty=repeat_penalty,
-            seed=seed,
-            stop=stop,
-            ignore_eos=ignore_eos,
+        events = cast(
+            AsyncGenerator[Event, None],
+            self.generate(
+                prompt,
+                messages=messages,
+                max_tokens=max_tokens,
+                temperature=temperature,
+                top_p=top_p,
+                top_k=top_k,
+                min_p=min_p,
+                repeat_penalty=repeat_penalty,
+                seed=seed,
+                stop=stop,
+                ignore_eos=ignore_eos,
+            ),
         )
         try:
             async for event in events:
@@ -338,7 +341,7 @@ class Client:
                 elif isinstance(event, GenerationEnded):
                     end = event
         finally:
-            await events.aclose()  # type: ignore[attr-defined]
+            await events.aclose()
         if end is None:  # pragma: no cover - generate() raises instead
             raise NetworkError("stream ended without END")
         return GenerationResult(text="".join(parts), token_ids=tuple(token_ids), end=end)
