@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import io
 import struct
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator, Mapping
 from typing import Any
 
 import cbor2
@@ -60,19 +60,43 @@ def encode_frame(frame: Frame) -> bytes:
     return _HEADER.pack(MAGIC, VERSION, len(payload), frame.frame_type) + payload
 
 
-def _refuse_tags(decoder: object, tag: object) -> object:
+def _refuse_tags(*_: object) -> object:
     # No frame field is tagged; accepting tags would let a peer make cbor2 build arbitrary
     # objects (datetimes, decimals, big numbers) that no validator expects.
     raise MalformedPayload("CBOR tags are not allowed in frames")
 
 
+class _EveryTag(Mapping[int, Callable[..., object]]):
+    """A semantic-decoder table that claims every tag number for :func:`_refuse_tags`.
+
+    cbor2 calls ``tag_hook`` only for tags it has no decoder of its own for; its built-in ones
+    (bignums, datetimes, sets, shared references, ...) run unless this table overrides them, and
+    a fixed list of tag numbers would silently miss those a newer cbor2 learns.
+    """
+
+    def __getitem__(self, tag: int) -> Callable[..., object]:
+        return _refuse_tags
+
+    def __iter__(self) -> Iterator[int]:
+        return iter(())
+
+    def __len__(self) -> int:
+        return 0
+
+
+_EVERY_TAG = _EveryTag()
+
+
 def _decode_payload(frame_type: FrameType, payload: bytes) -> Frame:
     stream = io.BytesIO(payload)
     try:
-        value = cbor2.CBORDecoder(stream, tag_hook=_refuse_tags).decode()
+        decoder = cbor2.CBORDecoder(stream, tag_hook=_refuse_tags, semantic_decoders=_EVERY_TAG)
+        value = decoder.decode()
     except ProtocolError:
         raise
     except Exception as exc:  # cbor2 raises several types for bad input, none of them ours
+        if isinstance(exc.__cause__, ProtocolError):  # cbor2 wraps what a tag decoder raises
+            raise exc.__cause__ from None
         raise MalformedPayload(f"payload is not valid CBOR: {exc}") from None
     if stream.tell() != len(payload):
         raise MalformedPayload("payload has trailing bytes after the CBOR item")

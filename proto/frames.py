@@ -133,7 +133,7 @@ class Generate(Frame):
         for name in ("temperature", "top_p", "top_k", "min_p", "repeat_penalty", "ignore_eos"):
             value = getattr(self, name)
             if value != defaults[name]:
-                payload[name] = value
+                payload[name] = _wire_float(value) if isinstance(defaults[name], float) else value
         if self.seed is not None:
             payload["seed"] = self.seed
         if self.stop:
@@ -183,6 +183,15 @@ _GENERATE_DEFAULTS: dict[str, object] = {
     "repeat_penalty": 1.0,
     "ignore_eos": False,
 }
+
+
+def _wire_float(value: float) -> float:
+    """``value`` as the float the wire carries, so that equal frames encode to equal bytes.
+
+    An ``int`` is a valid ``float`` argument but CBOR encodes it as an integer, and ``-0.0 == 0.0``
+    encodes differently from ``0.0``; adding ``0.0`` turns ``-0.0`` into ``0.0``.
+    """
+    return float(value) + 0.0
 
 
 def _read_message(value: object) -> ChatMessage:
@@ -282,7 +291,7 @@ class Error(Frame):
     def to_payload(self) -> dict[str, Any]:
         payload: dict[str, Any] = {"code": self.code, "message": self.message}
         if self.retry_after_s is not None:
-            payload["retry_after_s"] = self.retry_after_s
+            payload["retry_after_s"] = _wire_float(self.retry_after_s)
         return payload
 
     @classmethod
