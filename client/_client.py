@@ -339,6 +339,7 @@ class Client:
                     parts.append(event.text)
                     token_ids.append(event.token_id)
                 elif isinstance(event, GenerationEnded):
+                    parts.append(event.text)
                     end = event
         finally:
             await events.aclose()
@@ -395,6 +396,7 @@ async def _read_response(queue: asyncio.Queue[_StreamItem]) -> AsyncIterator[Eve
                     reason=frame.reason,
                     prompt_tokens=frame.prompt_tokens,
                     completion_tokens=frame.completion_tokens,
+                    text=frame.text,
                 )
                 return
             else:

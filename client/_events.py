@@ -47,6 +47,8 @@ class GenerationEnded:
     reason: proto.EndReason
     prompt_tokens: int
     completion_tokens: int
+    text: str = ""
+    """Trailing text the server held back while it could have begun a stop sequence."""
 
 
 Event = SessionStarted | TokenReceived | CheckpointReceived | GenerationEnded

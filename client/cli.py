@@ -48,6 +48,7 @@ def render_event_json(event: Event) -> str:
             "reason": event.reason.value,
             "prompt_tokens": event.prompt_tokens,
             "completion_tokens": event.completion_tokens,
+            "text": event.text,
         }
     else:  # pragma: no cover - exhaustive over Event
         raise TypeError(f"not an event: {event!r}")
@@ -147,7 +148,7 @@ async def _generate(args: argparse.Namespace, out: TextIO, err: TextIO) -> int:
                     out.flush()
                     printed_text = True
                 elif isinstance(event, GenerationEnded):
-                    out.write("\n")
+                    out.write(event.text + "\n")
                     out.flush()
                     printed_text = False
                     print(

@@ -250,13 +250,18 @@ class End(Frame):
     """Tokens in the prompt as the model saw it."""
     completion_tokens: int = 0
     """Tokens generated."""
+    text: str = ""
+    """Text held back while it could have begun a stop sequence, released at the end."""
 
     def to_payload(self) -> dict[str, Any]:
-        return {
+        payload: dict[str, Any] = {
             "reason": self.reason.value,
             "prompt_tokens": self.prompt_tokens,
             "completion_tokens": self.completion_tokens,
         }
+        if self.text:
+            payload["text"] = self.text
+        return payload
 
     @classmethod
     def from_payload(cls, payload: object) -> End:
@@ -270,6 +275,7 @@ class End(Frame):
             reason=end_reason,
             prompt_tokens=r.integer("prompt_tokens", lo=0, hi=MAX_TOKEN_INDEX, default=0),
             completion_tokens=r.integer("completion_tokens", lo=0, hi=MAX_TOKEN_INDEX, default=0),
+            text=r.text("text", max_chars=MAX_STOP_CHARS * MAX_STOP_SEQUENCES, default=""),
         )
         r.finish()
         return frame

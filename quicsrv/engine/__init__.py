@@ -1,0 +1,25 @@
+"""The generation engine: llama.cpp behind a small interface. Knows nothing of QUIC."""
+
+from ._api import (
+    Engine,
+    EngineError,
+    FinishReason,
+    PromptTooLong,
+    SamplingParams,
+    SequenceHandle,
+    SequenceRequest,
+    TokenSink,
+)
+from .model import default_model_path
+
+__all__ = [
+    "Engine",
+    "EngineError",
+    "FinishReason",
+    "PromptTooLong",
+    "SamplingParams",
+    "SequenceHandle",
+    "SequenceRequest",
+    "TokenSink",
+    "default_model_path",
+]

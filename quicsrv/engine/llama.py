@@ -18,6 +18,7 @@ from pathlib import Path
 
 import llama_cpp
 import numpy as np
+from llama_cpp import _logger as llama_cpp_logger
 from llama_cpp._internals import LlamaContext, LlamaModel
 from llama_cpp.llama_chat_format import Jinja2ChatFormatter
 
@@ -76,6 +77,7 @@ class LlamaEngine:
 
     def __init__(self, settings: EngineSettings) -> None:
         self.settings = settings
+        llama_cpp_logger.set_verbose(False)
         llama_cpp.llama_backend_init()
         self._model = LlamaModel(
             path_model=str(settings.model_path),
