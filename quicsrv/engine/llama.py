@@ -263,10 +263,20 @@ class LlamaEngine:
         if is_eog and not sequence.request.ignore_eos:
             self._finish(sequence, FinishReason.EOS)
             return
-        piece = b"" if is_eog else self._model.token_to_piece(token)
+        piece = b"" if is_eog else self._piece(token)
         sequence.sink.token_generated(index, token, piece)
         if sequence.generated >= sequence.request.max_tokens:
             self._finish(sequence, FinishReason.LENGTH)
+
+    def _piece(self, token: int) -> bytes:
+        """The token's bytes (possibly part of a UTF-8 character)."""
+        size = 64
+        while True:
+            buffer = ctypes.create_string_buffer(size)
+            n = llama_cpp.llama_token_to_piece(self._model.vocab, token, buffer, size, 0, False)
+            if n >= 0:
+                return buffer.raw[:n]
+            size = -n
 
     def _finish(self, sequence: _Sequence, reason: FinishReason) -> None:
         if sequence in self._active:

@@ -1,0 +1,98 @@
+"""``quicsrv``: ``serve`` runs the HTTP/3 server, ``certs`` makes the dev PKI."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+import signal
+import sys
+from pathlib import Path
+
+from .config import ServerConfig
+from .devcerts import describe, ensure_dev_certs
+
+__all__ = ["main"]
+
+log = logging.getLogger("quicsrv")
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="quicsrv", description=__doc__)
+    commands = parser.add_subparsers(dest="command", required=True)
+    serve = commands.add_parser("serve", help="run the HTTP/3 server")
+    serve.add_argument("--config", type=Path, help="TOML file with ServerConfig keys")
+    serve.add_argument("--host", help="address to bind (default :: = dual-stack)")
+    serve.add_argument("--port", type=int, help="UDP port (default 4433; 0 = ephemeral)")
+    serve.add_argument("--model", type=Path, dest="model_path", help="any GGUF file")
+    serve.add_argument("--cert", type=Path, dest="cert_path", help="server certificate (PEM)")
+    serve.add_argument("--key", type=Path, dest="key_path", help="server private key (PEM)")
+    serve.add_argument("--parallel", type=int, dest="n_seq_max", help="sequences decoded at once")
+    serve.add_argument("--ctx", type=int, dest="context_per_sequence", help="tokens per sequence")
+    serve.add_argument("--threads", type=int, dest="n_threads", help="llama.cpp threads")
+    certs = commands.add_parser("certs", help="create the dev CA and server certificate")
+    certs.add_argument("--dir", type=Path, default=Path("certs"))
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = _parser().parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
+    if args.command == "certs":
+        print(describe(ensure_dev_certs(args.dir)))
+        return 0
+    overrides = {
+        k: getattr(args, k)
+        for k in (
+            "host",
+            "port",
+            "model_path",
+            "cert_path",
+            "key_path",
+            "n_seq_max",
+            "context_per_sequence",
+            "n_threads",
+        )
+    }
+    config = ServerConfig.load(args.config, **overrides)
+    try:
+        asyncio.run(_serve(config))
+    except KeyboardInterrupt:
+        return 130
+    return 0
+
+
+async def _serve(config: ServerConfig) -> None:
+    from .engine.llama import EngineSettings, LlamaEngine
+    from .engine.model import default_model_path
+    from .transport import start_server
+
+    log.info("config: %s", config.describe())
+    model_path = config.model_path or default_model_path()
+    engine = LlamaEngine(
+        EngineSettings(
+            model_path=model_path,
+            n_seq_max=config.n_seq_max,
+            context_per_sequence=config.context_per_sequence,
+            n_batch=config.n_batch,
+            prefill_chunk=config.prefill_chunk_tokens,
+            n_threads=config.n_threads,
+            max_queued=config.max_queued_requests,
+        )
+    )
+    running = await start_server(engine, config)
+    host = f"[{config.host}]" if ":" in config.host else config.host
+    print(f"quicsrv listening on {host}:{running.port} (udp, h3) model={model_path.name}", flush=True)
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for signum in (signal.SIGINT, signal.SIGTERM):
+        loop.add_signal_handler(signum, stop.set)
+    await stop.wait()
+    log.info("shutting down: ending open streams")
+    await running.shutdown(config.shutdown_grace_s)
+    await asyncio.to_thread(engine.close)
+    log.info("stopped")
+
+
+if __name__ == "__main__":
+    sys.exit(main())
