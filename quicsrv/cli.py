@@ -38,6 +38,7 @@ def _parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
+    logging.getLogger("quic").setLevel(logging.WARNING)  # aioquic logs every handshake at INFO
     if args.command == "certs":
         print(describe(ensure_dev_certs(args.dir)))
         return 0
@@ -82,7 +83,9 @@ async def _serve(config: ServerConfig) -> None:
     )
     running = await start_server(engine, config)
     host = f"[{config.host}]" if ":" in config.host else config.host
-    print(f"quicsrv listening on {host}:{running.port} (udp, h3) model={model_path.name}", flush=True)
+    print(
+        f"quicsrv listening on {host}:{running.port} (udp, h3) model={model_path.name}", flush=True
+    )
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for signum in (signal.SIGINT, signal.SIGTERM):

@@ -35,7 +35,9 @@ class SequenceSampler:
         self._n_vocab = n_vocab
         self._chain: llama_cpp.llama_sampler_p | None = None
         if not params.greedy:
-            chain = llama_cpp.llama_sampler_chain_init(llama_cpp.llama_sampler_chain_default_params())
+            chain = llama_cpp.llama_sampler_chain_init(
+                llama_cpp.llama_sampler_chain_default_params()
+            )
             if params.repeat_penalty != 1.0:
                 llama_cpp.llama_sampler_chain_add(
                     chain,

@@ -52,7 +52,9 @@ class RequestRejected(Exception):
         return proto.Error(code=self.code, message=self.message, retry_after_s=self.retry_after_s)
 
 
-def build_request(engine: Engine, frame: proto.Generate, *, max_tokens_limit: int) -> SequenceRequest:
+def build_request(
+    engine: Engine, frame: proto.Generate, *, max_tokens_limit: int
+) -> SequenceRequest:
     """Validate a GENERATE against this server's limits and tokenize its prompt."""
     if frame.max_tokens > max_tokens_limit:
         raise RequestRejected(
@@ -157,7 +159,9 @@ class GenerationStream:
         self._completed = index + 1
         self._held += self._utf8.decode(piece)
         text, matched = self._release_text()
-        self._send(proto.encode_frame(proto.Token(index=index, token_id=token_id, text=text)), False)
+        self._send(
+            proto.encode_frame(proto.Token(index=index, token_id=token_id, text=text)), False
+        )
         if matched:
             self._finish(EndReason.STOP, self._completed)
 

@@ -1,0 +1,62 @@
+"""``make demo``: start the server, stream one generation through ``quicsrv-client``, stop.
+
+The server is started on an ephemeral port and its "listening" line tells us which; no sleeps.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import signal
+import subprocess
+import sys
+
+PROMPT = "Explain in two sentences why the sky is blue."
+
+
+def main() -> int:
+    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+    server = subprocess.Popen(
+        [sys.executable, "-m", "quicsrv.cli", "serve", "--host", "127.0.0.1", "--port", "0"],
+        stdout=subprocess.PIPE,
+        text=True,
+        env=env,
+    )
+    assert server.stdout is not None
+    try:
+        port = None
+        for line in server.stdout:
+            print(line, end="", flush=True)
+            match = re.search(r"listening on \S+:(\d+)", line)
+            if match:
+                port = match.group(1)
+                break
+        if port is None:
+            print("demo: the server exited before listening", file=sys.stderr)
+            return 1
+        print(f"\n$ quicsrv-client generate {PROMPT!r} --chat --max-tokens 96\n", flush=True)
+        from client.cli import main as client_main
+
+        return client_main(
+            [
+                "generate",
+                PROMPT,
+                "--chat",
+                "--host",
+                "127.0.0.1",
+                "--port",
+                port,
+                "--max-tokens",
+                "96",
+            ]
+        )
+    finally:
+        server.send_signal(signal.SIGTERM)
+        try:
+            server.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            server.kill()
+
+
+if __name__ == "__main__":
+    sys.exit(main())
