@@ -103,6 +103,7 @@ class LlamaEngine:
         self._admitted = 0
         self._admission_lock = threading.Lock()
         self._closing = False
+        self.tokens_generated_total = 0  # every sampled token, for tests and stats
         self._thread = threading.Thread(target=self._run, name="llama-engine", daemon=True)
         self._thread.start()
 
@@ -258,6 +259,7 @@ class LlamaEngine:
         token = sequence.sampler.sample(logits, index)
         sequence.sampler.accept(token)
         sequence.generated += 1
+        self.tokens_generated_total += 1
         sequence.last_token = token
         is_eog = llama_cpp.llama_vocab_is_eog(self._model.vocab, token)
         if is_eog and not sequence.request.ignore_eos:

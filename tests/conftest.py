@@ -1,0 +1,31 @@
+from __future__ import annotations
+
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from quicsrv.devcerts import DevCertPaths, ensure_dev_certs
+
+
+@pytest.fixture(scope="session")
+def certs(tmp_path_factory: pytest.TempPathFactory) -> DevCertPaths:
+    return ensure_dev_certs(tmp_path_factory.mktemp("certs"))
+
+
+@pytest.fixture(scope="session")
+def model_path() -> Path:
+    pytest.importorskip("llama_cpp")
+    from quicsrv.engine import default_model_path
+
+    return default_model_path()
+
+
+@pytest.fixture(scope="session")
+def engine(model_path: Path) -> Iterator[object]:
+    """The real llama.cpp engine, loaded once for the whole session."""
+    from quicsrv.engine.llama import EngineSettings, LlamaEngine
+
+    engine = LlamaEngine(EngineSettings(model_path=model_path, n_seq_max=8, max_queued=8))
+    yield engine
+    engine.close()

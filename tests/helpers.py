@@ -1,0 +1,109 @@
+"""Shared test helpers: a running server on an ephemeral port, and a raw HTTP/3 requester."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from aioquic.asyncio import QuicConnectionProtocol, connect
+from aioquic.h3.connection import H3_ALPN, H3Connection
+from aioquic.h3.events import DataReceived, H3Event, HeadersReceived
+from aioquic.quic.configuration import QuicConfiguration
+from aioquic.quic.events import QuicEvent
+
+import proto
+from quicsrv.config import ServerConfig
+from quicsrv.devcerts import DevCertPaths
+from quicsrv.engine import Engine
+from quicsrv.transport import RunningServer, start_server
+
+
+@contextlib.asynccontextmanager
+async def running_server(
+    engine: Engine, certs: DevCertPaths, **config: Any
+) -> AsyncIterator[RunningServer]:
+    """A real quicsrv on 127.0.0.1 with an ephemeral port, shut down afterwards."""
+    settings = ServerConfig(
+        host="127.0.0.1",
+        port=0,
+        cert_path=certs.server_cert,
+        key_path=certs.server_key,
+        **config,
+    )
+    server = await start_server(engine, settings)
+    try:
+        yield server
+    finally:
+        await server.shutdown(grace_s=1.0)
+
+
+@dataclass
+class RawResponse:
+    status: int = 0
+    body: bytearray = field(default_factory=bytearray)
+    done: asyncio.Event = field(default_factory=asyncio.Event)
+
+    @property
+    def frames(self) -> list[proto.Frame]:
+        return proto.decode_frames(bytes(self.body))
+
+
+class _RawProtocol(QuicConnectionProtocol):
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.h3 = H3Connection(self._quic)
+        self.responses: dict[int, RawResponse] = {}
+
+    def quic_event_received(self, event: QuicEvent) -> None:
+        for h3_event in self.h3.handle_event(event):
+            self._h3_event(h3_event)
+
+    def _h3_event(self, event: H3Event) -> None:
+        response = self.responses.get(getattr(event, "stream_id", -1))
+        if response is None:
+            return
+        if isinstance(event, HeadersReceived):
+            response.status = int(dict(event.headers)[b":status"])
+        elif isinstance(event, DataReceived):
+            response.body += event.data
+        if getattr(event, "stream_ended", False):
+            response.done.set()
+
+    async def request(self, method: str, path: str, body: bytes) -> RawResponse:
+        stream_id = self._quic.get_next_available_stream_id()
+        response = self.responses[stream_id] = RawResponse()
+        self.h3.send_headers(
+            stream_id,
+            [
+                (b":method", method.encode()),
+                (b":scheme", b"https"),
+                (b":authority", b"localhost"),
+                (b":path", path.encode()),
+            ],
+            end_stream=not body,
+        )
+        if body:
+            self.h3.send_data(stream_id, body, end_stream=True)
+        self.transmit()
+        await asyncio.wait_for(response.done.wait(), timeout=60)
+        return response
+
+
+@contextlib.asynccontextmanager
+async def raw_connection(port: int, ca: Path) -> AsyncIterator[_RawProtocol]:
+    """An HTTP/3 connection that can send any bytes, path and method."""
+    configuration = QuicConfiguration(is_client=True, alpn_protocols=H3_ALPN)
+    configuration.load_verify_locations(str(ca))
+    async with connect(
+        "127.0.0.1",
+        port,
+        configuration=configuration,
+        create_protocol=_RawProtocol,
+        wait_connected=True,
+    ) as protocol:
+        assert isinstance(protocol, _RawProtocol)
+        yield protocol
