@@ -136,7 +136,7 @@ class LlamaEngine:
             # No template in the GGUF: a plain transcript is the least surprising fallback.
             lines = [f"{m['role']}: {m['content']}" for m in messages]
             return "\n".join(lines) + "\nassistant:"
-        return str(self._chat(messages=messages).prompt)
+        return str(self._chat(messages=messages).prompt)  # type: ignore[arg-type]
 
     def submit(self, request: SequenceRequest, sink: TokenSink) -> _Sequence:
         """Queue a sequence; raises PromptTooLong or Overloaded instead of waiting unboundedly."""
@@ -175,8 +175,8 @@ class LlamaEngine:
         self._inbox.put(None)
         self._thread.join(timeout=30)
         llama_cpp.llama_batch_free(self._batch)
-        self._context.close()
-        self._model.close()
+        self._context.close()  # type: ignore[no-untyped-call]
+        self._model.close()  # type: ignore[no-untyped-call]
 
     # --- the worker thread --------------------------------------------------------------
 

@@ -59,7 +59,8 @@ def build_request(
     if frame.max_tokens > max_tokens_limit:
         raise RequestRejected(
             ErrorCode.INVALID_FIELD,
-            f"GENERATE.max_tokens {frame.max_tokens} exceeds this server's limit {max_tokens_limit}",
+            f"GENERATE.max_tokens {frame.max_tokens} exceeds this server's limit "
+            f"{max_tokens_limit}",
         )
     if frame.messages is not None:
         text = engine.render_chat([{"role": m.role, "content": m.content} for m in frame.messages])

@@ -12,8 +12,8 @@ import logging
 from dataclasses import dataclass, field
 from typing import Any
 
-from aioquic.asyncio import QuicConnectionProtocol, serve
-from aioquic.asyncio.server import QuicServer
+from aioquic.asyncio.protocol import QuicConnectionProtocol
+from aioquic.asyncio.server import QuicServer, serve
 from aioquic.h3.connection import H3_ALPN, H3Connection
 from aioquic.h3.events import DataReceived, H3Event, HeadersReceived
 from aioquic.quic.configuration import QuicConfiguration
@@ -137,13 +137,17 @@ class _H3ServerProtocol(QuicConnectionProtocol):
             self._app.engine, frame, max_tokens_limit=self._app.config.max_tokens_limit
         )
         stream_id = request.stream_id
+
+        def forget(_generation: GenerationStream) -> None:
+            self._requests.pop(stream_id, None)
+
         generation = GenerationStream(
             engine=self._app.engine,
             request=sequence,
             stop=frame.stop,
             send=lambda data, end: self._send(stream_id, data, end),
             loop=asyncio.get_running_loop(),
-            on_done=lambda _g: self._requests.pop(stream_id, None),
+            on_done=forget,
         )
         generation.start()
         request.generation = generation
