@@ -30,6 +30,13 @@ def _parser() -> argparse.ArgumentParser:
     serve.add_argument("--parallel", type=int, dest="n_seq_max", help="sequences decoded at once")
     serve.add_argument("--ctx", type=int, dest="context_per_sequence", help="tokens per sequence")
     serve.add_argument("--threads", type=int, dest="n_threads", help="llama.cpp threads")
+    serve.add_argument(
+        "--batch-invariant",
+        action="store_const",
+        const=True,
+        dest="batch_invariant",
+        help="decode each sequence alone so output never depends on batch composition",
+    )
     certs = commands.add_parser("certs", help="create the dev CA and server certificate")
     certs.add_argument("--dir", type=Path, default=Path("certs"))
     return parser
@@ -53,6 +60,7 @@ def main(argv: list[str] | None = None) -> int:
             "n_seq_max",
             "context_per_sequence",
             "n_threads",
+            "batch_invariant",
         )
     }
     config = ServerConfig.load(args.config, **overrides)
@@ -79,6 +87,7 @@ async def _serve(config: ServerConfig) -> None:
             prefill_chunk=config.prefill_chunk_tokens,
             n_threads=config.n_threads,
             max_queued=config.max_queued_requests,
+            batch_invariant=config.batch_invariant,
         )
     )
     running = await start_server(engine, config)

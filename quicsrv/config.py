@@ -25,6 +25,7 @@ class ServerConfig:
     prefill_chunk_tokens: int = 256
     n_threads: int = 2
     max_queued_requests: int = 64
+    batch_invariant: bool = False
     max_tokens_limit: int = 2048
     max_request_bytes: int = 1 << 20
     idle_timeout_s: float = 60.0

@@ -13,6 +13,7 @@ import logging
 import queue
 import threading
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -53,6 +54,8 @@ class EngineSettings:
     prefill_chunk: int = 256
     n_threads: int = 2
     max_queued: int = 64
+    batch_invariant: bool = False
+    """Decode each sequence in its own micro-batch so its output never depends on its batch."""
 
 
 @dataclass(eq=False)
@@ -66,10 +69,15 @@ class _Sequence:
     last_token: int = -1
     cancelled: bool = False
     pending_prompt: deque[int] = field(default_factory=deque)
+    release_admission: Callable[[_Sequence], None] | None = None
 
     def cancel(self) -> None:
         # A plain flag read by the worker each step: cancellation takes effect within one token.
         self.cancelled = True
+        # Its admission place is given back at once, so a request arriving right after a cancel
+        # is queued (and served when the cells are freed) rather than refused as overloaded.
+        if self.release_admission is not None:
+            self.release_admission(self)
 
 
 class LlamaEngine:
@@ -104,6 +112,7 @@ class LlamaEngine:
         self._admission_lock = threading.Lock()
         self._closing = False
         self.tokens_generated_total = 0  # every sampled token, for tests and stats
+        self.decode_calls_total = 0
         self._thread = threading.Thread(target=self._run, name="llama-engine", daemon=True)
         self._thread.start()
 
@@ -164,6 +173,7 @@ class LlamaEngine:
             sink=sink,
             sampler=SequenceSampler(request.sampling, self._n_vocab),
             pending_prompt=deque(request.prompt_tokens),
+            release_admission=self._release_admission,
         )
         self._inbox.put(sequence)
         return sequence
@@ -213,34 +223,44 @@ class LlamaEngine:
         return True
 
     def _decode_step(self) -> None:
-        batch = self._batch
-        n = 0
-        wants_logits: list[tuple[_Sequence, int]] = []
-        decoding = [s for s in self._active if not s.pending_prompt]
-        for sequence in decoding:
-            self._add(n, sequence.last_token, sequence.n_past, sequence.seq_id, True)
-            wants_logits.append((sequence, n))
-            sequence.n_past += 1
-            n += 1
+        # (sequence, token, position, wants logits) for everything this step feeds the model.
+        entries: list[tuple[_Sequence, int, int, bool]] = []
+        for sequence in self._active:
+            if not sequence.pending_prompt:
+                entries.append((sequence, sequence.last_token, sequence.n_past, True))
+                sequence.n_past += 1
         # One prompt chunk per step (first come, first served), so a long prompt is fed in
         # pieces between the other sequences' tokens instead of stalling them.
         prefilling = next((s for s in self._active if s.pending_prompt), None)
         if prefilling is not None:
-            room = min(self.settings.prefill_chunk, self.settings.n_batch - n)
+            room = min(self.settings.prefill_chunk, self.settings.n_batch - len(entries))
             for _ in range(min(room, len(prefilling.pending_prompt))):
                 token = prefilling.pending_prompt.popleft()
-                last = not prefilling.pending_prompt
-                self._add(n, token, prefilling.n_past, prefilling.seq_id, last)
-                if last:
-                    wants_logits.append((prefilling, n))
+                entries.append(
+                    (prefilling, token, prefilling.n_past, not prefilling.pending_prompt)
+                )
                 prefilling.n_past += 1
-                n += 1
-        batch.n_tokens = n
-        status = llama_cpp.llama_decode(self._context.ctx, batch)
+        if not self.settings.batch_invariant:
+            self._decode(entries)
+            return
+        # Each sequence in its own micro-batch: its logits cannot depend on its neighbours.
+        groups: dict[int, list[tuple[_Sequence, int, int, bool]]] = {}
+        for entry in entries:
+            groups.setdefault(entry[0].seq_id, []).append(entry)
+        for group in groups.values():
+            self._decode(group)
+
+    def _decode(self, entries: list[tuple[_Sequence, int, int, bool]]) -> None:
+        for i, (sequence, token, position, logits) in enumerate(entries):
+            self._add(i, token, position, sequence.seq_id, logits)
+        self._batch.n_tokens = len(entries)
+        status = llama_cpp.llama_decode(self._context.ctx, self._batch)
         if status != 0:
             raise RuntimeError(f"llama_decode failed with status {status}")
-        for sequence, position in wants_logits:
-            self._sample(sequence, position)
+        self.decode_calls_total += 1
+        for i, (sequence, _token, _position, logits) in enumerate(entries):
+            if logits:
+                self._sample(sequence, i)
 
     def _add(self, i: int, token: int, pos: int, seq_id: int, logits: bool) -> None:
         batch = self._batch
@@ -270,6 +290,12 @@ class LlamaEngine:
         if sequence.generated >= sequence.request.max_tokens:
             self._finish(sequence, FinishReason.LENGTH)
 
+    def _release_admission(self, sequence: _Sequence) -> None:
+        with self._admission_lock:
+            if sequence.release_admission is not None:
+                sequence.release_admission = None
+                self._admitted -= 1
+
     def _piece(self, token: int) -> bytes:
         """The token's bytes (possibly part of a UTF-8 character)."""
         size = 64
@@ -290,7 +316,6 @@ class LlamaEngine:
         else:
             return
         sequence.sampler.close()
-        with self._admission_lock:
-            self._admitted -= 1
+        self._release_admission(sequence)
         generated = sequence.generated - (1 if reason is FinishReason.EOS else 0)
         sequence.sink.sequence_finished(reason, generated)

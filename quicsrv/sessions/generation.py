@@ -9,6 +9,7 @@ from __future__ import annotations
 import asyncio
 import codecs
 import logging
+import secrets
 from collections.abc import Callable
 
 import proto
@@ -91,8 +92,6 @@ def build_request(
 
 
 def _random_seed() -> bytes:
-    import secrets
-
     return secrets.token_bytes(8)
 
 
@@ -119,6 +118,8 @@ class GenerationStream:
         self._held = ""  # decoded text not yet sent: it may be the start of a stop sequence
         self._ended = False
         self._handle: SequenceHandle | None = None
+        # 128 random bits: unguessable, so a session can only be named by whoever was told it.
+        self.session_id = secrets.token_hex(16)
 
     @property
     def ended(self) -> bool:

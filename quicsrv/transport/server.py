@@ -17,7 +17,13 @@ from aioquic.asyncio.server import QuicServer, serve
 from aioquic.h3.connection import H3_ALPN, H3Connection
 from aioquic.h3.events import DataReceived, H3Event, HeadersReceived
 from aioquic.quic.configuration import QuicConfiguration
-from aioquic.quic.events import ConnectionTerminated, ProtocolNegotiated, QuicEvent, StreamReset
+from aioquic.quic.events import (
+    ConnectionTerminated,
+    ProtocolNegotiated,
+    QuicEvent,
+    StopSendingReceived,
+    StreamReset,
+)
 
 import proto
 from proto import ErrorCode
@@ -75,7 +81,8 @@ class _H3ServerProtocol(QuicConnectionProtocol):
     def quic_event_received(self, event: QuicEvent) -> None:
         if isinstance(event, ProtocolNegotiated) and event.alpn_protocol in H3_ALPN:
             self._h3 = H3Connection(self._quic)
-        elif isinstance(event, StreamReset):
+        elif isinstance(event, StreamReset | StopSendingReceived):
+            # Either direction of a cancelled request: nobody will read the tokens.
             self._cancel(event.stream_id)
         elif isinstance(event, ConnectionTerminated):
             for stream_id in list(self._requests):
@@ -151,14 +158,14 @@ class _H3ServerProtocol(QuicConnectionProtocol):
         )
         generation.start()
         request.generation = generation
-        self._send_headers(stream_id, 200)
+        self._send_headers(stream_id, 200, [(b"quicsrv-session", generation.session_id.encode())])
 
-    def _send_headers(self, stream_id: int, status: int) -> None:
+    def _send_headers(
+        self, stream_id: int, status: int, extra: list[tuple[bytes, bytes]] | None = None
+    ) -> None:
         assert self._h3 is not None
-        self._h3.send_headers(
-            stream_id,
-            [(b":status", str(status).encode()), (b"content-type", CONTENT_TYPE)],
-        )
+        headers = [(b":status", str(status).encode()), (b"content-type", CONTENT_TYPE)]
+        self._h3.send_headers(stream_id, headers + (extra or []))
         self.transmit()
 
     def _send(self, stream_id: int, data: bytes, end_stream: bool) -> None:

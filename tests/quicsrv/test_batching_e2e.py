@@ -1,0 +1,68 @@
+"""Continuous batching through the server: concurrency, batch independence, overload."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+
+from client import Client, ServerError, SessionStarted
+from proto import ErrorCode
+from quicsrv.engine.llama import EngineSettings, LlamaEngine
+from tests.helpers import running_server
+
+pytestmark = [pytest.mark.model, pytest.mark.asyncio]
+
+PROMPTS = [f"Tell me a short fact about the number {n}." for n in range(8)]
+
+
+async def _run_all(port: int, ca, max_tokens: int) -> list[tuple[int, ...]]:
+    async with Client("127.0.0.1", port, ca=ca) as c:
+        results = await asyncio.gather(
+            *(c.generate_text(p, max_tokens=max_tokens, ignore_eos=True) for p in PROMPTS)
+        )
+    return [r.token_ids for r in results]
+
+
+async def test_eight_concurrent_greedy_generations_complete(engine, certs):
+    async with running_server(engine, certs) as server:
+        outputs = await _run_all(server.port, certs.ca_cert, 48)
+    assert [len(o) for o in outputs] == [48] * 8
+
+
+async def test_batch_invariant_output_equals_single_stream_output(model_path, certs):
+    engine = LlamaEngine(EngineSettings(model_path=model_path, batch_invariant=True))
+    try:
+        async with running_server(engine, certs) as server:
+            together = await _run_all(server.port, certs.ca_cert, 32)
+            async with Client("127.0.0.1", server.port, ca=certs.ca_cert) as c:
+                alone = [
+                    (await c.generate_text(p, max_tokens=32, ignore_eos=True)).token_ids
+                    for p in PROMPTS
+                ]
+    finally:
+        engine.close()
+    assert together == alone
+
+
+async def test_overloaded_error_and_the_server_stays_healthy(model_path, certs):
+    engine = LlamaEngine(EngineSettings(model_path=model_path, n_seq_max=1, max_queued=1))
+    try:
+        async with running_server(engine, certs) as server:
+            async with Client("127.0.0.1", server.port, ca=certs.ca_cert) as c:
+                first = c.generate(PROMPTS[0], max_tokens=1000, ignore_eos=True)
+                second = c.generate(PROMPTS[1], max_tokens=1000, ignore_eos=True)
+                # The response headers (SessionStarted) come once a request is admitted.
+                assert isinstance(await first.__anext__(), SessionStarted)
+                assert isinstance(await second.__anext__(), SessionStarted)
+                with pytest.raises(ServerError) as info:
+                    await c.generate_text(PROMPTS[2], max_tokens=8)
+                assert info.value.code == ErrorCode.OVERLOADED
+                assert info.value.http_status == 503
+                assert info.value.retry_after_s is not None
+                await first.aclose()
+                await second.aclose()
+                ok = await c.generate_text(PROMPTS[3], max_tokens=8, ignore_eos=True)
+        assert len(ok.token_ids) == 8
+    finally:
+        engine.close()
