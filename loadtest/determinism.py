@@ -104,7 +104,8 @@ def main() -> None:
     for r in results:
         print(
             f"batch_invariant={r['batch_invariant']}: {r['differing']}/{r['sequences']} greedy "
-            f"sequences differ from their solo run (first divergence at {r['first_divergence_at']}); "
+            f"sequences differ from their solo run "
+            f"(first divergence at {r['first_divergence_at']}); "
             f"8 streams together: {r['aggregate_tokens_per_s_8_streams']} tokens/s"
         )
 
