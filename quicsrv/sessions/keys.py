@@ -1,0 +1,74 @@
+"""The MAC keyring: a current key plus previous ones that still verify until they expire.
+
+Keys live in ``<data_dir>/mac-keys.json`` (created 0600 on first start) unless given by config.
+Rotation makes a new current key; the old one keeps verifying for ``previous_key_ttl_s``.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import secrets
+from dataclasses import dataclass
+from pathlib import Path
+
+__all__ = ["KeyRing"]
+
+KEY_BYTES = 32
+
+
+@dataclass(frozen=True, slots=True)
+class _Key:
+    key: bytes
+    retired_at_s: float | None  # None: the current key
+
+
+class KeyRing:
+    def __init__(self, keys: list[_Key], previous_key_ttl_s: float) -> None:
+        self._keys = keys
+        self._ttl_s = previous_key_ttl_s
+
+    @classmethod
+    def load_or_create(cls, path: Path, *, previous_key_ttl_s: float = 86400.0) -> KeyRing:
+        if path.exists():
+            raw = json.loads(path.read_text())
+            keys = [_Key(bytes.fromhex(k), None if r is None else float(r)) for k, r in raw]
+            return cls(keys, previous_key_ttl_s)
+        ring = cls([_Key(secrets.token_bytes(KEY_BYTES), None)], previous_key_ttl_s)
+        ring.save(path)
+        return ring
+
+    @classmethod
+    def from_secret(cls, secret: bytes) -> KeyRing:
+        if len(secret) != KEY_BYTES:
+            raise ValueError(f"a MAC key is {KEY_BYTES} bytes")
+        return cls([_Key(secret, None)], 0.0)
+
+    @property
+    def current(self) -> bytes:
+        return next(k.key for k in self._keys if k.retired_at_s is None)
+
+    def verifying_keys(self, now_s: float) -> list[bytes]:
+        return [
+            k.key
+            for k in self._keys
+            if k.retired_at_s is None or now_s - k.retired_at_s < self._ttl_s
+        ]
+
+    def rotate(self, now_s: float) -> None:
+        kept = [_Key(k.key, k.retired_at_s or now_s) for k in self._keys]
+        kept = [
+            k for k in kept if k.retired_at_s is not None and now_s - k.retired_at_s < self._ttl_s
+        ]
+        self._keys = [_Key(secrets.token_bytes(KEY_BYTES), None), *kept]
+
+    def save(self, path: Path) -> None:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        data = json.dumps([[k.key.hex(), k.retired_at_s] for k in self._keys]).encode()
+        tmp = path.with_name(f".{path.name}.{secrets.token_hex(4)}")
+        fd = os.open(tmp, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o600)
+        with os.fdopen(fd, "wb") as f:
+            f.write(data)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)

@@ -1,0 +1,55 @@
+"""Snapshot MACs and the keyring (no model, no sockets)."""
+
+from __future__ import annotations
+
+import stat
+
+from quicsrv.engine import SamplingParams
+from quicsrv.sessions.keys import KeyRing
+from quicsrv.sessions.snapshot import Snapshot
+
+
+def _snapshot(session: bytes = b"s" * 16, generated=(5, 6, 7, 8)) -> Snapshot:
+    return Snapshot(
+        session_id=session,
+        model_digest=b"m" * 32,
+        prompt_tokens=(1, 2, 3),
+        sampling=SamplingParams(temperature=0.7, seed=42),
+        max_tokens=16,
+        stop=(),
+        ignore_eos=False,
+        prefill_chunk=256,
+        generated=tuple(generated),
+        created_at_s=0.0,
+        expires_at_s=100.0,
+    )
+
+
+def test_every_older_checkpoint_hash_verifies_its_prefix():
+    key = b"k" * 32
+    early = _snapshot(generated=(5, 6))
+    late = _snapshot()
+    for index in (-1, 0, 1):
+        assert late.verify([key], index, early.mac(key, index))
+    assert not late.verify([key], 2, early.mac(key, 1))
+
+
+def test_forged_foreign_and_out_of_range_hashes_fail():
+    key = b"k" * 32
+    snap = _snapshot()
+    assert not snap.verify([key], 3, b"\x00" * 32)
+    assert not snap.verify([key], 3, _snapshot(session=b"t" * 16).mac(key, 3))
+    assert not snap.verify([key], 3, snap.mac(b"x" * 32, 3))
+    assert not snap.verify([key], 4, snap.mac(key, 3))
+
+
+def test_keyring_persists_0600_and_rotation_keeps_old_keys_until_they_expire(tmp_path):
+    path = tmp_path / "data" / "mac-keys.json"
+    ring = KeyRing.load_or_create(path, previous_key_ttl_s=10.0)
+    assert stat.S_IMODE(path.stat().st_mode) == 0o600
+    assert KeyRing.load_or_create(path).current == ring.current
+    old = ring.current
+    ring.rotate(now_s=100.0)
+    assert ring.current != old
+    assert old in ring.verifying_keys(now_s=105.0)
+    assert old not in ring.verifying_keys(now_s=111.0)
