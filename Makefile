@@ -5,7 +5,7 @@ VENV ?= .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: venv certs demo test lint bench clean
+.PHONY: venv certs demo demo-resume test lint bench clean
 
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -20,6 +20,9 @@ certs: venv
 
 demo: certs
 	$(BIN)/python -m quicsrv.demo
+
+demo-resume: certs
+	$(BIN)/python -m quicsrv.demo resume
 
 test: certs
 	$(BIN)/python -m pytest

@@ -23,7 +23,7 @@ Errors (see :mod:`client._errors`): :class:`ServerError` for ERROR frames,
 :class:`ClientError`. Breaking out of ``generate`` cancels the request on the server.
 """
 
-from ._client import DEFAULT_CA, H3_REQUEST_CANCELLED, Client, MessageLike
+from ._client import DEFAULT_CA, H3_REQUEST_CANCELLED, Client, Generation, MessageLike, collect
 from ._errors import (
     ClientError,
     ConnectTimeout,
@@ -37,6 +37,7 @@ from ._events import (
     Event,
     GenerationEnded,
     GenerationResult,
+    ResumePosition,
     SessionStarted,
     TokenReceived,
 )
@@ -51,11 +52,14 @@ __all__ = [
     "Event",
     "GenerationEnded",
     "GenerationResult",
+    "Generation",
     "MessageLike",
     "NetworkError",
     "ProtocolError",
+    "ResumePosition",
     "ServerError",
     "SessionStarted",
     "TokenReceived",
     "TransportError",
+    "collect",
 ]

@@ -11,6 +11,7 @@ __all__ = [
     "Event",
     "GenerationEnded",
     "GenerationResult",
+    "ResumePosition",
     "SessionStarted",
     "TokenReceived",
 ]
@@ -21,6 +22,8 @@ class SessionStarted:
     """The server named the generation's session (``quicsrv-session`` response header)."""
 
     session_id: str
+    resume_path: str | None = None
+    """On a resume: how the server rebuilds the decoder state (kv-restore, replay, none)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -61,3 +64,15 @@ class GenerationResult:
     text: str
     token_ids: tuple[int, ...]
     end: GenerationEnded
+
+
+@dataclass(frozen=True, slots=True)
+class ResumePosition:
+    """Everything needed to resume a generation: give it to :meth:`client.Client.resume_from`."""
+
+    session_id: str
+    last_index: int
+    """The last token index the client received (-1: none)."""
+    checkpoint_index: int
+    """The index the snapshot hash names (<= last_index)."""
+    snapshot_hash: bytes

@@ -1,5 +1,9 @@
 """``quicsrv-client``: stream a generation from a quicsrv server to the terminal.
 
+``generate`` starts one, ``resume`` continues an interrupted one from its session, last token
+index and checkpoint hash (all printed by ``generate --json``), and ``demo-resume`` shows a cut
+and an exact resume end to end.
+
 Exit status: 0 success, 1 server error (ERROR frame or malformed response), 2 usage error,
 3 transport error (cannot connect, connection lost), 130 interrupted.
 """
@@ -15,7 +19,7 @@ from typing import TextIO
 
 import proto
 
-from ._client import DEFAULT_CA, Client
+from ._client import DEFAULT_CA, Client, Generation
 from ._errors import ClientError, ProtocolError, ServerError, TransportError
 from ._events import (
     CheckpointReceived,
@@ -29,6 +33,7 @@ __all__ = ["build_parser", "main", "render_error_json", "render_event_json"]
 
 EXIT_OK = 0
 EXIT_SERVER_ERROR = 1
+EXIT_USAGE = 2
 EXIT_TRANSPORT_ERROR = 3
 EXIT_INTERRUPTED = 130
 
@@ -38,6 +43,8 @@ def render_event_json(event: Event) -> str:
     obj: dict[str, object]
     if isinstance(event, SessionStarted):
         obj = {"type": "session", "session": event.session_id}
+        if event.resume_path is not None:
+            obj["resume_path"] = event.resume_path
     elif isinstance(event, TokenReceived):
         obj = {"type": "token", "index": event.index, "id": event.token_id, "text": event.text}
     elif isinstance(event, CheckpointReceived):
@@ -78,6 +85,18 @@ def render_error_json(error: ServerError | ProtocolError) -> str:
     return json.dumps(obj, ensure_ascii=False, separators=(",", ":"))
 
 
+def _add_connection_args(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--host", default="localhost")
+    parser.add_argument("--port", type=int, default=4433)
+    parser.add_argument("--ca", default=DEFAULT_CA, help=f"CA certificate (default {DEFAULT_CA})")
+    parser.add_argument(
+        "--insecure-skip-verify",
+        action="store_true",
+        help="do not verify the server certificate (development only)",
+    )
+    parser.add_argument("--connect-timeout", type=float, default=10.0, metavar="SECONDS")
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="quicsrv-client", description="Stream LLM tokens from a quicsrv server over HTTP/3."
@@ -85,15 +104,7 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True)
     gen = sub.add_parser("generate", help="generate text from a prompt")
     gen.add_argument("prompt", help="the prompt (the user turn with --chat/--system)")
-    gen.add_argument("--host", default="localhost")
-    gen.add_argument("--port", type=int, default=4433)
-    gen.add_argument("--ca", default=DEFAULT_CA, help=f"CA certificate (default {DEFAULT_CA})")
-    gen.add_argument(
-        "--insecure-skip-verify",
-        action="store_true",
-        help="do not verify the server certificate (development only)",
-    )
-    gen.add_argument("--connect-timeout", type=float, default=10.0, metavar="SECONDS")
+    _add_connection_args(gen)
     gen.add_argument("--max-tokens", type=int, default=128)
     gen.add_argument("--temperature", type=float, default=0.0)
     gen.add_argument("--top-p", type=float, default=1.0)
@@ -106,10 +117,57 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--chat", action="store_true", help="send PROMPT as a chat user turn")
     gen.add_argument("--system", default=None, help="system turn (implies --chat)")
     gen.add_argument("--json", action="store_true", help="one JSON object per event per line")
+    res = sub.add_parser("resume", help="continue an interrupted generation")
+    _add_connection_args(res)
+    res.add_argument("--session", required=True, help="session id (hex) from generate --json")
+    res.add_argument(
+        "--from-index",
+        type=int,
+        required=True,
+        help="the last token index you hold (-1: none); output starts after it",
+    )
+    res.add_argument("--hash", required=True, help="a checkpoint hash (hex) of the session")
+    res.add_argument(
+        "--checkpoint-index",
+        type=int,
+        default=None,
+        help="the index that hash names (default: --from-index)",
+    )
+    res.add_argument("--json", action="store_true", help="one JSON object per event per line")
+    demo = sub.add_parser(
+        "demo-resume", help="cut a generation mid-stream, resume it, check it is exact"
+    )
+    _add_connection_args(demo)
+    demo.add_argument("--prompt", default="Write a short story about a lighthouse keeper.")
+    demo.add_argument("--max-tokens", type=int, default=96)
+    demo.add_argument("--cut-after", type=int, default=40, help="tokens received before the cut")
+    demo.add_argument("--seed", type=int, default=7)
+    demo.add_argument("--temperature", type=float, default=0.8)
     return parser
 
 
-async def _generate(args: argparse.Namespace, out: TextIO, err: TextIO) -> int:
+def _client(args: argparse.Namespace) -> Client:
+    return Client(
+        args.host,
+        args.port,
+        ca=args.ca,
+        insecure_skip_verify=args.insecure_skip_verify,
+        connect_timeout_s=args.connect_timeout,
+    )
+
+
+def _open(args: argparse.Namespace, client: Client) -> Generation:
+    if args.command == "resume":
+        try:
+            snapshot_hash = bytes.fromhex(args.hash)
+        except ValueError:
+            raise ValueError("--hash is not hex") from None
+        return client.resume(
+            args.session,
+            args.from_index,
+            snapshot_hash,
+            checkpoint_index=args.checkpoint_index,
+        )
     prompt: str | None = args.prompt
     messages: list[proto.ChatMessage] | None = None
     if args.chat or args.system is not None:
@@ -118,29 +176,29 @@ async def _generate(args: argparse.Namespace, out: TextIO, err: TextIO) -> int:
             messages.append(proto.ChatMessage(role="system", content=args.system))
         messages.append(proto.ChatMessage(role="user", content=args.prompt))
         prompt = None
-    client = Client(
-        args.host,
-        args.port,
-        ca=args.ca,
-        insecure_skip_verify=args.insecure_skip_verify,
-        connect_timeout_s=args.connect_timeout,
+    return client.generate(
+        prompt,
+        messages=messages,
+        max_tokens=args.max_tokens,
+        temperature=args.temperature,
+        top_p=args.top_p,
+        top_k=args.top_k,
+        min_p=args.min_p,
+        repeat_penalty=args.repeat_penalty,
+        seed=args.seed,
+        stop=tuple(args.stop),
+        ignore_eos=args.ignore_eos,
     )
+
+
+async def _stream(args: argparse.Namespace, out: TextIO, err: TextIO) -> int:
+    client = _client(args)
     printed_text = False
+    generation: Generation | None = None
     try:
         async with client:
-            async for event in client.generate(
-                prompt,
-                messages=messages,
-                max_tokens=args.max_tokens,
-                temperature=args.temperature,
-                top_p=args.top_p,
-                top_k=args.top_k,
-                min_p=args.min_p,
-                repeat_penalty=args.repeat_penalty,
-                seed=args.seed,
-                stop=tuple(args.stop),
-                ignore_eos=args.ignore_eos,
-            ):
+            generation = _open(args, client)
+            async for event in generation:
                 if args.json:
                     print(render_event_json(event), file=out, flush=True)
                 elif isinstance(event, TokenReceived):
@@ -166,12 +224,26 @@ async def _generate(args: argparse.Namespace, out: TextIO, err: TextIO) -> int:
     except TransportError as exc:
         _finish_line(out, printed_text)
         print(f"error: {exc}", file=err, flush=True)
+        _print_resume_hint(generation, err)
         return EXIT_TRANSPORT_ERROR
     except ClientError as exc:  # pragma: no cover - every ClientError is one of the above
         _finish_line(out, printed_text)
         print(f"error: {exc}", file=err, flush=True)
         return EXIT_SERVER_ERROR
     return EXIT_OK
+
+
+def _print_resume_hint(generation: Generation | None, err: TextIO) -> None:
+    position = generation.position if generation is not None else None
+    if position is None:
+        return
+    print(
+        f"resume with: quicsrv-client resume --session {position.session_id} "
+        f"--from-index {position.last_index} --hash {position.snapshot_hash.hex()} "
+        f"--checkpoint-index {position.checkpoint_index}",
+        file=err,
+        flush=True,
+    )
 
 
 def _finish_line(out: TextIO, printed_text: bool) -> None:
@@ -190,7 +262,14 @@ def main(argv: Sequence[str] | None = None) -> int:
             flush=True,
         )
     try:
-        return asyncio.run(_generate(args, sys.stdout, sys.stderr))
+        if args.command == "demo-resume":
+            from ._demo import demo_resume
+
+            return asyncio.run(demo_resume(args, _client, sys.stdout))
+        return asyncio.run(_stream(args, sys.stdout, sys.stderr))
+    except ValueError as exc:
+        print(f"error: {exc}", file=sys.stderr, flush=True)
+        return EXIT_USAGE
     except KeyboardInterrupt:
         print("\ninterrupted", file=sys.stderr, flush=True)
         return EXIT_INTERRUPTED

@@ -53,8 +53,8 @@ class FrameType(IntEnum):
     TOKEN = 2
     END = 3
     ERROR = 4
-    RESUME_STREAM = 5  # reserved for resumable sessions
-    CHECKPOINT = 6  # reserved for resumable sessions
+    RESUME_STREAM = 5
+    CHECKPOINT = 6
 
 
 class EndReason(StrEnum):
@@ -322,13 +322,26 @@ class ResumeStream(Frame):
     """Index of the last token the client holds; -1 if it holds none."""
     snapshot_hash: bytes = field(repr=False)
     """A CHECKPOINT hash of this session."""
+    hash_index: int | None = None
+    """The token index that hash names (a checkpoint's ``index``); None: ``last_index``.
+
+    A client usually holds a few tokens past its latest checkpoint; naming the checkpoint lets
+    the server verify it directly and still send only what follows ``last_index``.
+    """
+
+    @property
+    def checkpoint_index(self) -> int:
+        return self.last_index if self.hash_index is None else self.hash_index
 
     def to_payload(self) -> dict[str, Any]:
-        return {
+        payload: dict[str, Any] = {
             "session": self.session_id,
             "last_index": self.last_index,
             "hash": self.snapshot_hash,
         }
+        if self.hash_index is not None:
+            payload["hash_index"] = self.hash_index
+        return payload
 
     @classmethod
     def from_payload(cls, payload: object) -> ResumeStream:
@@ -337,8 +350,11 @@ class ResumeStream(Frame):
             session_id=r.raw_bytes("session", length=SESSION_ID_BYTES),
             last_index=r.integer("last_index", lo=-1, hi=MAX_TOKEN_INDEX),
             snapshot_hash=r.raw_bytes("hash", length=SNAPSHOT_HASH_BYTES),
+            hash_index=r.optional_integer("hash_index", lo=-1, hi=MAX_TOKEN_INDEX),
         )
         r.finish()
+        if frame.checkpoint_index > frame.last_index:
+            raise InvalidField("RESUME_STREAM.hash_index must not exceed last_index")
         return frame
 
 

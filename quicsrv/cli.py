@@ -37,6 +37,27 @@ def _parser() -> argparse.ArgumentParser:
         dest="batch_invariant",
         help="decode each sequence alone so output never depends on batch composition",
     )
+    serve.add_argument("--data-dir", type=Path, dest="data_dir", help="sessions, KV and MAC keys")
+    serve.add_argument("--session-ttl", type=float, dest="session_ttl_s", help="seconds")
+    serve.add_argument(
+        "--resume-conflict",
+        choices=["supersede", "refuse"],
+        dest="resume_conflict",
+        help="a resume of a session another stream reads: end that stream, or refuse",
+    )
+    serve.add_argument(
+        "--inexact-reprefill",
+        action="store_const",
+        const=True,
+        dest="inexact_reprefill",
+        help="rebuild lost KV by one chunked prefill: faster, output may differ after a resume",
+    )
+    serve.add_argument(
+        "--max-tokens-ahead",
+        type=int,
+        dest="max_tokens_ahead",
+        help="tokens generated past what a reader acknowledged before its generation pauses",
+    )
     certs = commands.add_parser("certs", help="create the dev CA and server certificate")
     certs.add_argument("--dir", type=Path, default=Path("certs"))
     return parser
@@ -61,6 +82,11 @@ def main(argv: list[str] | None = None) -> int:
             "context_per_sequence",
             "n_threads",
             "batch_invariant",
+            "data_dir",
+            "session_ttl_s",
+            "resume_conflict",
+            "inexact_reprefill",
+            "max_tokens_ahead",
         )
     }
     config = ServerConfig.load(args.config, **overrides)
@@ -102,6 +128,7 @@ async def _serve(config: ServerConfig) -> None:
     await stop.wait()
     log.info("shutting down: ending open streams")
     await running.shutdown(config.shutdown_grace_s)
+    log.info("store usage at exit: %s", running.sessions.usage())
     await asyncio.to_thread(engine.close)
     log.info("stopped")
 

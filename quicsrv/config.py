@@ -7,7 +7,10 @@ import os
 import tomllib
 from dataclasses import dataclass, fields
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from .sessions import SessionSettings
 
 __all__ = ["ServerConfig"]
 
@@ -30,6 +33,21 @@ class ServerConfig:
     max_request_bytes: int = 1 << 20
     idle_timeout_s: float = 60.0
     shutdown_grace_s: float = 5.0
+    # Resumable sessions.
+    data_dir: Path = Path(".quicsrv")
+    mac_key_hex: str = ""  # empty: <data_dir>/mac-keys.json, created 0600 on first start
+    session_ttl_s: float = 3600.0
+    max_sessions: int = 10_000
+    max_session_disk_bytes: int = 1 << 30
+    kv_memory_budget_bytes: int = 256 << 20
+    kv_disk_budget_bytes: int = 4 << 30
+    session_sweep_interval_s: float = 30.0
+    resume_conflict: str = "supersede"  # or "refuse": a resume of a session being read fails
+    inexact_reprefill: bool = False
+    max_tokens_ahead: int = 64
+    send_high_watermark_bytes: int = 32 * 1024
+    send_low_watermark_bytes: int = 8 * 1024
+    checkpoint_every_tokens: int = 16
 
     @classmethod
     def load(cls, toml_path: Path | None = None, **overrides: Any) -> ServerConfig:
@@ -48,12 +66,40 @@ class ServerConfig:
         return cls(**{k: _coerce(k, v) for k, v in values.items()})
 
     def describe(self) -> str:
-        return " ".join(f"{k}={v}" for k, v in dataclasses.asdict(self).items())
+        shown = {
+            k: ("<set>" if k == "mac_key_hex" and v else v)
+            for k, v in dataclasses.asdict(self).items()
+        }
+        return " ".join(f"{k}={v}" for k, v in shown.items())
+
+    def session_settings(self) -> SessionSettings:
+        from .sessions import FlowSettings, ResumeConflict, SessionSettings
+
+        if self.send_low_watermark_bytes >= self.send_high_watermark_bytes:
+            raise ValueError("send_low_watermark_bytes must be below send_high_watermark_bytes")
+        return SessionSettings(
+            data_dir=self.data_dir,
+            ttl_s=self.session_ttl_s,
+            max_sessions=self.max_sessions,
+            max_disk_bytes=self.max_session_disk_bytes,
+            kv_memory_budget_bytes=self.kv_memory_budget_bytes,
+            kv_disk_budget_bytes=self.kv_disk_budget_bytes,
+            max_tokens_limit=self.max_tokens_limit,
+            on_conflict=ResumeConflict(self.resume_conflict),
+            mac_key=bytes.fromhex(self.mac_key_hex) if self.mac_key_hex else None,
+            flow=FlowSettings(
+                max_tokens_ahead=self.max_tokens_ahead,
+                high_watermark_bytes=self.send_high_watermark_bytes,
+                low_watermark_bytes=self.send_low_watermark_bytes,
+                checkpoint_every_tokens=self.checkpoint_every_tokens,
+                inexact_reprefill=self.inexact_reprefill,
+            ),
+        )
 
 
 def _coerce(name: str, value: Any) -> Any:
     default = next(f.default for f in fields(ServerConfig) if f.name == name)
-    if name in ("cert_path", "key_path", "model_path"):
+    if name in ("cert_path", "key_path", "model_path", "data_dir"):
         return Path(value)
     if isinstance(default, bool):
         return value if isinstance(value, bool) else str(value).lower() in ("1", "true", "yes")

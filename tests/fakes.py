@@ -2,17 +2,29 @@
 
 from __future__ import annotations
 
+import asyncio
 from dataclasses import dataclass, field
 
-from quicsrv.engine import FinishReason, SequenceRequest, TokenSink
+from quicsrv.engine import FinishReason, PausedState, SequenceRequest, TokenSink
 
 
 @dataclass
 class FakeHandle:
+    request: SequenceRequest
     cancelled: bool = False
+    pause_requested: bool = False
+    capture_kv: bool = True
+    allowed: int = 1 << 62
 
     def cancel(self) -> None:
         self.cancelled = True
+
+    def pause(self, *, capture_kv: bool = True) -> None:
+        self.pause_requested = True
+        self.capture_kv = capture_kv
+
+    def allow(self, n_tokens: int) -> None:
+        self.allowed = n_tokens
 
 
 @dataclass
@@ -20,8 +32,12 @@ class FakeEngine:
     """Tokenizes one character per token; the test drives output through ``sinks``."""
 
     context_per_sequence: int = 64
+    prefill_chunk: int = 16
+    model_digest: bytes = b"m" * 32
     sinks: list[TokenSink] = field(default_factory=list)
     handles: list[FakeHandle] = field(default_factory=list)
+    pieces: dict[int, bytes] = field(default_factory=dict)
+    submitted: asyncio.Event = field(default_factory=asyncio.Event)
 
     def tokenize(self, text: str, *, add_special: bool) -> list[int]:
         return [ord(c) for c in text]
@@ -29,18 +45,27 @@ class FakeEngine:
     def render_chat(self, messages: list[dict[str, str]]) -> str:
         return "".join(f"<{m['role']}>{m['content']}" for m in messages)
 
+    def piece(self, token_id: int) -> bytes:
+        return self.pieces[token_id]
+
     def submit(self, request: SequenceRequest, sink: TokenSink) -> FakeHandle:
         self.sinks.append(sink)
-        handle = FakeHandle()
+        handle = FakeHandle(request)
         self.handles.append(handle)
+        self.submitted.set()
         return handle
 
     def close(self) -> None:
         pass
 
-    def emit(self, pieces: list[bytes], finish: FinishReason | None = None) -> None:
+    def emit(self, pieces: list[bytes], finish: FinishReason | None = None, start: int = 0) -> None:
         sink = self.sinks[-1]
-        for index, piece in enumerate(pieces):
+        for offset, piece in enumerate(pieces):
+            index = start + offset
+            self.pieces[1000 + index] = piece
             sink.token_generated(index, 1000 + index, piece)
         if finish is not None:
-            sink.sequence_finished(finish, len(pieces))
+            sink.sequence_finished(finish, start + len(pieces))
+
+    def pause_latest(self, generated: tuple[int, ...], kv: bytes | None = b"kv") -> None:
+        self.sinks[-1].sequence_paused(PausedState(generated=generated, kv_state=kv))

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
+import tempfile
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -19,14 +21,30 @@ import proto
 from quicsrv.config import ServerConfig
 from quicsrv.devcerts import DevCertPaths
 from quicsrv.engine import Engine
+from quicsrv.sessions import FlowSettings, SessionManager, SessionSettings
 from quicsrv.transport import RunningServer, start_server
+
+_FLOW_FIELDS = {f.name for f in dataclasses.fields(FlowSettings)}
+
+
+def session_settings(data_dir: Path, **changes: Any) -> SessionSettings:
+    """SessionSettings for tests; FlowSettings fields may be given alongside the others."""
+    flow = {k: changes.pop(k) for k in list(changes) if k in _FLOW_FIELDS}
+    return SessionSettings(data_dir=data_dir, flow=FlowSettings(**flow), **changes)
 
 
 @contextlib.asynccontextmanager
 async def running_server(
-    engine: Engine, certs: DevCertPaths, **config: Any
+    engine: Engine,
+    certs: DevCertPaths,
+    *,
+    sessions: SessionSettings | SessionManager | None = None,
+    **config: Any,
 ) -> AsyncIterator[RunningServer]:
-    """A real quicsrv on 127.0.0.1 with an ephemeral port, shut down afterwards."""
+    """A real quicsrv on 127.0.0.1 with an ephemeral port, shut down afterwards.
+
+    Sessions live in a fresh temporary data directory unless ``sessions`` says otherwise.
+    """
     settings = ServerConfig(
         host="127.0.0.1",
         port=0,
@@ -34,11 +52,16 @@ async def running_server(
         key_path=certs.server_key,
         **config,
     )
-    server = await start_server(engine, settings)
-    try:
-        yield server
-    finally:
-        await server.shutdown(grace_s=1.0)
+    with tempfile.TemporaryDirectory(prefix="quicsrv-test-") as scratch:
+        if sessions is None:
+            sessions = session_settings(Path(scratch))
+        if isinstance(sessions, SessionSettings):
+            sessions = SessionManager(engine, sessions)
+        server = await start_server(engine, settings, sessions)
+        try:
+            yield server
+        finally:
+            await server.shutdown(grace_s=5.0)
 
 
 @dataclass

@@ -14,7 +14,10 @@ __all__ = [
     "Engine",
     "EngineError",
     "FinishReason",
+    "PausedState",
     "PromptTooLong",
+    "ResumePath",
+    "ResumePoint",
     "SamplingParams",
     "SequenceHandle",
     "SequenceRequest",
@@ -51,12 +54,44 @@ class SamplingParams:
         return self.temperature <= 0.0
 
 
+class ResumePath(StrEnum):
+    """How a resumed sequence got its KV cells back."""
+
+    KV_RESTORE = "kv-restore"  # llama_state_seq_set_data of the blob saved at pause
+    REPLAY = "replay"  # the prompt with its original chunking, then each token decoded alone
+    REPREFILL = "re-prefill"  # prompt + generated tokens in chunks: fast, not bit-exact (opt-in)
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class ResumePoint:
+    """Where a resumed sequence picks up: the tokens it already generated, and maybe its KV."""
+
+    generated: tuple[int, ...]
+    kv_state: bytes | None = None
+    """``llama_state_seq_get_data`` of the paused sequence; None: rebuild its cells."""
+    inexact_reprefill: bool = False
+    """Without a blob, prefill prompt + generated in chunks instead of the exact replay."""
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class PausedState:
+    """What the engine hands back when a sequence is paused."""
+
+    generated: tuple[int, ...]
+    """Every token the sequence generated, in order (including any replayed ones)."""
+    kv_state: bytes | None
+    """Its KV cells (prompt + generated[:-1]); None when they were not captured."""
+
+
 @dataclass(frozen=True, slots=True, kw_only=True)
 class SequenceRequest:
     prompt_tokens: tuple[int, ...]
     max_tokens: int
     sampling: SamplingParams
     ignore_eos: bool = False
+    prefill_chunk: int | None = None
+    """Prompt tokens fed per step; None: the engine's setting. A resume must reuse the original."""
+    resume: ResumePoint | None = None
 
 
 class TokenSink(Protocol):
@@ -66,10 +101,22 @@ class TokenSink(Protocol):
 
     def sequence_finished(self, reason: FinishReason, completion_tokens: int) -> None: ...
 
+    def sequence_paused(self, state: PausedState) -> None:
+        """The sequence left the batch (``pause()`` or its token allowance ran out)."""
+
+    def sequence_resumed(self, path: ResumePath) -> None:
+        """A resumed sequence has its KV cells back and is about to generate."""
+
 
 class SequenceHandle(Protocol):
     def cancel(self) -> None:
         """Stop generating at the next step; the sink gets ``sequence_finished(CANCELLED)``."""
+
+    def pause(self, *, capture_kv: bool = True) -> None:
+        """Leave the batch at the next step; the sink gets ``sequence_paused``."""
+
+    def allow(self, n_tokens: int) -> None:
+        """Generate at most ``n_tokens`` tokens in all; reaching the allowance pauses."""
 
 
 class Engine(Protocol):
@@ -78,9 +125,17 @@ class Engine(Protocol):
     @property
     def context_per_sequence(self) -> int: ...
 
+    @property
+    def prefill_chunk(self) -> int: ...
+
     def tokenize(self, text: str, *, add_special: bool) -> list[int]: ...
 
     def render_chat(self, messages: list[dict[str, str]]) -> str: ...
+
+    def piece(self, token_id: int) -> bytes: ...
+
+    @property
+    def model_digest(self) -> bytes: ...
 
     def submit(self, request: SequenceRequest, sink: TokenSink) -> SequenceHandle: ...
 

@@ -17,6 +17,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
+import blake3
 import llama_cpp
 import numpy as np
 from llama_cpp import _logger as llama_cpp_logger
@@ -26,7 +27,9 @@ from llama_cpp.llama_chat_format import Jinja2ChatFormatter
 from ._api import (
     EngineError,
     FinishReason,
+    PausedState,
     PromptTooLong,
+    ResumePath,
     SequenceRequest,
     TokenSink,
 )
@@ -67,9 +70,24 @@ class _Sequence:
     n_past: int = 0
     generated: int = 0
     last_token: int = -1
+    chunk: int = 256  # prompt tokens per step: part of what makes a replay exact
+    allowed: int = 1 << 62  # tokens it may generate before it pauses itself (flow control)
     cancelled: bool = False
+    pause_requested: bool = False
+    capture_kv: bool = True
+    reprefill: bool = False  # pending_prompt holds generated tokens too: sample nothing from it
     pending_prompt: deque[int] = field(default_factory=deque)
+    forced: deque[int] = field(default_factory=deque)  # replay: tokens to decode, not sample
+    history: list[int] = field(default_factory=list)  # every generated token, in order
     release_admission: Callable[[_Sequence], None] | None = None
+
+    def pause(self, *, capture_kv: bool = True) -> None:
+        self.capture_kv = capture_kv
+        self.pause_requested = True
+
+    def allow(self, n_tokens: int) -> None:
+        # A plain int read by the worker each step, like the cancel flag.
+        self.allowed = n_tokens
 
     def cancel(self) -> None:
         # A plain flag read by the worker each step: cancellation takes effect within one token.
@@ -103,6 +121,7 @@ class LlamaEngine:
         self._memory = llama_cpp.llama_get_memory(self._context.ctx)
         self._batch = llama_cpp.llama_batch_init(settings.n_batch, 0, 1)
         self._n_vocab = self._model.n_vocab()
+        self._model_digest = _file_digest(settings.model_path)
         self._chat = self._make_chat_formatter()
         self._inbox: queue.SimpleQueue[_Sequence | None] = queue.SimpleQueue()
         self._waiting: deque[_Sequence] = deque()
@@ -119,6 +138,10 @@ class LlamaEngine:
     @property
     def context_per_sequence(self) -> int:
         return self.settings.context_per_sequence
+
+    @property
+    def prefill_chunk(self) -> int:
+        return self.settings.prefill_chunk
 
     @property
     def model_path(self) -> Path:
@@ -151,6 +174,14 @@ class LlamaEngine:
         """Queue a sequence; raises PromptTooLong or Overloaded instead of waiting unboundedly."""
         if not request.prompt_tokens:
             raise PromptTooLong("the prompt is empty after tokenization")
+        chunk = request.prefill_chunk or self.settings.prefill_chunk
+        if not 0 < chunk <= self.settings.n_batch - self.settings.n_seq_max:
+            # A chunk must always fit beside every decoding sequence's token, so prompts are cut
+            # the same way whatever else is running: an exact replay depends on it.
+            raise EngineError(
+                f"prefill chunk {chunk} must be in 1..n_batch - n_seq_max "
+                f"({self.settings.n_batch - self.settings.n_seq_max})"
+            )
         budget = len(request.prompt_tokens) + request.max_tokens
         if budget > self.settings.context_per_sequence:
             raise PromptTooLong(
@@ -174,7 +205,23 @@ class LlamaEngine:
             sampler=SequenceSampler(request.sampling, self._n_vocab),
             pending_prompt=deque(request.prompt_tokens),
             release_admission=self._release_admission,
+            chunk=chunk,
         )
+        resume = request.resume
+        if resume is not None and resume.kv_state is None and resume.generated:
+            if resume.inexact_reprefill:
+                # Fast, but prompt-processing logits are not bit-identical to token-by-token
+                # decoding, so the continuation may differ: only on explicit request.
+                generated = resume.generated
+                sequence.pending_prompt.extend(generated[:-1])
+                sequence.reprefill = True
+                sequence.history = list(generated)
+                sequence.generated = len(generated)
+                sequence.last_token = generated[-1]
+            else:
+                # Exact replay: the prompt with the same chunking, then the generated tokens
+                # decoded one at a time, as the computation originally happened.
+                sequence.forced = deque(resume.generated)
         self._inbox.put(sequence)
         return sequence
 
@@ -214,10 +261,14 @@ class LlamaEngine:
             idle = False
         for sequence in [s for s in [*self._active, *self._waiting] if s.cancelled]:
             self._finish(sequence, FinishReason.CANCELLED)
+        for sequence in [*self._active, *self._waiting]:
+            if sequence.pause_requested or self._out_of_allowance(sequence):
+                self._pause(sequence)
         while self._waiting and self._free_ids:
             sequence = self._waiting.popleft()
             sequence.seq_id = self._free_ids.pop()
             self._active.append(sequence)
+            self._admit_resumed(sequence)
         if self._active:
             self._decode_step()
         return True
@@ -233,13 +284,18 @@ class LlamaEngine:
         # pieces between the other sequences' tokens instead of stalling them.
         prefilling = next((s for s in self._active if s.pending_prompt), None)
         if prefilling is not None:
-            room = min(self.settings.prefill_chunk, self.settings.n_batch - len(entries))
+            room = min(prefilling.chunk, self.settings.n_batch - len(entries))
             for _ in range(min(room, len(prefilling.pending_prompt))):
                 token = prefilling.pending_prompt.popleft()
+                last = not prefilling.pending_prompt
+                # A re-prefill ends on a generated token whose successor is already known.
                 entries.append(
-                    (prefilling, token, prefilling.n_past, not prefilling.pending_prompt)
+                    (prefilling, token, prefilling.n_past, last and not prefilling.reprefill)
                 )
                 prefilling.n_past += 1
+                if last and prefilling.reprefill:
+                    prefilling.reprefill = False
+                    prefilling.sink.sequence_resumed(ResumePath.REPREFILL)
         if not self.settings.batch_invariant:
             self._decode(entries)
             return
@@ -262,6 +318,56 @@ class LlamaEngine:
             if logits:
                 self._sample(sequence, i)
 
+    def _out_of_allowance(self, sequence: _Sequence) -> bool:
+        busy_rebuilding = sequence.pending_prompt or sequence.forced
+        return not busy_rebuilding and sequence.generated >= sequence.allowed
+
+    def _admit_resumed(self, sequence: _Sequence) -> None:
+        resume = sequence.request.resume
+        if resume is None:
+            return
+        if resume.kv_state is not None and resume.generated:
+            self._restore(sequence, resume.generated, resume.kv_state)
+        elif not resume.generated:
+            sequence.sink.sequence_resumed(ResumePath.REPLAY)  # nothing to rebuild
+
+    def _restore(self, sequence: _Sequence, generated: tuple[int, ...], kv: bytes) -> None:
+        buffer = (ctypes.c_uint8 * len(kv)).from_buffer_copy(kv)
+        if (
+            llama_cpp.llama_state_seq_set_data(self._context.ctx, buffer, len(kv), sequence.seq_id)
+            == 0
+        ):
+            # The blob does not fit this context (or is damaged): fall back to exact replay.
+            log.warning("KV blob rejected by llama_state_seq_set_data; replaying instead")
+            llama_cpp.llama_memory_seq_rm(self._memory, sequence.seq_id, -1, -1)
+            sequence.forced = deque(generated)
+            return
+        sequence.pending_prompt.clear()
+        for token in generated:
+            sequence.sampler.accept(token)
+        sequence.history = list(generated)
+        sequence.generated = len(generated)
+        sequence.last_token = generated[-1]
+        # The last generated token was sampled but never decoded: it goes in at the next step.
+        sequence.n_past = len(sequence.request.prompt_tokens) + len(generated) - 1
+        sequence.sink.sequence_resumed(ResumePath.KV_RESTORE)
+
+    def _pause(self, sequence: _Sequence) -> None:
+        kv: bytes | None = None
+        capturable = sequence.history and not sequence.forced and not sequence.pending_prompt
+        if sequence.capture_kv and capturable and sequence.seq_id >= 0 and sequence in self._active:
+            size = llama_cpp.llama_state_seq_get_size(self._context.ctx, sequence.seq_id)
+            buffer = (ctypes.c_uint8 * size)()
+            written = llama_cpp.llama_state_seq_get_data(
+                self._context.ctx, buffer, size, sequence.seq_id
+            )
+            kv = bytes(buffer[:written]) if written else None
+        elif sequence.seq_id < 0 and sequence.request.resume is not None:
+            kv = sequence.request.resume.kv_state  # never admitted: hand the blob back as it was
+        generated = (*sequence.history, *sequence.forced)
+        self._release(sequence)
+        sequence.sink.sequence_paused(PausedState(generated=generated, kv_state=kv))
+
     def _add(self, i: int, token: int, pos: int, seq_id: int, logits: bool) -> None:
         batch = self._batch
         batch.token[i] = token
@@ -276,11 +382,17 @@ class LlamaEngine:
             ctypes.cast(pointer, ctypes.POINTER(ctypes.c_float)), shape=(self._n_vocab,)
         )
         index = sequence.generated
-        token = sequence.sampler.sample(logits, index)
+        replayed = bool(sequence.forced)
+        token = sequence.forced.popleft() if replayed else sequence.sampler.sample(logits, index)
         sequence.sampler.accept(token)
         sequence.generated += 1
-        self.tokens_generated_total += 1
+        sequence.history.append(token)
         sequence.last_token = token
+        if replayed:
+            if not sequence.forced:
+                sequence.sink.sequence_resumed(ResumePath.REPLAY)
+            return  # the client already has it; replay only rebuilds the KV cells
+        self.tokens_generated_total += 1
         is_eog = llama_cpp.llama_vocab_is_eog(self._model.vocab, token)
         if is_eog and not sequence.request.ignore_eos:
             self._finish(sequence, FinishReason.EOS)
@@ -296,6 +408,13 @@ class LlamaEngine:
                 sequence.release_admission = None
                 self._admitted -= 1
 
+    def piece(self, token_id: int) -> bytes:
+        return self._piece(token_id)
+
+    @property
+    def model_digest(self) -> bytes:
+        return self._model_digest
+
     def _piece(self, token: int) -> bytes:
         """The token's bytes (possibly part of a UTF-8 character)."""
         size = 64
@@ -306,7 +425,8 @@ class LlamaEngine:
                 return buffer.raw[:n]
             size = -n
 
-    def _finish(self, sequence: _Sequence, reason: FinishReason) -> None:
+    def _release(self, sequence: _Sequence) -> bool:
+        """Take a sequence out of the engine and free its cells; False if it was not in."""
         if sequence in self._active:
             self._active.remove(sequence)
             llama_cpp.llama_memory_seq_rm(self._memory, sequence.seq_id, -1, -1)
@@ -314,8 +434,20 @@ class LlamaEngine:
         elif sequence in self._waiting:
             self._waiting.remove(sequence)
         else:
-            return
+            return False
         sequence.sampler.close()
         self._release_admission(sequence)
+        return True
+
+    def _finish(self, sequence: _Sequence, reason: FinishReason) -> None:
+        if not self._release(sequence):
+            return
         generated = sequence.generated - (1 if reason is FinishReason.EOS else 0)
         sequence.sink.sequence_finished(reason, generated)
+
+
+def _file_digest(path: Path) -> bytes:
+    """BLAKE3 of the model file: a resumed session must meet the very same weights."""
+    hasher = blake3.blake3(max_threads=blake3.blake3.AUTO)
+    hasher.update_mmap(path)
+    return hasher.digest()

@@ -1,5 +1,16 @@
-"""Streams of generations: turning engine output into frames. Knows nothing of aioquic."""
+"""Sessions: generations that outlive their streams. Knows nothing of aioquic."""
 
-from .generation import GenerationStream, RequestRejected, build_request
+from .generation import RequestRejected, build_request
+from .manager import ResumeConflict, SessionManager, SessionSettings
+from .session import FlowSettings, Session, StreamPort
 
-__all__ = ["GenerationStream", "RequestRejected", "build_request"]
+__all__ = [
+    "FlowSettings",
+    "RequestRejected",
+    "ResumeConflict",
+    "Session",
+    "SessionManager",
+    "SessionSettings",
+    "StreamPort",
+    "build_request",
+]

@@ -1,13 +1,20 @@
-"""The HTTP/3 server: routes request streams to generations and maps every error to a frame.
+"""The HTTP/3 server: routes request streams to sessions and maps every error to a frame.
 
-One generation is one request stream: ``POST /v1/generate`` whose body is one GENERATE frame;
-the response body is TOKEN ... END. Peer errors become an HTTP status plus an ERROR frame in
-exactly one place (:meth:`_H3ServerProtocol._reject`); the connection and other streams go on.
+``POST /v1/generate`` (body: one GENERATE frame) starts a session; ``POST /v1/resume`` (session
+id in the ``quicsrv-session`` header, body: one RESUME_STREAM frame) attaches to one. Either
+response is ``200`` with TOKEN/CHECKPOINT ... END frames. Peer errors become an HTTP status plus
+an ERROR frame in exactly one place (:meth:`_H3ServerProtocol._reject`); the connection and other
+streams go on.
+
+aioquic has no "writable" event, so flow control is watched from the other end: after every
+datagram (which may carry ACKs) each attached session compares the stream's sent and
+acknowledged offsets and pauses or resumes its engine sequence accordingly.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 from dataclasses import dataclass, field
 from typing import Any
@@ -30,7 +37,7 @@ from proto import ErrorCode
 
 from ..config import ServerConfig
 from ..engine import Engine
-from ..sessions import GenerationStream, RequestRejected, build_request
+from ..sessions import RequestRejected, Session, SessionManager
 
 __all__ = ["QuicServerApp", "RunningServer", "start_server"]
 
@@ -38,31 +45,60 @@ log = logging.getLogger("quicsrv")
 
 CONTENT_TYPE = b"application/vnd.quicsrv.frames"
 GENERATE_PATH = b"/v1/generate"
+RESUME_PATH = b"/v1/resume"
+SESSION_HEADER = b"quicsrv-session"
+RESUME_PATH_HEADER = b"quicsrv-resume-path"
+#: The client abandoned the request on purpose (RFC 9114 §8.1): no KV snapshot is worth keeping.
+H3_REQUEST_CANCELLED = 0x10C
 
 
 @dataclass(eq=False)
 class _Request:
     stream_id: int
+    path: bytes
+    session_header: bytes | None
     decoder: proto.FrameDecoder
     frames: list[proto.Frame] = field(default_factory=list)
     rejected: bool = False
-    generation: GenerationStream | None = None
+    session: Session | None = None
+    port: _StreamPort | None = None
+
+
+class _StreamPort:
+    """One response stream as a session sees it (see sessions.StreamPort)."""
+
+    def __init__(self, protocol: _H3ServerProtocol, stream_id: int) -> None:
+        self._protocol = protocol
+        self._stream_id = stream_id
+
+    def send(self, data: bytes, end_stream: bool) -> None:
+        self._protocol.send_data(self._stream_id, data, end_stream)
+
+    def sent_offset(self) -> int:
+        stream = self._protocol.quic_stream(self._stream_id)
+        return 0 if stream is None else stream.sender._buffer_stop
+
+    def acked_offset(self) -> int:
+        stream = self._protocol.quic_stream(self._stream_id)
+        return 0 if stream is None else stream.sender._buffer_start
 
 
 class QuicServerApp:
-    """What every connection shares: the engine, the config, and the live connections."""
+    """What every connection shares: the sessions, the config, and the live connections."""
 
-    def __init__(self, engine: Engine, config: ServerConfig) -> None:
+    def __init__(self, engine: Engine, config: ServerConfig, sessions: SessionManager) -> None:
         self.engine = engine
         self.config = config
+        self.sessions = sessions
         self.connections: set[_H3ServerProtocol] = set()
         self.accepting = True
 
     def shut_down_streams(self) -> None:
-        """End every open generation with END(shutdown) and tell connections to go away."""
+        """End every open stream with END(shutdown); sessions stay resumable."""
         self.accepting = False
+        self.sessions.shutdown()
         for connection in list(self.connections):
-            connection.end_all_for_shutdown()
+            connection.transmit()
 
 
 class _H3ServerProtocol(QuicConnectionProtocol):
@@ -71,6 +107,7 @@ class _H3ServerProtocol(QuicConnectionProtocol):
         self._app = app
         self._h3: H3Connection | None = None
         self._requests: dict[int, _Request] = {}
+        self._transmit_scheduled = False
         app.connections.add(self)
 
     @property
@@ -78,23 +115,31 @@ class _H3ServerProtocol(QuicConnectionProtocol):
         address = self._quic._network_paths[0].addr if self._quic._network_paths else None
         return f"{address[0]}:{address[1]}" if address else "?"
 
+    def quic_stream(self, stream_id: int) -> Any:
+        return self._quic._streams.get(stream_id)
+
+    def datagram_received(self, data: bytes | str, addr: Any) -> None:
+        super().datagram_received(data, addr)
+        # The datagram may have acknowledged stream data: let readers' sessions catch up.
+        for request in list(self._requests.values()):
+            if request.session is not None:
+                request.session.on_transport_progress()
+
     def quic_event_received(self, event: QuicEvent) -> None:
         if isinstance(event, ProtocolNegotiated) and event.alpn_protocol in H3_ALPN:
             self._h3 = H3Connection(self._quic)
         elif isinstance(event, StreamReset | StopSendingReceived):
             # Either direction of a cancelled request: nobody will read the tokens.
-            self._cancel(event.stream_id)
+            self._detach(event.stream_id, capture_kv=event.error_code != H3_REQUEST_CANCELLED)
         elif isinstance(event, ConnectionTerminated):
-            for stream_id in list(self._requests):
-                self._cancel(stream_id)
+            self._detach_all()
             self._app.connections.discard(self)
         if self._h3 is not None:
             for h3_event in self._h3.handle_event(event):
                 self._h3_event_received(h3_event)
 
     def connection_lost(self, exc: Exception | None) -> None:
-        for stream_id in list(self._requests):
-            self._cancel(stream_id)
+        self._detach_all()
         self._app.connections.discard(self)
         super().connection_lost(exc)
 
@@ -103,7 +148,7 @@ class _H3ServerProtocol(QuicConnectionProtocol):
             self._headers_received(event)
         elif isinstance(event, DataReceived):
             request = self._requests.get(event.stream_id)
-            if request is None or request.rejected or request.generation is not None:
+            if request is None or request.rejected or request.session is not None:
                 return
             try:
                 request.frames.extend(request.decoder.feed(event.data))
@@ -111,7 +156,7 @@ class _H3ServerProtocol(QuicConnectionProtocol):
                     raise proto.UnexpectedFrame("the request body holds more than one frame")
                 if event.stream_ended:
                     request.decoder.end_of_stream()
-                    self._start_generation(request)
+                    self._start(request)
             except proto.ProtocolError as exc:
                 self._reject(request, exc.error_code, exc.message)
             except RequestRejected as exc:
@@ -119,46 +164,47 @@ class _H3ServerProtocol(QuicConnectionProtocol):
 
     def _headers_received(self, event: HeadersReceived) -> None:
         headers = dict(event.headers)
+        method, path = headers.get(b":method"), headers.get(b":path")
         request = _Request(
             stream_id=event.stream_id,
+            path=path or b"",
+            session_header=headers.get(SESSION_HEADER),
             decoder=proto.FrameDecoder(max_payload_bytes=self._app.config.max_request_bytes),
         )
         self._requests[event.stream_id] = request
-        method, path = headers.get(b":method"), headers.get(b":path")
-        if path != GENERATE_PATH:
+        if path not in (GENERATE_PATH, RESUME_PATH):
             self._reject(request, ErrorCode.NOT_FOUND, f"no such path: {path!r}")
         elif method != b"POST":
             self._reject(request, ErrorCode.METHOD_NOT_ALLOWED, f"{path!r} takes POST")
         elif not self._app.accepting:
             self._reject(request, ErrorCode.SHUTTING_DOWN, "the server is shutting down")
         elif event.stream_ended:
-            self._reject(request, ErrorCode.MISSING_FIELD, "the request has no GENERATE frame")
+            self._reject(request, ErrorCode.MISSING_FIELD, "the request has no body frame")
 
-    def _start_generation(self, request: _Request) -> None:
+    def _start(self, request: _Request) -> None:
         if not request.frames:
             raise proto.MissingField("the request body holds no frame")
         frame = request.frames[0]
-        if not isinstance(frame, proto.Generate):
-            raise proto.UnexpectedFrame(f"expected GENERATE, got {frame.frame_type.name}")
-        sequence = build_request(
-            self._app.engine, frame, max_tokens_limit=self._app.config.max_tokens_limit
+        sessions = self._app.sessions
+        extra: list[tuple[bytes, bytes]] = []
+        if request.path == GENERATE_PATH:
+            if not isinstance(frame, proto.Generate):
+                raise proto.UnexpectedFrame(f"expected GENERATE, got {frame.frame_type.name}")
+            session = sessions.start(frame)
+            from_index = 0
+        else:
+            if not isinstance(frame, proto.ResumeStream):
+                raise proto.UnexpectedFrame(f"expected RESUME_STREAM, got {frame.frame_type.name}")
+            session = sessions.resume(frame, _parse_session_header(request.session_header))
+            from_index = frame.last_index + 1
+            path = session.planned_resume_path()
+            extra.append((RESUME_PATH_HEADER, b"none" if path is None else path.value.encode()))
+        request.session = session
+        request.port = _StreamPort(self, request.stream_id)
+        self._send_headers(
+            request.stream_id, 200, [(SESSION_HEADER, session.session_id.hex().encode()), *extra]
         )
-        stream_id = request.stream_id
-
-        def forget(_generation: GenerationStream) -> None:
-            self._requests.pop(stream_id, None)
-
-        generation = GenerationStream(
-            engine=self._app.engine,
-            request=sequence,
-            stop=frame.stop,
-            send=lambda data, end: self._send(stream_id, data, end),
-            loop=asyncio.get_running_loop(),
-            on_done=forget,
-        )
-        generation.start()
-        request.generation = generation
-        self._send_headers(stream_id, 200, [(b"quicsrv-session", generation.session_id.encode())])
+        session.attach(request.port, from_index)
 
     def _send_headers(
         self, stream_id: int, status: int, extra: list[tuple[bytes, bytes]] | None = None
@@ -166,15 +212,27 @@ class _H3ServerProtocol(QuicConnectionProtocol):
         assert self._h3 is not None
         headers = [(b":status", str(status).encode()), (b"content-type", CONTENT_TYPE)]
         self._h3.send_headers(stream_id, headers + (extra or []))
-        self.transmit()
+        self._transmit_soon()
 
-    def _send(self, stream_id: int, data: bytes, end_stream: bool) -> None:
+    def send_data(self, stream_id: int, data: bytes, end_stream: bool) -> None:
         assert self._h3 is not None
         try:
             self._h3.send_data(stream_id, data, end_stream)
         except Exception:  # the peer reset the stream or closed the connection meanwhile
-            self._cancel(stream_id)
+            self._detach(stream_id, capture_kv=True)
             return
+        if end_stream:
+            self._requests.pop(stream_id, None)
+        self._transmit_soon()
+
+    def _transmit_soon(self) -> None:
+        # Many frames are often written in one go (a resume replays history): one transmit.
+        if not self._transmit_scheduled:
+            self._transmit_scheduled = True
+            asyncio.get_running_loop().call_soon(self._transmit_now)
+
+    def _transmit_now(self) -> None:
+        self._transmit_scheduled = False
         self.transmit()
 
     def _reject(
@@ -195,12 +253,16 @@ class _H3ServerProtocol(QuicConnectionProtocol):
             self._h3.send_data(request.stream_id, proto.encode_frame(frame), end_stream=True)
         except Exception:  # the stream is already gone; nothing to answer
             return
-        self.transmit()
+        self._transmit_soon()
 
-    def _cancel(self, stream_id: int) -> None:
+    def _detach(self, stream_id: int, *, capture_kv: bool) -> None:
         request = self._requests.pop(stream_id, None)
-        if request is not None and request.generation is not None:
-            request.generation.cancel()
+        if request is not None and request.session is not None and request.port is not None:
+            request.session.detach(request.port, capture_kv=capture_kv)
+
+    def _detach_all(self) -> None:
+        for stream_id in list(self._requests):
+            self._detach(stream_id, capture_kv=True)
 
     @property
     def has_unacked_requests(self) -> bool:
@@ -208,16 +270,26 @@ class _H3ServerProtocol(QuicConnectionProtocol):
         streams = self._quic._streams
         return any(not s.sender.is_finished for i, s in streams.items() if i % 4 == 0)
 
-    def end_all_for_shutdown(self) -> None:
-        for request in list(self._requests.values()):
-            if request.generation is not None:
-                request.generation.end_for_shutdown()
+
+def _parse_session_header(value: bytes | None) -> bytes | None:
+    if value is None:
+        return None
+    try:
+        session = bytes.fromhex(value.decode("ascii"))
+    except (UnicodeDecodeError, ValueError):
+        session = b""
+    if len(session) != proto.SESSION_ID_BYTES:
+        raise RequestRejected(
+            ErrorCode.INVALID_FIELD, "the quicsrv-session header is not a 32-digit hex id"
+        )
+    return session
 
 
 @dataclass
 class RunningServer:
     server: QuicServer
     app: QuicServerApp
+    sweeper: asyncio.Task[None]
 
     @property
     def port(self) -> int:
@@ -225,9 +297,17 @@ class RunningServer:
         assert transport is not None
         return int(transport.get_extra_info("sockname")[1])
 
+    @property
+    def sessions(self) -> SessionManager:
+        return self.app.sessions
+
     async def shutdown(self, grace_s: float) -> None:
         """Stop accepting, end open streams with END(shutdown), then close connections."""
+        self.sweeper.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await self.sweeper
         self.app.shut_down_streams()
+        await self.app.sessions.wait_idle(grace_s)
         loop = asyncio.get_running_loop()
         deadline = loop.time() + grace_s
         # Give the END frames a chance to be acknowledged before the connections close.
@@ -236,9 +316,12 @@ class RunningServer:
         for connection in list(self.app.connections):
             connection.close()
         self.server.close()
+        self.app.sessions.close()
 
 
-async def start_server(engine: Engine, config: ServerConfig) -> RunningServer:
+async def start_server(
+    engine: Engine, config: ServerConfig, sessions: SessionManager | None = None
+) -> RunningServer:
     """Listen on ``config.host:config.port`` (port 0: an ephemeral one)."""
     configuration = QuicConfiguration(
         is_client=False,
@@ -247,11 +330,17 @@ async def start_server(engine: Engine, config: ServerConfig) -> RunningServer:
         max_datagram_frame_size=None,
     )
     configuration.load_cert_chain(config.cert_path, config.key_path)
-    app = QuicServerApp(engine, config)
+    if sessions is None:
+        sessions = SessionManager(engine, config.session_settings())
+    app = QuicServerApp(engine, config, sessions)
     server = await serve(
         config.host,
         config.port,
         configuration=configuration,
         create_protocol=lambda *a, **kw: _H3ServerProtocol(*a, app=app, **kw),
     )
-    return RunningServer(server=server, app=app)
+    sweeper = asyncio.get_running_loop().create_task(
+        sessions.run_sweeper(config.session_sweep_interval_s)
+    )
+    log.info("session store: %s", sessions.usage())
+    return RunningServer(server=server, app=app, sweeper=sweeper)

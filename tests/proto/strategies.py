@@ -109,12 +109,17 @@ errors = st.builds(
 session_ids = st.binary(min_size=SESSION_ID_BYTES, max_size=SESSION_ID_BYTES)
 snapshot_hashes = st.binary(min_size=SNAPSHOT_HASH_BYTES, max_size=SNAPSHOT_HASH_BYTES)
 
-resume_streams = st.builds(
-    ResumeStream,
-    session_id=session_ids,
-    last_index=st.integers(-1, MAX_TOKEN_INDEX),
-    snapshot_hash=snapshot_hashes,
-)
+
+@st.composite
+def resume_streams(draw: st.DrawFn) -> ResumeStream:
+    last_index = draw(st.integers(-1, MAX_TOKEN_INDEX))
+    return ResumeStream(
+        session_id=draw(session_ids),
+        last_index=last_index,
+        snapshot_hash=draw(snapshot_hashes),
+        hash_index=draw(st.none() | st.integers(-1, last_index)),
+    )
+
 
 checkpoints = st.builds(
     Checkpoint,
@@ -128,7 +133,7 @@ FRAME_STRATEGIES: dict[type[Frame], st.SearchStrategy[Any]] = {
     Token: tokens,
     End: ends,
     Error: errors,
-    ResumeStream: resume_streams,
+    ResumeStream: resume_streams(),
     Checkpoint: checkpoints,
 }
 

@@ -1,4 +1,4 @@
-"""GenerationStream with a scripted engine: UTF-8 safety, stop sequences, limits."""
+"""Sessions with a scripted engine: UTF-8 safety, stop sequences, limits, checkpoints, flow."""
 
 from __future__ import annotations
 
@@ -8,45 +8,77 @@ import pytest
 
 import proto
 from quicsrv.engine import FinishReason
-from quicsrv.sessions import GenerationStream, RequestRejected, build_request
+from quicsrv.sessions import (
+    FlowSettings,
+    RequestRejected,
+    SessionManager,
+    SessionSettings,
+    build_request,
+)
 from tests.fakes import FakeEngine
 
 
-async def _stream(pieces: list[bytes], *, stop: tuple[str, ...] = (), finish=FinishReason.LENGTH):
+class FakePort:
+    """A response stream whose acknowledgements the test controls."""
+
+    def __init__(self) -> None:
+        self.sent = bytearray()
+        self.acked = 0
+        self.ended = asyncio.Event()
+
+    def send(self, data: bytes, end_stream: bool) -> None:
+        self.sent.extend(data)
+        if end_stream:
+            self.ended.set()
+
+    def sent_offset(self) -> int:
+        return len(self.sent)
+
+    def acked_offset(self) -> int:
+        return self.acked
+
+    @property
+    def frames(self) -> list[proto.Frame]:
+        return proto.decode_frames(bytes(self.sent))
+
+
+def _manager(tmp_path, engine: FakeEngine, **flow) -> SessionManager:
+    return SessionManager(
+        engine, SessionSettings(data_dir=tmp_path, max_tokens_limit=64, flow=FlowSettings(**flow))
+    )
+
+
+async def _drain_callbacks() -> None:
+    # Engine callbacks hop to the loop with call_soon_threadsafe: one turn runs them all.
+    await asyncio.sleep(0)
+    await asyncio.sleep(0)
+
+
+async def _stream(tmp_path, pieces: list[bytes], *, stop=(), finish=FinishReason.LENGTH):
     engine = FakeEngine()
-    loop = asyncio.get_running_loop()
-    sent = bytearray()
-    ended = asyncio.Event()
-
-    def send(data: bytes, end: bool) -> None:
-        sent.extend(data)
-        if end:
-            ended.set()
-
-    request = build_request(
-        engine, proto.Generate(prompt="hi", max_tokens=len(pieces) or 1), max_tokens_limit=64
-    )
-    stream = GenerationStream(
-        engine=engine, request=request, stop=stop, send=send, loop=loop, on_done=lambda _s: None
-    )
-    stream.start()
+    manager = _manager(tmp_path, engine)
+    session = manager.start(proto.Generate(prompt="hi", max_tokens=len(pieces) or 1, stop=stop))
+    port = FakePort()
+    session.attach(port, 0)
     engine.emit(pieces, finish)
-    await ended.wait()
-    return proto.decode_frames(bytes(sent)), engine
+    await port.ended.wait()
+    return port.frames, engine, manager
 
 
 @pytest.mark.asyncio
-async def test_a_character_split_across_tokens_is_never_sent_broken():
+async def test_a_character_split_across_tokens_is_never_sent_broken(tmp_path):
     euro = "€".encode()  # three bytes
-    frames, _ = await _stream([b"a", euro[:1], euro[1:2], euro[2:], b"b"])
+    frames, _, _ = await _stream(tmp_path, [b"a", euro[:1], euro[1:2], euro[2:], b"b"])
     texts = [f.text for f in frames if isinstance(f, proto.Token)]
     assert texts == ["a", "", "", "€", "b"]
     assert [f.index for f in frames if isinstance(f, proto.Token)] == [0, 1, 2, 3, 4]
 
 
 @pytest.mark.asyncio
-async def test_stop_sequence_across_tokens_is_held_back_and_not_emitted():
-    frames, engine = await _stream([b"Hel", b"lo ", b"EN", b"D", b"more"], stop=("END",))
+async def test_stop_sequence_across_tokens_is_held_back_and_not_emitted(tmp_path):
+    frames, engine, _ = await _stream(
+        tmp_path, [b"Hel", b"lo ", b"EN", b"D", b"more"], stop=("END",)
+    )
     tokens = [f for f in frames if isinstance(f, proto.Token)]
     end = frames[-1]
     assert isinstance(end, proto.End) and end.reason is proto.EndReason.STOP
@@ -55,8 +87,8 @@ async def test_stop_sequence_across_tokens_is_held_back_and_not_emitted():
 
 
 @pytest.mark.asyncio
-async def test_held_back_prefix_is_released_in_end_when_no_stop_follows():
-    frames, _ = await _stream([b"abc", b"E"], stop=("END",), finish=FinishReason.LENGTH)
+async def test_held_back_prefix_is_released_in_end_when_no_stop_follows(tmp_path):
+    frames, _, _ = await _stream(tmp_path, [b"abc", b"E"], stop=("END",))
     tokens = [f for f in frames if isinstance(f, proto.Token)]
     end = frames[-1]
     assert isinstance(end, proto.End) and end.reason is proto.EndReason.LENGTH
@@ -64,11 +96,76 @@ async def test_held_back_prefix_is_released_in_end_when_no_stop_follows():
 
 
 @pytest.mark.asyncio
-async def test_eos_ends_with_usage():
-    frames, _ = await _stream([b"x", b"y"], finish=FinishReason.EOS)
+async def test_eos_ends_with_usage(tmp_path):
+    frames, _, _ = await _stream(tmp_path, [b"x", b"y"], finish=FinishReason.EOS)
     end = frames[-1]
     assert isinstance(end, proto.End)
     assert (end.reason, end.prompt_tokens, end.completion_tokens) == (proto.EndReason.EOS, 2, 2)
+
+
+@pytest.mark.asyncio
+async def test_first_frame_is_a_checkpoint_naming_the_session(tmp_path):
+    frames, _, manager = await _stream(tmp_path, [b"x"] * 20)
+    first = frames[0]
+    assert isinstance(first, proto.Checkpoint) and first.index == -1
+    checkpoints = [f for f in frames if isinstance(f, proto.Checkpoint)]
+    assert [c.index for c in checkpoints] == [-1, 15]
+    record = manager.store.get(first.session_id)
+    assert record is not None
+    for c in checkpoints:
+        assert record.snapshot().verify([manager.keys.current], c.index, c.snapshot_hash)
+
+
+@pytest.mark.asyncio
+async def test_a_resume_replays_exactly_the_frames_after_last_index(tmp_path):
+    pieces = [b"a", "é".encode()[:1], "é".encode()[1:], b" b", b"c"]
+    frames, _, manager = await _stream(tmp_path, pieces)
+    checkpoint = frames[0]
+    assert isinstance(checkpoint, proto.Checkpoint)
+    for cut in range(-1, len(pieces)):
+        resume = proto.ResumeStream(
+            session_id=checkpoint.session_id,
+            last_index=cut,
+            snapshot_hash=checkpoint.snapshot_hash,
+            hash_index=-1,
+        )
+        session = manager.resume(resume, checkpoint.session_id)
+        port = FakePort()
+        session.attach(port, cut + 1)
+        await port.ended.wait()
+        replayed = [f for f in port.frames if isinstance(f, proto.Token | proto.End)]
+        original = [f for f in frames if isinstance(f, proto.Token | proto.End)]
+        assert replayed == original[cut + 1 :]
+
+
+@pytest.mark.asyncio
+async def test_a_reader_that_stops_acknowledging_pauses_the_engine(tmp_path):
+    engine = FakeEngine()
+    manager = _manager(tmp_path, engine, max_tokens_ahead=4)
+    session = manager.start(proto.Generate(prompt="hi", max_tokens=60))
+    port = FakePort()
+    session.attach(port, 0)
+    handle = engine.handles[-1]
+    assert handle.allowed == 4  # nothing acknowledged yet: 4 tokens ahead at most
+    engine.emit([b"x"] * 4)
+    await _drain_callbacks()
+    port.acked = port.sent_offset()
+    session.on_transport_progress()
+    assert handle.allowed == 8
+    # The engine obeys its allowance and pauses itself: the session is idle, nothing lost.
+    engine.emit([b"y"] * 4, start=4)
+    engine.pause_latest(tuple(range(1000, 1008)))
+    await session.paused.wait()
+    assert not session.running
+    resubmitted = len(engine.handles)
+    engine.submitted.clear()
+    port.acked = port.sent_offset()
+    session.on_transport_progress()  # drained: the session runs again without a new request
+    await engine.submitted.wait()
+    assert len(engine.handles) == resubmitted + 1
+    resumed = engine.handles[-1].request.resume
+    assert resumed is not None and resumed.generated == tuple(range(1000, 1008))
+    assert resumed.kv_state == b"kv"
 
 
 def test_limits_are_checked_before_admission():

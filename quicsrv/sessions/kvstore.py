@@ -1,0 +1,163 @@
+"""KV blobs of paused sessions: in memory under a byte budget, spilled LRU to disk.
+
+A blob is what ``llama_state_seq_get_data`` returned for one sequence (about 23 KB per token of
+context for the default model). Blobs past the memory budget are written to
+``<dir>/<session>.kv`` (atomic rename, BLAKE3 checksum); past the disk budget the oldest are
+dropped, and a resume without its blob falls back to the exact replay. Thread-safe: the engine
+thread puts, the event loop's worker threads get.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import secrets
+import struct
+import threading
+from collections import OrderedDict
+from dataclasses import dataclass
+from pathlib import Path
+
+import blake3
+
+__all__ = ["KVStore", "KVUsage"]
+
+log = logging.getLogger(__name__)
+
+_MAGIC = b"QKV1"
+_HEADER = struct.Struct(">4sIQ32s")  # magic, tokens covered, blob length, BLAKE3 of the blob
+
+
+@dataclass(frozen=True, slots=True)
+class KVUsage:
+    memory_blobs: int
+    memory_bytes: int
+    disk_blobs: int
+    disk_bytes: int
+
+    def describe(self) -> str:
+        return (
+            f"kv memory {self.memory_blobs} blobs {self.memory_bytes / 2**20:.1f} MiB, "
+            f"disk {self.disk_blobs} blobs {self.disk_bytes / 2**20:.1f} MiB"
+        )
+
+
+class KVStore:
+    def __init__(
+        self, directory: Path, *, memory_budget_bytes: int, disk_budget_bytes: int
+    ) -> None:
+        self._dir = directory
+        self._memory_budget = memory_budget_bytes
+        self._disk_budget = disk_budget_bytes
+        self._lock = threading.Lock()
+        # Least recently used first.
+        self._memory: OrderedDict[bytes, tuple[int, bytes]] = OrderedDict()
+        self._memory_bytes = 0
+        self._disk: OrderedDict[bytes, int] = OrderedDict()  # session -> file size
+        self._disk_bytes = 0
+        directory.mkdir(parents=True, exist_ok=True, mode=0o700)
+        for path in sorted(directory.glob("*.kv"), key=lambda p: p.stat().st_mtime):
+            try:
+                session = bytes.fromhex(path.stem)
+            except ValueError:
+                continue
+            size = path.stat().st_size
+            self._disk[session] = size
+            self._disk_bytes += size
+        for leftover in directory.glob(".*.tmp"):
+            leftover.unlink(missing_ok=True)  # a write interrupted by a crash
+
+    def put(self, session: bytes, n_generated: int, blob: bytes) -> None:
+        """Keep the blob covering a session's first ``n_generated`` tokens."""
+        with self._lock:
+            self._discard_locked(session)
+            self._memory[session] = (n_generated, blob)
+            self._memory_bytes += len(blob)
+            while self._memory_bytes > self._memory_budget and self._memory:
+                victim, (covered, victim_blob) = self._memory.popitem(last=False)
+                self._memory_bytes -= len(victim_blob)
+                self._spill_locked(victim, covered, victim_blob)
+
+    def get(self, session: bytes, n_generated: int) -> bytes | None:
+        """The blob if it covers exactly ``n_generated`` tokens and its checksum holds."""
+        with self._lock:
+            held = self._memory.get(session)
+            if held is not None:
+                self._memory.move_to_end(session)
+                return held[1] if held[0] == n_generated else None
+            if session not in self._disk:
+                return None
+            path = self._path(session)
+        try:
+            data = path.read_bytes()
+        except OSError:
+            return None
+        blob = _unpack(data, n_generated)
+        if blob is None:
+            log.warning("KV blob %s is stale or damaged; the resume will replay", path.name)
+        return blob
+
+    def has(self, session: bytes, n_generated: int) -> bool:
+        """Whether a blob for exactly ``n_generated`` tokens is probably there (not verified)."""
+        with self._lock:
+            held = self._memory.get(session)
+            return held[0] == n_generated if held is not None else session in self._disk
+
+    def discard(self, session: bytes) -> None:
+        with self._lock:
+            self._discard_locked(session)
+
+    def usage(self) -> KVUsage:
+        with self._lock:
+            return KVUsage(
+                memory_blobs=len(self._memory),
+                memory_bytes=self._memory_bytes,
+                disk_blobs=len(self._disk),
+                disk_bytes=self._disk_bytes,
+            )
+
+    def _path(self, session: bytes) -> Path:
+        return self._dir / f"{session.hex()}.kv"
+
+    def _discard_locked(self, session: bytes) -> None:
+        held = self._memory.pop(session, None)
+        if held is not None:
+            self._memory_bytes -= len(held[1])
+        size = self._disk.pop(session, None)
+        if size is not None:
+            self._disk_bytes -= size
+            self._path(session).unlink(missing_ok=True)
+
+    def _spill_locked(self, session: bytes, n_generated: int, blob: bytes) -> None:
+        data = _HEADER.pack(_MAGIC, n_generated, len(blob), blake3.blake3(blob).digest()) + blob
+        if len(data) > self._disk_budget:
+            return  # bigger than the whole disk budget: dropped, a resume replays
+        while self._disk and self._disk_bytes + len(data) > self._disk_budget:
+            oldest, size = self._disk.popitem(last=False)
+            self._disk_bytes -= size
+            self._path(oldest).unlink(missing_ok=True)
+        path = self._path(session)
+        tmp = self._dir / f".{path.name}.{secrets.token_hex(4)}.tmp"
+        try:
+            fd = os.open(tmp, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o600)
+            with os.fdopen(fd, "wb") as f:
+                f.write(data)
+            os.replace(tmp, path)
+        except OSError as exc:
+            tmp.unlink(missing_ok=True)
+            log.warning("cannot spill KV blob to %s: %s", path, exc)
+            return
+        self._disk[session] = len(data)
+        self._disk_bytes += len(data)
+
+
+def _unpack(data: bytes, n_generated: int) -> bytes | None:
+    if len(data) < _HEADER.size:
+        return None
+    magic, covered, length, checksum = _HEADER.unpack_from(data)
+    blob = data[_HEADER.size :]
+    if magic != _MAGIC or covered != n_generated or length != len(blob):
+        return None
+    if blake3.blake3(blob).digest() != checksum:
+        return None
+    return blob

@@ -1,0 +1,233 @@
+"""Creating, finding, resuming and expiring sessions: what the transport asks of this package.
+
+A resume is checked in an order that tells an unauthenticated peer nothing: unknown or expired
+session first (the id alone is unguessable), then the snapshot hash (constant-time, every live
+key), and only then what the hash holder may learn: model changed, index beyond the snapshot,
+session busy.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import secrets
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from enum import StrEnum
+from pathlib import Path
+
+import proto
+from proto import ErrorCode
+
+from ..engine import Engine, EngineError, PromptTooLong
+from .generation import RequestRejected, build_request
+from .keys import KeyRing
+from .kvstore import KVStore
+from .session import FlowSettings, Session
+from .store import SessionRecord, SessionStore
+
+__all__ = ["ResumeConflict", "SessionManager", "SessionSettings"]
+
+log = logging.getLogger(__name__)
+
+
+class ResumeConflict(StrEnum):
+    """What a resume does to a session another stream is still reading."""
+
+    SUPERSEDE = "supersede"  # the newest attach wins; the old stream ends with `superseded`
+    REFUSE = "refuse"  # the resume gets `session_busy`
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class SessionSettings:
+    data_dir: Path
+    ttl_s: float = 3600.0
+    max_sessions: int = 10_000
+    max_disk_bytes: int = 1 << 30
+    kv_memory_budget_bytes: int = 256 << 20
+    kv_disk_budget_bytes: int = 4 << 30
+    max_tokens_limit: int = 2048
+    on_conflict: ResumeConflict = ResumeConflict.SUPERSEDE
+    mac_key: bytes | None = None
+    previous_key_ttl_s: float = 86400.0
+    flow: FlowSettings = FlowSettings()
+
+
+class SessionManager:
+    def __init__(
+        self,
+        engine: Engine,
+        settings: SessionSettings,
+        *,
+        clock: Callable[[], float] = time.time,
+    ) -> None:
+        self._engine = engine
+        self.settings = settings
+        self._clock = clock
+        if settings.mac_key is not None:
+            self.keys = KeyRing.from_secret(settings.mac_key)
+        else:
+            self.keys = KeyRing.load_or_create(
+                settings.data_dir / "mac-keys.json",
+                previous_key_ttl_s=settings.previous_key_ttl_s,
+            )
+        self.store = SessionStore(
+            settings.data_dir / "sessions",
+            ttl_s=settings.ttl_s,
+            max_sessions=settings.max_sessions,
+            max_disk_bytes=settings.max_disk_bytes,
+            clock=clock,
+        )
+        self.kv = KVStore(
+            settings.data_dir / "kv",
+            memory_budget_bytes=settings.kv_memory_budget_bytes,
+            disk_budget_bytes=settings.kv_disk_budget_bytes,
+        )
+        self._live: dict[bytes, Session] = {}
+
+    def live(self, session_id: bytes) -> Session | None:
+        """The session's live object, if it runs or is attached (tests and stats)."""
+        return self._live.get(session_id)
+
+    def usage(self) -> str:
+        return (
+            f"{self.store.usage().describe()}, {len(self._live)} live, {self.kv.usage().describe()}"
+        )
+
+    # --- new generations ----------------------------------------------------------------
+
+    def start(self, frame: proto.Generate) -> Session:
+        """Validate, record and submit a GENERATE; raises RequestRejected."""
+        request = build_request(
+            self._engine, frame, max_tokens_limit=self.settings.max_tokens_limit
+        )
+        if not self.store.has_room(lambda r: r.session_id not in self._live):
+            raise RequestRejected(
+                ErrorCode.OVERLOADED, "the session store is full of live sessions", 1.0
+            )
+        now = self._clock()
+        record = SessionRecord(
+            # 128 random bits: unguessable, so a session can only be named by whoever was told.
+            session_id=secrets.token_bytes(proto.SESSION_ID_BYTES),
+            model_digest=self._engine.model_digest,
+            prompt_tokens=request.prompt_tokens,
+            sampling=request.sampling,
+            max_tokens=request.max_tokens,
+            stop=frame.stop,
+            ignore_eos=request.ignore_eos,
+            prefill_chunk=self._engine.prefill_chunk,
+            created_at_s=now,
+            expires_at_s=now + self.settings.ttl_s,
+        )
+        session = self._session(record)
+        try:
+            session.start()
+        except PromptTooLong as exc:
+            raise RequestRejected(ErrorCode.PROMPT_TOO_LONG, str(exc)) from None
+        except EngineError as exc:
+            retry = getattr(exc, "retry_after_s", None)
+            code = ErrorCode.OVERLOADED if retry is not None else ErrorCode.SHUTTING_DOWN
+            raise RequestRejected(code, str(exc), retry) from None
+        self.store.add(record)
+        self._live[record.session_id] = session
+        return session
+
+    # --- resumes ------------------------------------------------------------------------
+
+    def resume(self, frame: proto.ResumeStream, header_session: bytes | None) -> Session:
+        """Check a RESUME_STREAM; the caller then attaches at ``frame.last_index + 1``."""
+        if header_session is not None and header_session != frame.session_id:
+            raise RequestRejected(
+                ErrorCode.INVALID_FIELD, "the quicsrv-session header and RESUME_STREAM disagree"
+            )
+        session_id = frame.session_id
+        session = self._live.get(session_id)
+        record = session.record if session is not None else self.store.get(session_id)
+        if record is None:
+            if self.store.was_expired(session_id):
+                raise RequestRejected(ErrorCode.SESSION_EXPIRED, "the session has expired")
+            raise RequestRejected(ErrorCode.UNKNOWN_SESSION, "no such session")
+        if session is None and record.expires_at_s <= self._clock():
+            self._expire(record)
+            raise RequestRejected(ErrorCode.SESSION_EXPIRED, "the session has expired")
+        # The hash names a prefix the server persisted before telling anyone its hash, so a
+        # hash index past what is recorded cannot be genuine.
+        hash_index = frame.checkpoint_index
+        valid = hash_index < len(record.generated) and record.snapshot(upto=hash_index + 1).verify(
+            self.keys.verifying_keys(self._clock()), hash_index, frame.snapshot_hash
+        )
+        if not valid:
+            raise RequestRejected(
+                ErrorCode.HASH_MISMATCH, "the snapshot hash does not verify for this session"
+            )
+        if record.model_digest != self._engine.model_digest:
+            raise RequestRejected(
+                ErrorCode.MODEL_CHANGED, "the server runs a different model than the session's"
+            )
+        if frame.last_index >= len(record.generated):
+            raise RequestRejected(
+                ErrorCode.INDEX_BEYOND_SNAPSHOT,
+                f"last_index {frame.last_index} is beyond the snapshot "
+                f"({len(record.generated)} tokens)",
+            )
+        if session is not None and session.attached:
+            if self.settings.on_conflict is ResumeConflict.REFUSE:
+                raise RequestRejected(
+                    ErrorCode.SESSION_BUSY, "another stream is reading this session"
+                )
+        if session is None:
+            session = self._session(record)
+            self._live[session_id] = session
+        return session
+
+    # --- upkeep -------------------------------------------------------------------------
+
+    def sweep(self) -> int:
+        """Remove expired sessions that nobody reads, from memory and disk."""
+        expired = [r for r in self.store.expired(self._clock()) if r.session_id not in self._live]
+        for record in expired:
+            self._expire(record)
+        return len(expired)
+
+    async def run_sweeper(self, interval_s: float) -> None:
+        while True:
+            await asyncio.sleep(interval_s)  # a periodic chore, not synchronisation
+            removed = self.sweep()
+            log.info("store usage: %s (expired %d)", self.usage(), removed)
+
+    def shutdown(self) -> None:
+        """End every reader's stream with END(shutdown) and pause every engine sequence."""
+        for session in list(self._live.values()):
+            session.end_for_shutdown()
+
+    async def wait_idle(self, timeout_s: float) -> None:
+        """Until no session holds an engine sequence (the engine may outlive this manager)."""
+        pending = [s.idle.wait() for s in self._live.values() if not s.idle.is_set()]
+        if pending:
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(asyncio.gather(*pending), timeout_s)
+
+    def close(self) -> None:
+        self.store.close()
+
+    def _expire(self, record: SessionRecord) -> None:
+        self.kv.discard(record.session_id)
+        self.store.remove(record.session_id, expired=True)
+
+    def _session(self, record: SessionRecord) -> Session:
+        return Session(
+            record,
+            engine=self._engine,
+            store=self.store,
+            kv=self.kv,
+            keys=self.keys,
+            flow=self.settings.flow,
+            loop=asyncio.get_running_loop(),
+            on_idle=self._forget,
+        )
+
+    def _forget(self, session: Session) -> None:
+        if self._live.get(session.session_id) is session:
+            del self._live[session.session_id]

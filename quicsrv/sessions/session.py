@@ -1,0 +1,400 @@
+"""One live session: the engine's sink, the canonical frame sequence, and the stream reading it.
+
+A session outlives its streams. The engine sequence belongs to the session; a stream is only an
+*attachment* that reads the session's frames from some token index on. Tokens are recorded (and
+persisted) before any stream sees them, so any attachment, now or after a restart, gets the very
+same frames. While the attached reader lags (its unacknowledged bytes past the high watermark, or
+``max_tokens_ahead`` tokens generated beyond what it acknowledged) the engine sequence is
+paused and its batch slot freed; it runs again once the reader drains below the low watermark.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections import deque
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from enum import Enum
+from typing import Protocol
+
+import proto
+from proto import EndReason
+
+from ..engine import (
+    Engine,
+    EngineError,
+    FinishReason,
+    PausedState,
+    ResumePath,
+    ResumePoint,
+    SequenceHandle,
+    SequenceRequest,
+)
+from .keys import KeyRing
+from .kvstore import KVStore
+from .store import SessionEnd, SessionRecord, SessionStore
+from .text import TextAssembler
+
+__all__ = ["FlowSettings", "Session", "StreamPort"]
+
+log = logging.getLogger(__name__)
+
+
+class StreamPort(Protocol):
+    """The transport's side of one response stream."""
+
+    def send(self, data: bytes, end_stream: bool) -> None: ...
+
+    def sent_offset(self) -> int:
+        """Stream bytes written so far."""
+
+    def acked_offset(self) -> int:
+        """Stream bytes the peer acknowledged without a gap."""
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class FlowSettings:
+    max_tokens_ahead: int = 64
+    """Tokens generated beyond what the reader acknowledged before the sequence pauses."""
+    high_watermark_bytes: int = 32 * 1024
+    """Unacknowledged stream bytes at which the reader counts as blocked."""
+    low_watermark_bytes: int = 8 * 1024
+    """...and below which it counts as drained again."""
+    checkpoint_every_tokens: int = 16
+    inexact_reprefill: bool = False
+    """Rebuild missing KV by one chunked prefill (fast, not bit-exact) instead of the replay."""
+
+
+class _EngineState(Enum):
+    IDLE = "idle"  # no engine sequence: not started, paused, or finished
+    STARTING = "starting"  # fetching the KV blob before submitting
+    RUNNING = "running"
+
+
+@dataclass(eq=False)
+class _Attachment:
+    port: StreamPort
+    next_index: int  # the next token index to send
+    acked_tokens: int  # tokens [0, acked_tokens) the reader holds or acknowledged
+    pending: deque[tuple[int, int]] = field(default_factory=deque)  # (tokens, stream offset)
+    blocked: bool = False
+
+
+class Session:
+    """See the module docstring. Engine callbacks arrive on the engine thread; all else on
+    the event loop."""
+
+    def __init__(
+        self,
+        record: SessionRecord,
+        *,
+        engine: Engine,
+        store: SessionStore,
+        kv: KVStore,
+        keys: KeyRing,
+        flow: FlowSettings,
+        loop: asyncio.AbstractEventLoop,
+        on_idle: Callable[[Session], None],
+    ) -> None:
+        self.record = record
+        self._engine = engine
+        self._store = store
+        self._kv = kv
+        self._keys = keys
+        self._flow = flow
+        self._loop = loop
+        self._on_idle = on_idle
+        self._text = TextAssembler(record.stop)
+        self._texts = [self._text.push(engine.piece(t)) for t in record.generated]
+        self._tail = self._end_tail() if record.end is not None else ""
+        self._state = _EngineState.IDLE
+        self._handle: SequenceHandle | None = None
+        self._attachment: _Attachment | None = None
+        self._retry: asyncio.TimerHandle | None = None
+        self.resume_paths: list[ResumePath] = []
+        self.pauses = 0
+        self.paused = asyncio.Event()  # set while the engine sequence is paused (tests, stats)
+        self.idle = asyncio.Event()  # set once nobody reads and the engine holds nothing
+
+    @property
+    def session_id(self) -> bytes:
+        return self.record.session_id
+
+    @property
+    def finished(self) -> bool:
+        return self.record.end is not None
+
+    @property
+    def attached(self) -> bool:
+        return self._attachment is not None
+
+    @property
+    def running(self) -> bool:
+        return self._state is not _EngineState.IDLE
+
+    @property
+    def acknowledged_tokens(self) -> int:
+        """Tokens the attached reader has acknowledged (0 when detached)."""
+        return self._attachment.acked_tokens if self._attachment is not None else 0
+
+    # --- lifecycle, on the event loop ---------------------------------------------------
+
+    def start(self) -> None:
+        """Submit a new generation; raises EngineError (e.g. Overloaded) at once."""
+        self._submit(None)
+
+    def planned_resume_path(self) -> ResumePath | None:
+        """How the next engine start will rebuild the KV cells (None: nothing to rebuild)."""
+        if self.finished or self._state is not _EngineState.IDLE or not self.record.generated:
+            return None
+        if self._kv.has(self.session_id, len(self.record.generated)):
+            return ResumePath.KV_RESTORE
+        return ResumePath.REPREFILL if self._flow.inexact_reprefill else ResumePath.REPLAY
+
+    def attach(self, port: StreamPort, from_index: int) -> None:
+        """A stream reads this session's frames from token ``from_index`` on."""
+        old = self._attachment
+        if old is not None:
+            # The newest attach wins; the old reader is told why its stream ends here.
+            old.port.send(proto.encode_frame(proto.End(reason=EndReason.SUPERSEDED)), True)
+        attachment = _Attachment(port=port, next_index=from_index, acked_tokens=from_index)
+        self._attachment = attachment
+        self.idle.clear()
+        self._store.touch(self.record)
+        if from_index == 0:
+            self._send_checkpoint(attachment, -1)
+        self._pump()
+        self._maybe_run()
+
+    def detach(self, port: StreamPort, *, capture_kv: bool = True) -> None:
+        """The stream went away: pause the engine (nobody reads) but keep the session."""
+        if self._attachment is None or self._attachment.port is not port:
+            return
+        self._attachment = None
+        self._store.touch(self.record)
+        if self._handle is not None and self._state is _EngineState.RUNNING:
+            self._handle.pause(capture_kv=capture_kv)
+        self._check_idle()
+
+    def end_for_shutdown(self) -> None:
+        """Tell the reader the server is going; the session stays resumable from disk."""
+        attachment, self._attachment = self._attachment, None
+        if attachment is not None:
+            end = proto.End(
+                reason=EndReason.SHUTDOWN,
+                prompt_tokens=len(self.record.prompt_tokens),
+                completion_tokens=attachment.next_index,
+            )
+            attachment.port.send(proto.encode_frame(end), True)
+        if self._handle is not None and self._state is _EngineState.RUNNING:
+            self._handle.pause(capture_kv=False)
+        self._check_idle()
+
+    def on_transport_progress(self) -> None:
+        """Acknowledgements arrived: update the reader's position and the engine's allowance."""
+        attachment = self._attachment
+        if attachment is None:
+            return
+        acked = attachment.port.acked_offset()
+        while attachment.pending and attachment.pending[0][1] <= acked:
+            attachment.acked_tokens = attachment.pending.popleft()[0]
+        unacked = attachment.port.sent_offset() - acked
+        if unacked >= self._flow.high_watermark_bytes:
+            attachment.blocked = True
+        elif unacked <= self._flow.low_watermark_bytes:
+            attachment.blocked = False
+        if self._state is _EngineState.RUNNING and self._handle is not None:
+            self._handle.allow(self._allowance(attachment))
+        else:
+            self._maybe_run()
+
+    # --- the engine's TokenSink (engine thread) -----------------------------------------
+
+    def token_generated(self, index: int, token_id: int, piece: bytes) -> None:
+        self._to_loop(self._on_token, index, token_id, piece)
+
+    def sequence_finished(self, reason: FinishReason, completion_tokens: int) -> None:
+        self._to_loop(self._on_finished, reason, completion_tokens)
+
+    def sequence_paused(self, state: PausedState) -> None:
+        if state.kv_state is not None:
+            # Stored here, on the engine thread: a spill to disk never blocks the event loop.
+            self._kv.put(self.session_id, len(state.generated), state.kv_state)
+        self._to_loop(self._on_paused, len(state.generated))
+
+    def sequence_resumed(self, path: ResumePath) -> None:
+        self._to_loop(self._on_resumed, path)
+
+    def _to_loop(self, callback: Callable[..., None], *args: object) -> None:
+        try:
+            self._loop.call_soon_threadsafe(callback, *args)
+        except RuntimeError:  # the loop is closed: the server is gone, nobody to tell
+            pass
+
+    # --- engine events, on the loop -----------------------------------------------------
+
+    def _on_token(self, index: int, token_id: int, piece: bytes) -> None:
+        record = self.record
+        if record.end is not None or index != len(record.generated):
+            return  # a token decoded after a stop sequence matched: not part of the output
+        self._store.append_token(record, token_id)  # persisted before anyone is sent it
+        self._texts.append(self._text.push(piece))
+        if self._text.stopped:
+            if self._handle is not None:
+                self._handle.cancel()
+            self._record_end(SessionEnd(EndReason.STOP, index + 1))
+        self._pump()
+
+    def _on_finished(self, reason: FinishReason, completion_tokens: int) -> None:
+        self._state = _EngineState.IDLE
+        self._handle = None
+        if reason is FinishReason.LENGTH:
+            self._record_end(SessionEnd(EndReason.LENGTH, completion_tokens))
+        elif reason is FinishReason.EOS:
+            self._record_end(SessionEnd(EndReason.EOS, completion_tokens))
+        # CANCELLED follows a stop sequence (already recorded); SHUTDOWN leaves the session
+        # resumable by the next server process.
+        self._pump()
+        self._check_idle()
+
+    def _on_paused(self, n_generated: int) -> None:
+        self._state = _EngineState.IDLE
+        self._handle = None
+        self.pauses += 1
+        self.paused.set()
+        log.debug("session %s paused at %d tokens", self.session_id.hex(), n_generated)
+        attachment = self._attachment
+        if attachment is not None and attachment.next_index == len(self.record.generated):
+            self._send_checkpoint(attachment, n_generated - 1)
+        self._maybe_run()
+        self._check_idle()
+
+    def _on_resumed(self, path: ResumePath) -> None:
+        self.resume_paths.append(path)
+        log.info(
+            "session %s resumed by %s at %d tokens",
+            self.session_id.hex(),
+            path.value,
+            len(self.record.generated),
+        )
+
+    # --- internals ----------------------------------------------------------------------
+
+    def _record_end(self, end: SessionEnd) -> None:
+        self.record.end = end
+        self._tail = self._end_tail()
+        self._store.save(self.record)
+        self._store.close_log(self.record)
+        self._kv.discard(self.session_id)
+
+    def _end_tail(self) -> str:
+        assert self.record.end is not None
+        return "" if self.record.end.reason is EndReason.STOP else self._text.finish()
+
+    def _allowance(self, attachment: _Attachment) -> int:
+        if attachment.blocked:
+            return len(self.record.generated)  # pause at the next step
+        return attachment.acked_tokens + self._flow.max_tokens_ahead
+
+    def _maybe_run(self) -> None:
+        """Start (or restart) the engine sequence if a reader is there and has room."""
+        attachment = self._attachment
+        if self.finished or self._state is not _EngineState.IDLE or attachment is None:
+            return
+        if self._allowance(attachment) <= len(self.record.generated):
+            return
+        self._state = _EngineState.STARTING
+        self._loop.create_task(self._restart())
+
+    async def _restart(self) -> None:
+        n_generated = len(self.record.generated)
+        kv = None
+        if n_generated:
+            kv = await asyncio.to_thread(self._kv.get, self.session_id, n_generated)
+        if self._attachment is None or self.finished:
+            self._state = _EngineState.IDLE  # the reader left meanwhile
+            self._check_idle()
+            return
+        try:
+            self._submit(
+                ResumePoint(
+                    generated=tuple(self.record.generated),
+                    kv_state=kv,
+                    inexact_reprefill=self._flow.inexact_reprefill,
+                )
+            )
+        except EngineError as exc:
+            self._state = _EngineState.IDLE
+            retry = getattr(exc, "retry_after_s", 1.0)
+            log.info("session %s waits to resume: %s", self.session_id.hex(), exc)
+            self._retry = self._loop.call_later(retry, self._maybe_run)
+            return
+        self._kv.discard(self.session_id)  # the engine holds the cells now
+
+    def _submit(self, resume: ResumePoint | None) -> None:
+        record = self.record
+        request = SequenceRequest(
+            prompt_tokens=record.prompt_tokens,
+            max_tokens=record.max_tokens,
+            sampling=record.sampling,
+            ignore_eos=record.ignore_eos,
+            prefill_chunk=record.prefill_chunk,
+            resume=resume,
+        )
+        self._handle = self._engine.submit(request, self)
+        self._state = _EngineState.RUNNING
+        self.paused.clear()
+        self.idle.clear()
+        attachment = self._attachment
+        self._handle.allow(
+            self._allowance(attachment)
+            if attachment is not None
+            else len(record.generated) + self._flow.max_tokens_ahead
+        )
+
+    def _pump(self) -> None:
+        """Write every frame the attached reader has not been sent yet."""
+        attachment = self._attachment
+        if attachment is None:
+            return
+        generated, texts = self.record.generated, self._texts
+        every = self._flow.checkpoint_every_tokens
+        while attachment.next_index < len(texts):
+            i = attachment.next_index
+            frame = proto.Token(index=i, token_id=generated[i], text=texts[i])
+            attachment.port.send(proto.encode_frame(frame), False)
+            attachment.next_index = i + 1
+            attachment.pending.append((i + 1, attachment.port.sent_offset()))
+            if (i + 1) % every == 0:
+                self._send_checkpoint(attachment, i)
+        end = self.record.end
+        if end is not None and attachment.next_index >= len(generated):
+            frame_end = proto.End(
+                reason=end.reason,
+                prompt_tokens=len(self.record.prompt_tokens),
+                completion_tokens=end.completion_tokens,
+                text=self._tail,
+            )
+            attachment.port.send(proto.encode_frame(frame_end), True)
+            self._attachment = None
+            self._store.touch(self.record)
+            self._check_idle()
+            return
+        self.on_transport_progress()
+
+    def _send_checkpoint(self, attachment: _Attachment, index: int) -> None:
+        snapshot_hash = self.record.snapshot(upto=index + 1).mac(self._keys.current, index)
+        frame = proto.Checkpoint(
+            session_id=self.session_id, index=index, snapshot_hash=snapshot_hash
+        )
+        attachment.port.send(proto.encode_frame(frame), False)
+
+    def _check_idle(self) -> None:
+        if self._attachment is None and self._state is _EngineState.IDLE:
+            if self._retry is not None:
+                self._retry.cancel()
+                self._retry = None
+            self._store.close_log(self.record)
+            self.idle.set()
+            self._on_idle(self)

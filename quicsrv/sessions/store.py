@@ -1,0 +1,265 @@
+"""Session records and their persistence: they survive a ``kill -9`` of the server.
+
+Each session is two files under ``<dir>``: ``<id>.meta`` (canonical CBOR of everything but the
+generated tokens, replaced atomically when it changes) and ``<id>.tokens`` (4 bytes per generated
+token, appended before the token is sent). So whatever a client has received is on disk, and
+the snapshot hash it holds verifies against what a restarted server reads back.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import secrets
+import struct
+from collections import OrderedDict
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import cbor2
+
+from proto import EndReason, canonical_cbor
+
+from ..engine import SamplingParams
+from .snapshot import Snapshot
+
+__all__ = ["SessionEnd", "SessionRecord", "SessionStore", "StoreUsage"]
+
+log = logging.getLogger(__name__)
+
+_TOKEN = struct.Struct("<I")
+_TOMBSTONES = 65536
+
+
+@dataclass(frozen=True, slots=True)
+class SessionEnd:
+    reason: EndReason
+    completion_tokens: int
+
+
+@dataclass(eq=False, kw_only=True)
+class SessionRecord:
+    """What is known of one session; ``generated`` grows as tokens are produced."""
+
+    session_id: bytes
+    model_digest: bytes
+    prompt_tokens: tuple[int, ...]
+    sampling: SamplingParams
+    max_tokens: int
+    stop: tuple[str, ...]
+    ignore_eos: bool
+    prefill_chunk: int
+    created_at_s: float
+    expires_at_s: float
+    generated: list[int] = field(default_factory=list)
+    end: SessionEnd | None = None
+
+    def snapshot(self, upto: int | None = None) -> Snapshot:
+        """The snapshot of the first ``upto`` generated tokens (all by default)."""
+        tokens = self.generated if upto is None else self.generated[:upto]
+        return Snapshot(
+            session_id=self.session_id,
+            model_digest=self.model_digest,
+            prompt_tokens=self.prompt_tokens,
+            sampling=self.sampling,
+            max_tokens=self.max_tokens,
+            stop=self.stop,
+            ignore_eos=self.ignore_eos,
+            prefill_chunk=self.prefill_chunk,
+            generated=tuple(tokens),
+            created_at_s=self.created_at_s,
+            expires_at_s=self.expires_at_s,
+        )
+
+    def _meta(self) -> dict[str, object]:
+        s = self.sampling
+        meta: dict[str, object] = {
+            "v": 1,
+            "session": self.session_id,
+            "model": self.model_digest,
+            "prompt": list(self.prompt_tokens),
+            "sampling": [s.temperature, s.top_p, s.top_k, s.min_p, s.repeat_penalty, s.seed],
+            "max_tokens": self.max_tokens,
+            "stop": list(self.stop),
+            "ignore_eos": self.ignore_eos,
+            "chunk": self.prefill_chunk,
+            "created": self.created_at_s,
+            "expires": self.expires_at_s,
+        }
+        if self.end is not None:
+            meta["end"] = [self.end.reason.value, self.end.completion_tokens]
+        return meta
+
+    @classmethod
+    def _from_meta(cls, meta: dict[str, object], tokens: list[int]) -> SessionRecord:
+        t, p, k, m, r, seed = meta["sampling"]  # type: ignore[misc]
+        end = meta.get("end")
+        return cls(
+            session_id=bytes(meta["session"]),  # type: ignore[arg-type]
+            model_digest=bytes(meta["model"]),  # type: ignore[arg-type]
+            prompt_tokens=tuple(meta["prompt"]),  # type: ignore[arg-type]
+            sampling=SamplingParams(
+                temperature=t, top_p=p, top_k=k, min_p=m, repeat_penalty=r, seed=seed
+            ),
+            max_tokens=int(meta["max_tokens"]),  # type: ignore[call-overload]
+            stop=tuple(meta["stop"]),  # type: ignore[arg-type]
+            ignore_eos=bool(meta["ignore_eos"]),
+            prefill_chunk=int(meta["chunk"]),  # type: ignore[call-overload]
+            created_at_s=float(meta["created"]),  # type: ignore[arg-type]
+            expires_at_s=float(meta["expires"]),  # type: ignore[arg-type]
+            generated=tokens,
+            end=None if end is None else SessionEnd(EndReason(end[0]), int(end[1])),  # type: ignore[index]
+        )
+
+
+@dataclass(frozen=True, slots=True)
+class StoreUsage:
+    sessions: int
+    disk_bytes: int
+
+    def describe(self) -> str:
+        return f"sessions {self.sessions} ({self.disk_bytes / 2**20:.2f} MiB on disk)"
+
+
+class SessionStore:
+    """Every known session, persisted, bounded in count and bytes, expired by TTL."""
+
+    def __init__(
+        self,
+        directory: Path,
+        *,
+        ttl_s: float,
+        max_sessions: int,
+        max_disk_bytes: int,
+        clock: Callable[[], float],
+    ) -> None:
+        self._dir = directory
+        self.ttl_s = ttl_s
+        self._max_sessions = max_sessions
+        self._max_disk_bytes = max_disk_bytes
+        self._clock = clock
+        # Least recently touched first, so eviction takes the stalest.
+        self._records: OrderedDict[bytes, SessionRecord] = OrderedDict()
+        self._logs: dict[bytes, int] = {}  # open token-log descriptors of live sessions
+        self._expired: OrderedDict[bytes, None] = OrderedDict()
+        self._disk_bytes = 0
+        directory.mkdir(parents=True, exist_ok=True, mode=0o700)
+        self._load()
+
+    def __len__(self) -> int:
+        return len(self._records)
+
+    def __iter__(self) -> Iterator[SessionRecord]:
+        return iter(list(self._records.values()))
+
+    def get(self, session: bytes) -> SessionRecord | None:
+        return self._records.get(session)
+
+    def was_expired(self, session: bytes) -> bool:
+        return session in self._expired
+
+    def usage(self) -> StoreUsage:
+        return StoreUsage(sessions=len(self._records), disk_bytes=self._disk_bytes)
+
+    def has_room(self, evictable: Callable[[SessionRecord], bool]) -> bool:
+        """Make room for one more session by evicting the stalest evictable ones."""
+        for record in list(self._records.values()):
+            if len(self._records) < self._max_sessions and self._disk_bytes < self._max_disk_bytes:
+                break
+            if evictable(record):
+                log.info("session store full: evicting session %s", record.session_id.hex())
+                self.remove(record.session_id)
+        return len(self._records) < self._max_sessions and self._disk_bytes < self._max_disk_bytes
+
+    def add(self, record: SessionRecord) -> None:
+        self._records[record.session_id] = record
+        self.save(record)
+
+    def touch(self, record: SessionRecord) -> None:
+        """The session was used: it expires ``ttl_s`` from now."""
+        record.expires_at_s = self._clock() + self.ttl_s
+        self._records.move_to_end(record.session_id)
+        self.save(record)
+
+    def append_token(self, record: SessionRecord, token: int) -> None:
+        """Record a generated token; call before the token is sent to anyone."""
+        record.generated.append(token)
+        fd = self._logs.get(record.session_id)
+        if fd is None:
+            fd = os.open(
+                self._tokens_path(record.session_id),
+                os.O_WRONLY | os.O_APPEND | os.O_CREAT,
+                0o600,
+            )
+            self._logs[record.session_id] = fd
+        # One write(2) of 4 bytes: a kill -9 loses nothing the kernel already has.
+        os.write(fd, _TOKEN.pack(token))
+        self._disk_bytes += _TOKEN.size
+
+    def close_log(self, record: SessionRecord) -> None:
+        fd = self._logs.pop(record.session_id, None)
+        if fd is not None:
+            os.close(fd)
+
+    def save(self, record: SessionRecord) -> None:
+        """Write the record's metadata atomically."""
+        data = canonical_cbor(record._meta())
+        path = self._meta_path(record.session_id)
+        old = path.stat().st_size if path.exists() else 0
+        tmp = self._dir / f".{path.name}.{secrets.token_hex(4)}.tmp"
+        fd = os.open(tmp, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o600)
+        with os.fdopen(fd, "wb") as f:
+            f.write(data)
+        os.replace(tmp, path)
+        self._disk_bytes += len(data) - old
+
+    def remove(self, session: bytes, *, expired: bool = False) -> None:
+        record = self._records.pop(session, None)
+        if record is None:
+            return
+        self.close_log(record)
+        for path in (self._meta_path(session), self._tokens_path(session)):
+            try:
+                self._disk_bytes -= path.stat().st_size
+                path.unlink()
+            except FileNotFoundError:
+                pass
+        if expired:
+            self._expired[session] = None
+            while len(self._expired) > _TOMBSTONES:
+                self._expired.popitem(last=False)
+
+    def expired(self, now_s: float) -> list[SessionRecord]:
+        return [r for r in self._records.values() if r.expires_at_s <= now_s]
+
+    def close(self) -> None:
+        for fd in self._logs.values():
+            os.close(fd)
+        self._logs.clear()
+
+    def _meta_path(self, session: bytes) -> Path:
+        return self._dir / f"{session.hex()}.meta"
+
+    def _tokens_path(self, session: bytes) -> Path:
+        return self._dir / f"{session.hex()}.tokens"
+
+    def _load(self) -> None:
+        for leftover in self._dir.glob(".*.tmp"):
+            leftover.unlink(missing_ok=True)
+        loaded = []
+        for path in self._dir.glob("*.meta"):
+            try:
+                meta = cbor2.loads(path.read_bytes())
+                tokens_path = path.with_suffix(".tokens")
+                raw = tokens_path.read_bytes() if tokens_path.exists() else b""
+                raw = raw[: len(raw) - len(raw) % _TOKEN.size]  # a torn last write
+                tokens = [t for (t,) in _TOKEN.iter_unpack(raw)]
+                record = SessionRecord._from_meta(meta, tokens)
+            except Exception as exc:  # one bad file must not stop the server
+                log.warning("ignoring unreadable session file %s: %s", path.name, exc)
+                continue
+            self._disk_bytes += path.stat().st_size + len(raw)
+            loaded.append(record)
+        for record in sorted(loaded, key=lambda r: r.expires_at_s):
+            self._records[record.session_id] = record
