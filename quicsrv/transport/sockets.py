@@ -33,7 +33,7 @@ __all__ = [
 ]
 
 #: Default SO_RCVBUF / SO_SNDBUF request: a few MB holds a burst from many connections at
-#: once (the kernel default, ~208 KiB, is about 170 full-size datagrams).
+#: once (the usual kernel default, 208 KiB, holds on the order of a hundred datagrams).
 DEFAULT_BUFFER_BYTES = 4 * 1024 * 1024
 
 _LINUX = sys.platform.startswith("linux")
@@ -79,13 +79,17 @@ class AppliedSocketOptions:
     recv_buffer_requested: int
     """SO_RCVBUF as asked for."""
     recv_buffer_bytes: int
-    """SO_RCVBUF as the kernel reports it (Linux reports double the usable size)."""
+    """SO_RCVBUF in effect, comparable with the request (on Linux, half what getsockopt says)."""
+    recv_buffer_reported: int
+    """SO_RCVBUF as getsockopt reports it (Linux reports double the usable size)."""
     recv_buffer_clamped: bool
     """The kernel applied less than was asked for."""
     send_buffer_requested: int
     """SO_SNDBUF as asked for."""
     send_buffer_bytes: int
-    """SO_SNDBUF as the kernel reports it (Linux reports double the usable size)."""
+    """SO_SNDBUF in effect, comparable with the request (on Linux, half what getsockopt says)."""
+    send_buffer_reported: int
+    """SO_SNDBUF as getsockopt reports it (Linux reports double the usable size)."""
     send_buffer_clamped: bool
     """The kernel applied less than was asked for."""
     dont_fragment: bool
@@ -155,10 +159,10 @@ def _configure_and_bind(
         if options.dual_stack and v6only:
             warnings.append("IPV6_V6ONLY stayed on: IPv4 clients cannot reach this socket")
 
-    recv_bytes, recv_clamped = _set_buffer(
+    recv_bytes, recv_reported, recv_clamped = _set_buffer(
         sock, socket.SO_RCVBUF, options.recv_buffer_bytes, "net.core.rmem_max", warnings
     )
-    send_bytes, send_clamped = _set_buffer(
+    send_bytes, send_reported, send_clamped = _set_buffer(
         sock, socket.SO_SNDBUF, options.send_buffer_bytes, "net.core.wmem_max", warnings
     )
 
@@ -181,9 +185,11 @@ def _configure_and_bind(
         family=family_name,
         recv_buffer_requested=options.recv_buffer_bytes,
         recv_buffer_bytes=recv_bytes,
+        recv_buffer_reported=recv_reported,
         recv_buffer_clamped=recv_clamped,
         send_buffer_requested=options.send_buffer_bytes,
         send_buffer_bytes=send_bytes,
+        send_buffer_reported=send_reported,
         send_buffer_clamped=send_clamped,
         dont_fragment=dont_fragment,
         reuse_port=reuse_port,
@@ -193,7 +199,8 @@ def _configure_and_bind(
 
 def _set_buffer(
     sock: socket.socket, option: int, requested: int, sysctl: str, warnings: list[str]
-) -> tuple[int, bool]:
+) -> tuple[int, int, bool]:
+    """Set one buffer size; return (effective, as getsockopt reports it, clamped)."""
     name = "SO_RCVBUF" if option == socket.SO_RCVBUF else "SO_SNDBUF"
     sock.setsockopt(socket.SOL_SOCKET, option, requested)
     reported = sock.getsockopt(socket.SOL_SOCKET, option)
@@ -208,7 +215,7 @@ def _set_buffer(
             f"{name}: asked for {requested} bytes, kernel applied {usable} ({where}; "
             f"raise it with `sysctl -w {sysctl}={requested}`)"
         )
-    return reported, clamped
+    return usable, reported, clamped
 
 
 def _read_sysctl(name: str) -> int | None:

@@ -25,7 +25,11 @@ from typing import Protocol
 
 from aioquic.tls import SessionTicket
 
-__all__ = ["MemoryTicketStore", "TicketStore"]
+__all__ = ["TICKET_LIFETIME_S", "MemoryTicketStore", "TicketStore"]
+
+#: The lifetime aioquic writes into every NewSessionTicket (fixed, not configurable), so the
+#: time clients keep a ticket; a store that forgets sooner turns their 0-RTT into a full handshake.
+TICKET_LIFETIME_S = 86400.0
 
 
 class TicketStore(Protocol):
@@ -58,15 +62,15 @@ class MemoryTicketStore:
     """An in-process :class:`TicketStore`: bounded, with expiry; safe across threads.
 
     When full, adding a ticket evicts the oldest one (its client will do a full handshake).
-    A ticket expires ``ttl_s`` after it was added, or earlier when the ticket's own validity
-    (``not_valid_after``, set by aioquic to 24 h) ends first, which aioquic checks itself.
+    A ticket expires ``ttl_s`` after it was added (default: the lifetime clients are told), or
+    earlier when the ticket's own ``not_valid_after`` passes, which aioquic checks itself.
     ``clock`` is monotonic seconds; tests pass their own.
     """
 
     def __init__(
         self,
         *,
-        ttl_s: float = 3600.0,
+        ttl_s: float = TICKET_LIFETIME_S,
         max_tickets: int = 10_000,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:

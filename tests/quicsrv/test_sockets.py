@@ -49,8 +49,10 @@ def test_ipv4_socket_options_read_back() -> None:
 
         rcvbuf = sock.getsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF)
         sndbuf = sock.getsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF)
-        assert applied.recv_buffer_bytes == rcvbuf == 2 * SMALL_BUFFER  # Linux doubles it
-        assert applied.send_buffer_bytes == sndbuf == 2 * SMALL_BUFFER
+        # Linux doubles the request for its bookkeeping and reports the doubled figure.
+        assert applied.recv_buffer_reported == rcvbuf == 2 * SMALL_BUFFER
+        assert applied.send_buffer_reported == sndbuf == 2 * SMALL_BUFFER
+        assert applied.recv_buffer_bytes == applied.send_buffer_bytes == SMALL_BUFFER
         assert not applied.recv_buffer_clamped and not applied.send_buffer_clamped
 
         assert sock.getsockopt(socket.IPPROTO_IP, IP_MTU_DISCOVER) == PMTUDISC_PROBE
@@ -114,15 +116,16 @@ def test_clamped_buffers_are_reported_with_the_sysctl_to_raise() -> None:
     with sock:
         # Plain SO_RCVBUF is capped by the sysctl even for root (only *FORCE bypasses it).
         rcvbuf = sock.getsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF)
-        assert applied.recv_buffer_bytes == rcvbuf == 2 * rmem_max
-        assert applied.send_buffer_bytes == 2 * wmem_max
+        assert applied.recv_buffer_reported == rcvbuf == 2 * rmem_max
+        assert applied.recv_buffer_bytes == rmem_max
+        assert applied.send_buffer_bytes == wmem_max
     assert applied.recv_buffer_clamped and applied.send_buffer_clamped
     rcv_warning, snd_warning = applied.warnings
     assert "SO_RCVBUF" in rcv_warning
     assert f"net.core.rmem_max is {rmem_max}" in rcv_warning
     assert f"sysctl -w net.core.rmem_max={options.recv_buffer_bytes}" in rcv_warning
     assert "SO_SNDBUF" in snd_warning and "net.core.wmem_max" in snd_warning
-    assert "clamped" in applied.describe()
+    assert f"rcvbuf={rmem_max} (asked {options.recv_buffer_bytes}, clamped)" in applied.describe()
 
 
 def test_reuse_port_lets_two_sockets_bind_one_port() -> None:
