@@ -114,6 +114,7 @@ async def _serve(config: ServerConfig) -> None:
             n_threads=config.n_threads,
             max_queued=config.max_queued_requests,
             batch_invariant=config.batch_invariant,
+            flash_attn=config.flash_attn,
         )
     )
     running = await start_server(engine, config)

@@ -29,6 +29,7 @@ class ServerConfig:
     n_threads: int = 2
     max_queued_requests: int = 64
     batch_invariant: bool = False
+    flash_attn: bool = False
     max_tokens_limit: int = 2048
     max_request_bytes: int = 1 << 20
     idle_timeout_s: float = 60.0

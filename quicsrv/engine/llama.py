@@ -59,6 +59,7 @@ class EngineSettings:
     max_queued: int = 64
     batch_invariant: bool = False
     """Decode each sequence in its own micro-batch so its output never depends on its batch."""
+    flash_attn: bool = False
 
 
 @dataclass(eq=False)
@@ -84,6 +85,9 @@ class _Sequence:
     def pause(self, *, capture_kv: bool = True) -> None:
         self.capture_kv = capture_kv
         self.pause_requested = True
+        # Like a cancel, it leaves at the next step: its admission place is free already.
+        if self.release_admission is not None:
+            self.release_admission(self)
 
     def allow(self, n_tokens: int) -> None:
         # A plain int read by the worker each step, like the cancel flag.
@@ -117,6 +121,13 @@ class LlamaEngine:
         params.n_seq_max = settings.n_seq_max
         params.n_threads = settings.n_threads
         params.n_threads_batch = settings.n_threads
+        # Explicit, not "auto": the attention kernel changes the float results, and "auto"
+        # resolves differently across CPUs and builds (llama-cpp-python's Llama defaults to off).
+        params.flash_attn_type = (
+            llama_cpp.LLAMA_FLASH_ATTN_TYPE_ENABLED
+            if settings.flash_attn
+            else llama_cpp.LLAMA_FLASH_ATTN_TYPE_DISABLED
+        )
         self._context = LlamaContext(model=self._model, params=params, verbose=False)
         self._memory = llama_cpp.llama_get_memory(self._context.ctx)
         self._batch = llama_cpp.llama_batch_init(settings.n_batch, 0, 1)

@@ -39,23 +39,23 @@ async def _server_process(certs, data_dir) -> AsyncIterator[tuple[subprocess.Pop
         "--data-dir",
         str(data_dir),
     ]
-    process = subprocess.Popen(
+    with subprocess.Popen(
         command,
         stdout=subprocess.PIPE,
         stderr=subprocess.DEVNULL,
         text=True,
         env={**os.environ, "PYTHONUNBUFFERED": "1"},
-    )
-    try:
-        assert process.stdout is not None
-        line = await asyncio.to_thread(process.stdout.readline)
-        match = re.search(r"listening on \S+:(\d+)", line)
-        assert match, f"the server did not start: {line!r}"
-        yield process, int(match.group(1))
-    finally:
-        if process.poll() is None:
-            process.send_signal(signal.SIGTERM)
-            await asyncio.to_thread(process.wait, 30)
+    ) as process:
+        try:
+            assert process.stdout is not None
+            line = await asyncio.to_thread(process.stdout.readline)
+            match = re.search(r"listening on \S+:(\d+)", line)
+            assert match, f"the server did not start: {line!r}"
+            yield process, int(match.group(1))
+        finally:
+            if process.poll() is None:
+                process.send_signal(signal.SIGTERM)
+                await asyncio.to_thread(process.wait, 30)
 
 
 async def test_resume_after_kill_9_and_restart_continues_exactly(certs, tmp_path, model_path):

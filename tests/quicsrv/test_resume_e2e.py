@@ -85,9 +85,14 @@ def _cut_points(reference: Joined) -> tuple[set[int], set[int]]:
     utf8_splits = [i for i, t in enumerate(reference.text[:-1]) if t == ""]
     assert utf8_splits, "the prompt must produce a character split across tokens"
     last = len(reference.ids) - 1
-    tokens = {0, 1, 2, 5, 14, 15, 16, 24, 33, 40, last - 1, last, *utf8_splits[:4]}
-    checkpoints = {-1, 15, 31}
-    assert len(tokens) + len(checkpoints) >= 20
+    checkpoints = {-1, 15, 31}  # right after CHECKPOINT(-1) (no token yet), and at two more
+    # Inside characters, around a checkpoint, just before END (last token missing, or only END).
+    tokens = {*utf8_splits[:4], 0, 14, 16, last - 1, last}
+    for extra in (1, 2, 5, 10, 20, 24, 28, 33, 36, 40, 44):
+        if len(tokens) + len(checkpoints) >= 20:
+            break
+        tokens.add(extra)
+    assert len(tokens) + len(checkpoints) == 20
     return tokens, checkpoints
 
 
@@ -132,7 +137,7 @@ async def test_cut_at_20_points_and_resume_gives_the_uninterrupted_output(
     assert joined.ids == reference.ids
     assert joined.joined_text == reference.joined_text
     assert joined.end == reference.end
-    assert len(joined.paths) >= 20
+    assert len(joined.paths) == 20
     expected = "kv-restore" if kv_budget else "replay"
     # Cuts before any token or after the last one need no engine ("none").
     assert expected in joined.paths
