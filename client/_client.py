@@ -77,8 +77,8 @@ class _H3Protocol(QuicConnectionProtocol):
     def _write_stream_limits(
         self, builder: QuicPacketBuilder, space: QuicPacketSpace, stream: QuicStream
     ) -> None:
-        consumed = self._consumed.get(stream.stream_id)
-        if consumed is None:
+        consumed = None if stream.stream_id is None else self._consumed.get(stream.stream_id)
+        if consumed is None or stream.stream_id is None:
             self._default_stream_limits(builder=builder, space=space, stream=stream)
             return
         target = consumed + self._read_window

@@ -15,7 +15,7 @@ import time
 from collections.abc import Callable
 from typing import TextIO
 
-from ._client import Client
+from ._client import Client, Generation
 from ._errors import ClientError
 from ._events import GenerationEnded, ResumePosition, TokenReceived
 
@@ -27,10 +27,17 @@ SEAM = "\u2702"  # scissors: where the connection was cut and the resume took ov
 async def demo_resume(
     args: argparse.Namespace, make_client: Callable[[argparse.Namespace], Client], out: TextIO
 ) -> int:
-    params = dict(
-        max_tokens=args.max_tokens, temperature=args.temperature, seed=args.seed, ignore_eos=True
-    )
-    say = lambda line="": print(line, file=out, flush=True)  # noqa: E731
+    def say(line: str = "") -> None:
+        print(line, file=out, flush=True)
+
+    def start(client: Client) -> Generation:
+        return client.generate(
+            args.prompt,
+            max_tokens=args.max_tokens,
+            temperature=args.temperature,
+            seed=args.seed,
+            ignore_eos=True,
+        )
 
     say(f"reference run: {args.prompt!r}, {args.max_tokens} tokens, seed {args.seed}")
     reference_ids: list[int] = []
@@ -38,7 +45,7 @@ async def demo_resume(
     arrival_s: list[float] = []
     async with make_client(args) as client:
         started = time.perf_counter()
-        async for event in client.generate(args.prompt, **params):  # type: ignore[arg-type]
+        async for event in start(client):
             if isinstance(event, TokenReceived):
                 reference_ids.append(event.token_id)
                 reference_text.append(event.text)
@@ -53,7 +60,7 @@ async def demo_resume(
     position: ResumePosition | None = None
     client = make_client(args)
     await client.connect()
-    generation = client.generate(args.prompt, **params)  # type: ignore[arg-type]
+    generation = start(client)
     async for event in generation:
         if isinstance(event, TokenReceived):
             ids.append(event.token_id)

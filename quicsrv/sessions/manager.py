@@ -192,10 +192,15 @@ class SessionManager:
         return len(expired)
 
     async def run_sweeper(self, interval_s: float) -> None:
+        """Expire sessions every ``interval_s``; log the store's usage whenever it changed."""
+        logged = ""
         while True:
             await asyncio.sleep(interval_s)  # a periodic chore, not synchronisation
             removed = self.sweep()
-            log.info("store usage: %s (expired %d)", self.usage(), removed)
+            usage = self.usage()
+            if usage != logged or removed:
+                log.info("store usage: %s (expired %d)", usage, removed)
+                logged = usage
 
     def shutdown(self) -> None:
         """End every reader's stream with END(shutdown) and pause every engine sequence."""

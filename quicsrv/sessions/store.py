@@ -16,6 +16,7 @@ from collections import OrderedDict
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import cbor2
 
@@ -92,24 +93,24 @@ class SessionRecord:
         return meta
 
     @classmethod
-    def _from_meta(cls, meta: dict[str, object], tokens: list[int]) -> SessionRecord:
-        t, p, k, m, r, seed = meta["sampling"]  # type: ignore[misc]
+    def _from_meta(cls, meta: Any, tokens: list[int]) -> SessionRecord:
+        t, p, k, m, r, seed = meta["sampling"]
         end = meta.get("end")
         return cls(
-            session_id=bytes(meta["session"]),  # type: ignore[arg-type]
-            model_digest=bytes(meta["model"]),  # type: ignore[arg-type]
-            prompt_tokens=tuple(meta["prompt"]),  # type: ignore[arg-type]
+            session_id=bytes(meta["session"]),
+            model_digest=bytes(meta["model"]),
+            prompt_tokens=tuple(meta["prompt"]),
             sampling=SamplingParams(
                 temperature=t, top_p=p, top_k=k, min_p=m, repeat_penalty=r, seed=seed
             ),
-            max_tokens=int(meta["max_tokens"]),  # type: ignore[call-overload]
-            stop=tuple(meta["stop"]),  # type: ignore[arg-type]
+            max_tokens=int(meta["max_tokens"]),
+            stop=tuple(meta["stop"]),
             ignore_eos=bool(meta["ignore_eos"]),
-            prefill_chunk=int(meta["chunk"]),  # type: ignore[call-overload]
-            created_at_s=float(meta["created"]),  # type: ignore[arg-type]
-            expires_at_s=float(meta["expires"]),  # type: ignore[arg-type]
+            prefill_chunk=int(meta["chunk"]),
+            created_at_s=float(meta["created"]),
+            expires_at_s=float(meta["expires"]),
             generated=tokens,
-            end=None if end is None else SessionEnd(EndReason(end[0]), int(end[1])),  # type: ignore[index]
+            end=None if end is None else SessionEnd(EndReason(end[0]), int(end[1])),
         )
 
 
