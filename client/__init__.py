@@ -23,7 +23,7 @@ Errors (see :mod:`client._errors`): :class:`ServerError` for ERROR frames,
 :class:`ClientError`. Breaking out of ``generate`` cancels the request on the server.
 """
 
-from ._client import DEFAULT_CA, H3_REQUEST_CANCELLED, Client, Generation, MessageLike, collect
+from ._client import DEFAULT_CA, H3_REQUEST_CANCELLED, Client, ClientStats, MessageLike
 from ._errors import (
     ClientError,
     ConnectTimeout,
@@ -37,10 +37,13 @@ from ._events import (
     Event,
     GenerationEnded,
     GenerationResult,
+    Reconnected,
     ResumePosition,
     SessionStarted,
     TokenReceived,
 )
+from ._generation import Generation, ReconnectPolicy, collect
+from ._tickets import TicketCache, default_ticket_cache_path
 
 __all__ = [
     "DEFAULT_CA",
@@ -48,6 +51,7 @@ __all__ = [
     "CheckpointReceived",
     "Client",
     "ClientError",
+    "ClientStats",
     "ConnectTimeout",
     "Event",
     "GenerationEnded",
@@ -56,10 +60,14 @@ __all__ = [
     "MessageLike",
     "NetworkError",
     "ProtocolError",
+    "Reconnected",
+    "ReconnectPolicy",
     "ResumePosition",
     "ServerError",
     "SessionStarted",
+    "TicketCache",
     "TokenReceived",
     "TransportError",
     "collect",
+    "default_ticket_cache_path",
 ]

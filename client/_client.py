@@ -1,4 +1,10 @@
-"""The HTTP/3 client: one QUIC connection, one request stream per generation."""
+"""The HTTP/3 client: one QUIC connection, one request stream per generation.
+
+Connections resume TLS sessions with tickets (kept in memory, or in a 0600 cache file shared
+across processes) and then send RESUME_STREAM as 0-RTT early data: a resume costs no round trip
+before the request. GENERATE always waits for the handshake (the server refuses it in early data,
+because a replayed first flight must never start compute).
+"""
 
 from __future__ import annotations
 
@@ -6,22 +12,16 @@ import asyncio
 import contextlib
 import ssl
 import warnings
-from collections.abc import AsyncGenerator, AsyncIterator, Iterable, Mapping, Sequence
+from collections.abc import AsyncIterator, Iterable, Mapping, Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from types import TracebackType
-from typing import Any, cast
+from typing import Any
 
 from aioquic.asyncio.client import connect
-from aioquic.asyncio.protocol import QuicConnectionProtocol
-from aioquic.h3.connection import H3_ALPN, H3Connection
-from aioquic.h3.events import DataReceived, H3Event, HeadersReceived
+from aioquic.h3.connection import H3_ALPN
 from aioquic.quic.configuration import QuicConfiguration
-from aioquic.quic.connection import MAX_STREAM_DATA_FRAME_CAPACITY, QuicConnection
-from aioquic.quic.events import ConnectionTerminated, QuicEvent, StreamDataReceived, StreamReset
-from aioquic.quic.packet import QuicFrameType
-from aioquic.quic.packet_builder import QuicPacketBuilder
-from aioquic.quic.recovery import QuicPacketSpace
-from aioquic.quic.stream import QuicStream
+from aioquic.tls import SessionTicket
 from cryptography.x509 import load_pem_x509_certificates
 
 import proto
@@ -33,146 +33,57 @@ from ._events import (
     GenerationEnded,
     GenerationResult,
     ResumePosition,
-    SessionStarted,
-    TokenReceived,
 )
+from ._generation import (
+    RESUME_PATH,
+    SESSION_HEADER,
+    Generation,
+    ReconnectPolicy,
+    collect,
+    read_response,
+)
+from ._protocol import H3_REQUEST_CANCELLED, H3Protocol
+from ._tickets import TicketCache, ticket_cache_key
 
-__all__ = ["DEFAULT_CA", "GENERATE_PATH", "RESUME_PATH", "Client", "Generation", "MessageLike"]
+__all__ = [
+    "DEFAULT_CA",
+    "GENERATE_PATH",
+    "H3_REQUEST_CANCELLED",
+    "Client",
+    "ClientStats",
+    "MessageLike",
+]
 
 DEFAULT_CA = "certs/ca.pem"
 GENERATE_PATH = "/v1/generate"
-RESUME_PATH = "/v1/resume"
 CONTENT_TYPE = "application/vnd.quicsrv.frames"
-SESSION_HEADER = "quicsrv-session"
-RESUME_PATH_HEADER = "quicsrv-resume-path"
 #: Stream receive window: how far the server may run ahead of what the application has read.
 DEFAULT_READ_WINDOW_BYTES = 16 * 1024
-#: HTTP/3 error code used when the consumer abandons a generation (RFC 9114 §8.1).
-H3_REQUEST_CANCELLED = 0x10C
 
 MessageLike = proto.ChatMessage | Mapping[str, str]
 
-_StreamItem = tuple[H3Event, int] | Exception  # an event and the stream offset it reaches
+
+@dataclass
+class ClientStats:
+    """What happened on this client's connections (also shown by the CLI's ``--json``)."""
+
+    connections: int = 0
+    reconnects: int = 0
+    tickets_offered: int = 0
+    early_data_accepted: int = 0
 
 
-class _H3Protocol(QuicConnectionProtocol):
-    """Feeds QUIC events through an H3Connection and routes them to per-stream queues.
+class _MemoryTickets:
+    """Tickets for this Client object only (no cache file given)."""
 
-    aioquic widens a stream's receive window as data *arrives*; here it widens as the
-    application *reads*, so a consumer that stops iterating really stops the server's stream
-    (RFC 9000 §4.1) instead of buffering without bound. The server sees the stall and pauses
-    that generation, while other streams on the connection go on at full speed.
-    """
+    def __init__(self) -> None:
+        self._tickets: dict[str, SessionTicket] = {}
 
-    def __init__(self, *args: Any, read_window_bytes: int, **kwargs: Any) -> None:
-        super().__init__(*args, **kwargs)
-        self.h3 = H3Connection(self._quic)
-        self.streams: dict[int, asyncio.Queue[_StreamItem]] = {}
-        self.terminated: NetworkError | None = None
-        self._read_window = read_window_bytes
-        self._consumed: dict[int, int] = {}
-        self._default_stream_limits = self._quic._write_stream_limits
-        self._quic._write_stream_limits = self._write_stream_limits  # type: ignore[method-assign]
+    def pop(self, key: str) -> SessionTicket | None:
+        return self._tickets.pop(key, None)
 
-    def _write_stream_limits(
-        self, builder: QuicPacketBuilder, space: QuicPacketSpace, stream: QuicStream
-    ) -> None:
-        consumed = None if stream.stream_id is None else self._consumed.get(stream.stream_id)
-        if consumed is None or stream.stream_id is None:
-            self._default_stream_limits(builder=builder, space=space, stream=stream)
-            return
-        target = consumed + self._read_window
-        # Grow in half-window steps, so one MAX_STREAM_DATA frame covers many reads.
-        if target - stream.max_stream_data_local >= self._read_window // 2:
-            stream.max_stream_data_local = target
-        if stream.max_stream_data_local_sent != stream.max_stream_data_local:
-            quic: QuicConnection = self._quic
-            buf = builder.start_frame(
-                QuicFrameType.MAX_STREAM_DATA,
-                capacity=MAX_STREAM_DATA_FRAME_CAPACITY,
-                handler=quic._on_max_stream_data_delivery,
-                handler_args=(stream,),
-            )
-            buf.push_uint_var(stream.stream_id)
-            buf.push_uint_var(stream.max_stream_data_local)
-            stream.max_stream_data_local_sent = stream.max_stream_data_local
-
-    def mark_consumed(self, stream_id: int, offset: int) -> None:
-        """The application has read the stream up to ``offset``: maybe widen its window."""
-        if stream_id not in self._consumed or offset <= self._consumed[stream_id]:
-            return
-        self._consumed[stream_id] = offset
-        stream = self._quic._streams.get(stream_id)
-        if stream is not None and (
-            offset + self._read_window - stream.max_stream_data_local >= self._read_window // 2
-        ):
-            self.transmit()
-
-    async def wait_connected(self) -> None:
-        try:
-            await super().wait_connected()
-        except asyncio.CancelledError:
-            # Connect timed out: the shielded waiter later fails with ConnectionError when the
-            # connection is closed; retrieve it so asyncio does not log "never retrieved".
-            waiter = self._connected_waiter
-            if waiter is not None:
-                waiter.add_done_callback(_consume_result)
-            raise
-
-    def open_stream(self) -> tuple[int, asyncio.Queue[_StreamItem]]:
-        if self.terminated is not None:
-            raise self.terminated
-        stream_id = self._quic.get_next_available_stream_id()
-        queue: asyncio.Queue[_StreamItem] = asyncio.Queue()
-        self.streams[stream_id] = queue
-        self._consumed[stream_id] = 0
-        return stream_id, queue
-
-    def close_stream(self, stream_id: int) -> None:
-        self.streams.pop(stream_id, None)
-        self._consumed.pop(stream_id, None)
-
-    def quic_event_received(self, event: QuicEvent) -> None:
-        if isinstance(event, ConnectionTerminated):
-            reason = event.reason_phrase or "no reason given"
-            self.terminated = NetworkError(
-                f"connection terminated (error 0x{event.error_code:x}: {reason})"
-            )
-            for queue in self.streams.values():
-                queue.put_nowait(self.terminated)
-        elif isinstance(event, StreamReset):
-            reset_queue = self.streams.get(event.stream_id)
-            if reset_queue is not None:
-                reset_queue.put_nowait(
-                    NetworkError(f"server reset the stream (error 0x{event.error_code:x})")
-                )
-        offset = 0
-        if isinstance(event, StreamDataReceived):
-            stream = self._quic._streams.get(event.stream_id)
-            offset = stream.receiver.starting_offset() if stream is not None else 0
-        for h3_event in self.h3.handle_event(event):
-            if isinstance(h3_event, HeadersReceived | DataReceived):
-                stream_queue = self.streams.get(h3_event.stream_id)
-                if stream_queue is not None:
-                    stream_queue.put_nowait((h3_event, offset))
-        # Deliberately no super() call: the base class would wrap every stream in an unused
-        # StreamReader/StreamWriter pair, which complains when garbage-collected.
-
-    def cancel_stream(self, stream_id: int) -> None:
-        """Abort a request the consumer no longer wants: RESET_STREAM and STOP_SENDING."""
-        if self.terminated is not None:
-            return
-        with contextlib.suppress(Exception):
-            self._quic.reset_stream(stream_id, H3_REQUEST_CANCELLED)
-        with contextlib.suppress(Exception):
-            self._quic.stop_stream(stream_id, H3_REQUEST_CANCELLED)
-        with contextlib.suppress(Exception):
-            self.transmit()
-
-
-def _consume_result(future: asyncio.Future[None]) -> None:
-    if not future.cancelled():
-        future.exception()
+    def put(self, key: str, ticket: SessionTicket) -> None:
+        self._tickets[key] = ticket
 
 
 def _to_message(message: MessageLike) -> proto.ChatMessage:
@@ -188,7 +99,8 @@ class Client:
     """An HTTP/3 connection to a quicsrv server.
 
     Use it as an async context manager; each :meth:`generate` call opens its own request
-    stream, so several generations can share one connection concurrently.
+    stream, so several generations can share one connection concurrently. With ``reconnect``
+    set, a generation whose connection is lost reconnects and resumes inside its ``async for``.
     """
 
     def __init__(
@@ -200,6 +112,9 @@ class Client:
         insecure_skip_verify: bool = False,
         connect_timeout_s: float = 10.0,
         read_window_bytes: int = DEFAULT_READ_WINDOW_BYTES,
+        idle_timeout_s: float = 30.0,
+        ticket_cache: TicketCache | str | Path | None = None,
+        reconnect: ReconnectPolicy | None = None,
     ) -> None:
         self.host = host
         self.port = port
@@ -207,19 +122,40 @@ class Client:
         self.insecure_skip_verify = insecure_skip_verify
         self.connect_timeout_s = connect_timeout_s
         self.read_window_bytes = read_window_bytes
+        self.idle_timeout_s = idle_timeout_s
+        """A connection with nothing received for this long is dead (keepalives while busy)."""
+        self.reconnect_policy = reconnect
+        self.stats = ClientStats()
+        self._tickets: TicketCache | _MemoryTickets = (
+            _MemoryTickets()
+            if ticket_cache is None
+            else ticket_cache
+            if isinstance(ticket_cache, TicketCache)
+            else TicketCache(ticket_cache)
+        )
         self._stack: contextlib.AsyncExitStack | None = None
-        self._protocol: _H3Protocol | None = None
+        self._protocol: H3Protocol | None = None
+        self._handshake: asyncio.Task[None] | None = None
+        self._keepalive: asyncio.Task[None] | None = None
+        self._reconnecting = asyncio.Lock()
 
     @property
     def authority(self) -> str:
         host = f"[{self.host}]" if ":" in self.host else self.host
         return f"{host}:{self.port}"
 
+    @property
+    def early_data_accepted(self) -> bool | None:
+        """Whether the server accepted this connection's 0-RTT data (None: not known yet)."""
+        handshake = self._protocol.handshake if self._protocol is not None else None
+        return None if handshake is None else handshake.early_data_accepted
+
     def _configuration(self) -> QuicConfiguration:
         config = QuicConfiguration(
             is_client=True,
             alpn_protocols=list(H3_ALPN),
             max_stream_data=self.read_window_bytes,
+            idle_timeout=self.idle_timeout_s,
         )
         if self.insecure_skip_verify:
             config.verify_mode = ssl.CERT_NONE
@@ -238,17 +174,30 @@ class Client:
         return config
 
     async def connect(self) -> None:
-        """Open the QUIC connection (done by ``async with``)."""
+        """Open the QUIC connection (done by ``async with``).
+
+        With a session ticket for this server, returns before the handshake completes, so
+        the next request (a resume) travels as 0-RTT data; otherwise waits for it.
+        """
         if self._protocol is not None:
             return
         config = self._configuration()
+        config.server_name = self.host
+        key = ticket_cache_key(self.host, self.port, self.host)
+        ticket = self._tickets.pop(key)
+        # aioquic ignores a ticket for another server name; such a ticket is not 0-RTT.
+        early = ticket is not None and ticket.server_name == config.server_name
+        config.session_ticket = ticket if early else None
         stack = contextlib.AsyncExitStack()
-        created: list[_H3Protocol] = []
+        created: list[H3Protocol] = []
 
-        def create_protocol(*args: Any, **kwargs: Any) -> _H3Protocol:
-            protocol = _H3Protocol(*args, read_window_bytes=self.read_window_bytes, **kwargs)
+        def create_protocol(*args: Any, **kwargs: Any) -> H3Protocol:
+            protocol = H3Protocol(*args, read_window_bytes=self.read_window_bytes, **kwargs)
             created.append(protocol)
             return protocol
+
+        def store_ticket(new_ticket: SessionTicket) -> None:
+            self._tickets.put(key, new_ticket)
 
         try:
             protocol = await asyncio.wait_for(
@@ -258,6 +207,8 @@ class Client:
                         self.port,
                         configuration=config,
                         create_protocol=create_protocol,
+                        session_ticket_handler=store_ticket,
+                        wait_connected=not early,
                     )
                 ),
                 timeout=self.connect_timeout_s,
@@ -273,13 +224,73 @@ class Client:
             if created and created[0].terminated is not None:
                 detail = str(created[0].terminated)
             raise NetworkError(f"cannot connect to {self.authority}: {detail}") from exc
-        assert isinstance(protocol, _H3Protocol)
+        assert isinstance(protocol, H3Protocol)
         self._stack = stack
         self._protocol = protocol
+        self.stats.connections += 1
+        if early:
+            self.stats.tickets_offered += 1
+            loop = asyncio.get_running_loop()
+            # aioquic holds the first flight back when not waiting for the handshake; a request
+            # written in this same turn still rides in it as 0-RTT, a later one right after.
+            loop.call_soon(protocol.transmit)
+            self._handshake = loop.create_task(self._watch_handshake(protocol))
+
+    async def _watch_handshake(self, protocol: H3Protocol) -> None:
+        """With 0-RTT nobody awaited the handshake: fail the connection if it never comes."""
+        try:
+            await asyncio.wait_for(protocol.wait_connected(), self.connect_timeout_s)
+        except TimeoutError:
+            protocol.fail(
+                ConnectTimeout(
+                    f"no QUIC handshake with {self.authority} within {self.connect_timeout_s}s"
+                )
+            )
+            return
+        except ConnectionError as exc:
+            protocol.fail(NetworkError(f"cannot connect to {self.authority}: {exc}"))
+            return
+        if protocol.handshake is not None and protocol.handshake.early_data_accepted:
+            self.stats.early_data_accepted += 1
+
+    async def _wait_handshake(self) -> None:
+        if self._handshake is not None:
+            await asyncio.shield(self._handshake)
+            protocol = self._require_protocol()
+            if protocol.terminated is not None:
+                raise protocol.terminated
+
+    def _start_keepalive(self) -> None:
+        if self._keepalive is None or self._keepalive.done():
+            self._keepalive = asyncio.get_running_loop().create_task(self._send_keepalives())
+
+    async def _send_keepalives(self) -> None:
+        # Three PINGs per idle timeout while streams are open: a live server's ACKs keep the
+        # connection up through long pauses, and a dead one is noticed after idle_timeout_s.
+        while self._protocol is not None and self._protocol.streams:
+            await asyncio.sleep(self.idle_timeout_s / 3)  # a period, not a synchronisation
+            if self._protocol is not None:
+                self._protocol.send_keepalive()
+
+    async def _reconnect(self) -> bool:
+        """Replace a lost connection (once, however many generations ask); True if 0-RTT."""
+        async with self._reconnecting:
+            protocol = self._protocol
+            if protocol is not None and protocol.terminated is None:
+                return self._handshake is not None  # another generation reconnected already
+            await self.close()
+            await self.connect()
+            return self._handshake is not None
 
     async def close(self) -> None:
         """Close the connection gracefully (done on leaving ``async with``)."""
         stack, self._stack, self._protocol = self._stack, None, None
+        for task in (self._handshake, self._keepalive):
+            if task is not None:
+                task.cancel()
+                with contextlib.suppress(asyncio.CancelledError, Exception):
+                    await task
+        self._handshake = self._keepalive = None
         if stack is not None:
             await stack.aclose()
 
@@ -295,7 +306,7 @@ class Client:
     ) -> None:
         await self.close()
 
-    def _require_protocol(self) -> _H3Protocol:
+    def _require_protocol(self) -> H3Protocol:
         if self._protocol is None:
             raise RuntimeError("Client is not connected; use `async with Client(...)`")
         return self._protocol
@@ -413,6 +424,10 @@ class Client:
     async def _request(
         self, path: str, frame: proto.Frame, session_id: str | None
     ) -> AsyncIterator[Event]:
+        """One request stream's events (the machinery under :class:`Generation`)."""
+        if path == GENERATE_PATH:
+            # GENERATE is never sent as 0-RTT data: the server would refuse it (too_early).
+            await self._wait_handshake()
         protocol = self._require_protocol()
         stream_id, queue = protocol.open_stream()
         finished = False
@@ -429,7 +444,8 @@ class Client:
             protocol.h3.send_headers(stream_id, headers)
             protocol.h3.send_data(stream_id, proto.encode_frame(frame), end_stream=True)
             protocol.transmit()
-            async for event in _read_response(protocol, stream_id, queue):
+            self._start_keepalive()
+            async for event in read_response(protocol, stream_id, queue):
                 if isinstance(event, GenerationEnded):
                     finished = True
                 yield event
@@ -443,178 +459,3 @@ class Client:
             protocol.close_stream(stream_id)
             if not finished:
                 protocol.cancel_stream(stream_id)
-
-
-class Generation:
-    """One generation's events, in order, plus where to resume it after any failure.
-
-    Iterate it with ``async for``. Every TOKEN must carry the next index (each token exactly
-    once, in order), or :class:`ProtocolError` is raised. :attr:`position` is the latest
-    checkpoint the client holds together with the last token index it received.
-    """
-
-    def __init__(
-        self,
-        client: Client,
-        path: str,
-        frame: proto.Frame,
-        *,
-        session_id: str | None,
-        last_index: int,
-    ) -> None:
-        self.session_id = session_id
-        self.last_index = last_index
-        self.resume_path: str | None = None
-        """For a resume: how the server rebuilt the decoder state (kv-restore, replay...)."""
-        self._checkpoint: CheckpointReceived | None = None
-        self._events = cast(AsyncGenerator[Event, None], client._request(path, frame, session_id))
-
-    @property
-    def position(self) -> ResumePosition | None:
-        """Where to resume from; None before the server sent a session and a checkpoint."""
-        if self.session_id is None or self._checkpoint is None:
-            return None
-        return ResumePosition(
-            session_id=self.session_id,
-            last_index=self.last_index,
-            checkpoint_index=self._checkpoint.index,
-            snapshot_hash=self._checkpoint.snapshot_hash,
-        )
-
-    def __aiter__(self) -> Generation:
-        return self
-
-    async def __anext__(self) -> Event:
-        event = await self._events.__anext__()
-        if isinstance(event, SessionStarted):
-            if self.session_id is not None and event.session_id != self.session_id:
-                raise ProtocolError(
-                    "the server answered for another session", proto.ErrorCode.INVALID_FIELD
-                )
-            self.session_id = event.session_id
-            self.resume_path = event.resume_path
-        elif isinstance(event, TokenReceived):
-            if event.index != self.last_index + 1:
-                raise ProtocolError(
-                    f"token index {event.index} after {self.last_index}: lost or repeated",
-                    proto.ErrorCode.INVALID_FIELD,
-                )
-            self.last_index = event.index
-        elif isinstance(event, CheckpointReceived) and event.index <= self.last_index:
-            self._checkpoint = event
-        return event
-
-    async def aclose(self) -> None:
-        """Abandon the generation (the server stops it within a token)."""
-        await self._events.aclose()
-
-
-async def collect(events: Generation) -> GenerationResult:
-    """Drain a generation into its text, token ids and END."""
-    parts: list[str] = []
-    token_ids: list[int] = []
-    end: GenerationEnded | None = None
-    try:
-        async for event in events:
-            if isinstance(event, TokenReceived):
-                parts.append(event.text)
-                token_ids.append(event.token_id)
-            elif isinstance(event, GenerationEnded):
-                parts.append(event.text)
-                end = event
-    finally:
-        await events.aclose()
-    if end is None:  # pragma: no cover - the iterator raises instead
-        raise NetworkError("stream ended without END")
-    return GenerationResult(text="".join(parts), token_ids=tuple(token_ids), end=end)
-
-
-async def _read_response(
-    protocol: _H3Protocol, stream_id: int, queue: asyncio.Queue[_StreamItem]
-) -> AsyncIterator[Event]:
-    """Turn one request stream's H3 events into client events; stops after END."""
-    status: int | None = None
-    decoder = proto.FrameDecoder()
-    while True:
-        item = await queue.get()
-        if isinstance(item, Exception):
-            raise item
-        h3_event, offset = item
-        protocol.mark_consumed(stream_id, offset)
-        if isinstance(h3_event, HeadersReceived):
-            if status is None:
-                status, session, resume_path = _parse_headers(h3_event.headers)
-                if session is not None and status == 200:
-                    yield SessionStarted(session_id=session, resume_path=resume_path)
-            frames: list[proto.Frame] = []  # trailers carry nothing we use
-        elif isinstance(h3_event, DataReceived):
-            if status is None:
-                raise ProtocolError(
-                    "DATA before response headers", proto.ErrorCode.UNEXPECTED_FRAME
-                )
-            try:
-                frames = decoder.feed(h3_event.data)
-            except proto.ProtocolError as exc:
-                raise ProtocolError.from_proto(exc) from None
-        else:  # pragma: no cover - only those two are routed here
-            continue
-        for frame in frames:
-            assert status is not None
-            if isinstance(frame, proto.Error):
-                raise ServerError(
-                    frame.code,
-                    frame.message,
-                    http_status=status,
-                    retry_after_s=frame.retry_after_s,
-                )
-            if status != 200:
-                raise ProtocolError(
-                    f"HTTP {status} response body holds {type(frame).__name__}, not ERROR",
-                    proto.ErrorCode.UNEXPECTED_FRAME,
-                )
-            if isinstance(frame, proto.Token):
-                yield TokenReceived(index=frame.index, token_id=frame.token_id, text=frame.text)
-            elif isinstance(frame, proto.Checkpoint):
-                yield CheckpointReceived(index=frame.index, snapshot_hash=frame.snapshot_hash)
-            elif isinstance(frame, proto.End):
-                yield GenerationEnded(
-                    reason=frame.reason,
-                    prompt_tokens=frame.prompt_tokens,
-                    completion_tokens=frame.completion_tokens,
-                    text=frame.text,
-                )
-                return
-            else:
-                raise ProtocolError(
-                    f"unexpected {type(frame).__name__} frame from the server",
-                    proto.ErrorCode.UNEXPECTED_FRAME,
-                )
-        if h3_event.stream_ended:
-            try:
-                decoder.end_of_stream()
-            except proto.ProtocolError as exc:
-                raise ProtocolError.from_proto(exc) from None
-            if status is not None and status != 200:
-                raise ServerError(0, f"HTTP {status} without an ERROR frame", http_status=status)
-            raise NetworkError("stream ended before the END frame")
-
-
-def _parse_headers(headers: list[tuple[bytes, bytes]]) -> tuple[int, str | None, str | None]:
-    status: int | None = None
-    session: str | None = None
-    resume_path: str | None = None
-    for name, value in headers:
-        if name == b":status":
-            try:
-                status = int(value)
-            except ValueError:
-                raise ProtocolError(
-                    f"bad :status {value!r}", proto.ErrorCode.MALFORMED_PAYLOAD
-                ) from None
-        elif name == SESSION_HEADER.encode():
-            session = value.decode("ascii", errors="replace")
-        elif name == RESUME_PATH_HEADER.encode():
-            resume_path = value.decode("ascii", errors="replace")
-    if status is None:
-        raise ProtocolError("response has no :status", proto.ErrorCode.MALFORMED_PAYLOAD)
-    return status, session, resume_path

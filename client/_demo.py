@@ -15,9 +15,10 @@ import time
 from collections.abc import Callable
 from typing import TextIO
 
-from ._client import Client, Generation
+from ._client import Client
 from ._errors import ClientError
 from ._events import GenerationEnded, ResumePosition, TokenReceived
+from ._generation import Generation
 
 __all__ = ["demo_resume"]
 

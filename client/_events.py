@@ -11,6 +11,7 @@ __all__ = [
     "Event",
     "GenerationEnded",
     "GenerationResult",
+    "Reconnected",
     "ResumePosition",
     "SessionStarted",
     "TokenReceived",
@@ -24,6 +25,8 @@ class SessionStarted:
     session_id: str
     resume_path: str | None = None
     """On a resume: how the server rebuilds the decoder state (kv-restore, replay, none)."""
+    early_data: bool = False
+    """The request was answered from 0-RTT early data (a resume on a resumed TLS session)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -54,7 +57,22 @@ class GenerationEnded:
     """Trailing text the server held back while it could have begun a stop sequence."""
 
 
-Event = SessionStarted | TokenReceived | CheckpointReceived | GenerationEnded
+@dataclass(frozen=True, slots=True)
+class Reconnected:
+    """The connection was lost; the client reconnected and resumed after ``last_index``."""
+
+    attempt: int
+    """Which consecutive reconnect attempt succeeded (1: the first)."""
+    last_index: int
+    early_data: bool
+    """The RESUME_STREAM went out as 0-RTT data (a session ticket was held)."""
+    delay_s: float
+    """The backoff pause before this attempt."""
+    error: str
+    """What broke the previous connection."""
+
+
+Event = SessionStarted | TokenReceived | CheckpointReceived | Reconnected | GenerationEnded
 
 
 @dataclass(frozen=True, slots=True)

@@ -19,15 +19,18 @@ from typing import TextIO
 
 import proto
 
-from ._client import DEFAULT_CA, Client, Generation
+from ._client import DEFAULT_CA, Client
 from ._errors import ClientError, ProtocolError, ServerError, TransportError
 from ._events import (
     CheckpointReceived,
     Event,
     GenerationEnded,
+    Reconnected,
     SessionStarted,
     TokenReceived,
 )
+from ._generation import Generation, ReconnectPolicy
+from ._tickets import default_ticket_cache_path
 
 __all__ = ["build_parser", "main", "render_error_json", "render_event_json"]
 
@@ -45,8 +48,19 @@ def render_event_json(event: Event) -> str:
         obj = {"type": "session", "session": event.session_id}
         if event.resume_path is not None:
             obj["resume_path"] = event.resume_path
+        if event.early_data:
+            obj["early_data"] = True
     elif isinstance(event, TokenReceived):
         obj = {"type": "token", "index": event.index, "id": event.token_id, "text": event.text}
+    elif isinstance(event, Reconnected):
+        obj = {
+            "type": "reconnect",
+            "attempt": event.attempt,
+            "last_index": event.last_index,
+            "early_data": event.early_data,
+            "delay_s": round(event.delay_s, 3),
+            "error": event.error,
+        }
     elif isinstance(event, CheckpointReceived):
         obj = {"type": "checkpoint", "index": event.index, "hash": event.snapshot_hash.hex()}
     elif isinstance(event, GenerationEnded):
@@ -95,6 +109,20 @@ def _add_connection_args(parser: argparse.ArgumentParser) -> None:
         help="do not verify the server certificate (development only)",
     )
     parser.add_argument("--connect-timeout", type=float, default=10.0, metavar="SECONDS")
+    parser.add_argument(
+        "--no-auto-resume",
+        dest="auto_resume",
+        action="store_false",
+        help="fail on a lost connection instead of reconnecting and resuming",
+    )
+    parser.add_argument(
+        "--reconnect-attempts", type=int, default=8, help="consecutive reconnects before giving up"
+    )
+    parser.add_argument(
+        "--ticket-cache",
+        default=None,
+        help="TLS session tickets for 0-RTT (default: ~/.cache/quicsrv/tickets.json; '' = none)",
+    )
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -147,12 +175,17 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def _client(args: argparse.Namespace) -> Client:
+    cache = args.ticket_cache
     return Client(
         args.host,
         args.port,
         ca=args.ca,
         insecure_skip_verify=args.insecure_skip_verify,
         connect_timeout_s=args.connect_timeout,
+        ticket_cache=default_ticket_cache_path() if cache is None else (cache or None),
+        reconnect=ReconnectPolicy(max_attempts=args.reconnect_attempts)
+        if args.auto_resume
+        else None,
     )
 
 
@@ -205,6 +238,13 @@ async def _stream(args: argparse.Namespace, out: TextIO, err: TextIO) -> int:
                     out.write(event.text)
                     out.flush()
                     printed_text = True
+                elif isinstance(event, Reconnected):
+                    print(
+                        f"\n[connection lost ({event.error}); resumed after token "
+                        f"{event.last_index}{', 0-RTT' if event.early_data else ''}]",
+                        file=err,
+                        flush=True,
+                    )
                 elif isinstance(event, GenerationEnded):
                     out.write(event.text + "\n")
                     out.flush()

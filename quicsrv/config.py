@@ -34,6 +34,16 @@ class ServerConfig:
     max_request_bytes: int = 1 << 20
     idle_timeout_s: float = 60.0
     shutdown_grace_s: float = 5.0
+    # Transport: UDP socket, congestion control, flow-control windows, 0-RTT tickets.
+    udp_recv_buffer_bytes: int = 4 << 20
+    udp_send_buffer_bytes: int = 4 << 20
+    udp_pmtu_probe: bool = True
+    udp_reuse_port: bool = False
+    congestion_control: str = "cubic"  # aioquic's "reno" or "cubic"
+    max_data_bytes: int = 1 << 20  # what a client may send us per connection (requests)
+    max_stream_data_bytes: int = 1 << 20
+    ticket_ttl_s: float = 86400.0
+    max_tickets: int = 10_000
     # Resumable sessions.
     data_dir: Path = Path(".quicsrv")
     mac_key_hex: str = ""  # empty: <data_dir>/mac-keys.json, created 0600 on first start

@@ -9,6 +9,13 @@ streams go on.
 aioquic has no "writable" event, so flow control is watched from the other end: after every
 datagram (which may carry ACKs) each attached session compares the stream's sent and
 acknowledged offsets and pauses or resumes its engine sequence accordingly.
+
+0-RTT (RFC 8446 §8, RFC 8470): tickets are single-use (the store's ``pop`` is the fetcher), so a
+replayed first flight finds no ticket and its early data is discarded. On top of that, a request
+that completes before the handshake does is answered only if replaying it is harmless: a
+RESUME_STREAM is idempotent (it attaches to an existing session); a GENERATE would start
+compute, so it gets ``too_early`` (425) and the client sends it again after the handshake.
+aioquic delivers early data as ordinary stream events, so the handshake is tracked here.
 """
 
 from __future__ import annotations
@@ -20,12 +27,13 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from aioquic.asyncio.protocol import QuicConnectionProtocol
-from aioquic.asyncio.server import QuicServer, serve
+from aioquic.asyncio.server import QuicServer
 from aioquic.h3.connection import H3_ALPN, H3Connection
 from aioquic.h3.events import DataReceived, H3Event, HeadersReceived
 from aioquic.quic.configuration import QuicConfiguration
 from aioquic.quic.events import (
     ConnectionTerminated,
+    HandshakeCompleted,
     ProtocolNegotiated,
     QuicEvent,
     StopSendingReceived,
@@ -38,6 +46,8 @@ from proto import ErrorCode
 from ..config import ServerConfig
 from ..engine import Engine
 from ..sessions import RequestRejected, Session, SessionManager
+from .sockets import AppliedSocketOptions, SocketOptions, open_udp_socket, serve_on_socket
+from .tickets import MemoryTicketStore, TicketStore
 
 __all__ = ["QuicServerApp", "RunningServer", "start_server"]
 
@@ -48,6 +58,7 @@ GENERATE_PATH = b"/v1/generate"
 RESUME_PATH = b"/v1/resume"
 SESSION_HEADER = b"quicsrv-session"
 RESUME_PATH_HEADER = b"quicsrv-resume-path"
+EARLY_DATA_HEADER = b"quicsrv-early-data"
 #: The client abandoned the request on purpose (RFC 9114 §8.1): no KV snapshot is worth keeping.
 H3_REQUEST_CANCELLED = 0x10C
 
@@ -92,6 +103,8 @@ class QuicServerApp:
         self.sessions = sessions
         self.connections: set[_H3ServerProtocol] = set()
         self.accepting = True
+        self.early_resumes = 0  # RESUME_STREAMs answered from 0-RTT data (stats, tests)
+        self.early_generates_refused = 0
 
     def shut_down_streams(self) -> None:
         """End every open stream with END(shutdown); sessions stay resumable."""
@@ -108,6 +121,7 @@ class _H3ServerProtocol(QuicConnectionProtocol):
         self._h3: H3Connection | None = None
         self._requests: dict[int, _Request] = {}
         self._transmit_scheduled = False
+        self._handshake_done = False
         app.connections.add(self)
 
     @property
@@ -128,6 +142,8 @@ class _H3ServerProtocol(QuicConnectionProtocol):
     def quic_event_received(self, event: QuicEvent) -> None:
         if isinstance(event, ProtocolNegotiated) and event.alpn_protocol in H3_ALPN:
             self._h3 = H3Connection(self._quic)
+        elif isinstance(event, HandshakeCompleted):
+            self._handshake_done = True
         elif isinstance(event, StreamReset | StopSendingReceived):
             # Either direction of a cancelled request: nobody will read the tokens.
             self._detach(event.stream_id, capture_kv=event.error_code != H3_REQUEST_CANCELLED)
@@ -187,9 +203,17 @@ class _H3ServerProtocol(QuicConnectionProtocol):
         frame = request.frames[0]
         sessions = self._app.sessions
         extra: list[tuple[bytes, bytes]] = []
+        early = not self._handshake_done  # the whole request arrived as 0-RTT data
         if request.path == GENERATE_PATH:
             if not isinstance(frame, proto.Generate):
                 raise proto.UnexpectedFrame(f"expected GENERATE, got {frame.frame_type.name}")
+            if early:
+                self._app.early_generates_refused += 1
+                raise RequestRejected(
+                    ErrorCode.TOO_EARLY,
+                    "GENERATE is not accepted in 0-RTT data: send it after the handshake",
+                    retry_after_s=0.0,
+                )
             session = sessions.start(frame)
             from_index = 0
         else:
@@ -197,6 +221,9 @@ class _H3ServerProtocol(QuicConnectionProtocol):
                 raise proto.UnexpectedFrame(f"expected RESUME_STREAM, got {frame.frame_type.name}")
             session = sessions.resume(frame, _parse_session_header(request.session_header))
             from_index = frame.last_index + 1
+            if early:
+                self._app.early_resumes += 1
+                extra.append((EARLY_DATA_HEADER, b"1"))
             path = session.planned_resume_path()
             extra.append((RESUME_PATH_HEADER, b"none" if path is None else path.value.encode()))
         request.session = session
@@ -290,6 +317,8 @@ class RunningServer:
     server: QuicServer
     app: QuicServerApp
     sweeper: asyncio.Task[None]
+    socket_options: AppliedSocketOptions
+    tickets: TicketStore
 
     @property
     def port(self) -> int:
@@ -320,7 +349,10 @@ class RunningServer:
 
 
 async def start_server(
-    engine: Engine, config: ServerConfig, sessions: SessionManager | None = None
+    engine: Engine,
+    config: ServerConfig,
+    sessions: SessionManager | None = None,
+    tickets: TicketStore | None = None,
 ) -> RunningServer:
     """Listen on ``config.host:config.port`` (port 0: an ephemeral one)."""
     configuration = QuicConfiguration(
@@ -328,19 +360,52 @@ async def start_server(
         alpn_protocols=H3_ALPN,
         idle_timeout=config.idle_timeout_s,
         max_datagram_frame_size=None,
+        congestion_control_algorithm=config.congestion_control,
+        max_data=config.max_data_bytes,
+        max_stream_data=config.max_stream_data_bytes,
     )
     configuration.load_cert_chain(config.cert_path, config.key_path)
     if sessions is None:
         sessions = SessionManager(engine, config.session_settings())
-    app = QuicServerApp(engine, config, sessions)
-    server = await serve(
+    if tickets is None:
+        tickets = MemoryTicketStore(ttl_s=config.ticket_ttl_s, max_tickets=config.max_tickets)
+    sock, applied = open_udp_socket(
         config.host,
         config.port,
+        SocketOptions(
+            recv_buffer_bytes=config.udp_recv_buffer_bytes,
+            send_buffer_bytes=config.udp_send_buffer_bytes,
+            pmtu_probe=config.udp_pmtu_probe,
+            reuse_port=config.udp_reuse_port,
+        ),
+    )
+    log.info("socket: %s", applied.describe())
+    for warning in applied.warnings:
+        log.warning("socket: %s", warning)
+    log.info(
+        "transport: congestion=%s idle_timeout=%.0fs max_data=%d max_stream_data=%d "
+        "0-RTT: single-use tickets (ttl %.0fs, at most %d), GENERATE in early data -> too_early",
+        config.congestion_control,
+        config.idle_timeout_s,
+        config.max_data_bytes,
+        config.max_stream_data_bytes,
+        config.ticket_ttl_s,
+        config.max_tickets,
+    )
+    app = QuicServerApp(engine, config, sessions)
+    server = await serve_on_socket(
+        sock,
         configuration=configuration,
         create_protocol=lambda *a, **kw: _H3ServerProtocol(*a, app=app, **kw),
+        # pop, not get: a ticket resumes one connection only, so a replayed first flight
+        # finds none and its 0-RTT data is discarded (RFC 8446 §8.1).
+        session_ticket_fetcher=tickets.pop,
+        session_ticket_handler=tickets.add,
     )
     sweeper = asyncio.get_running_loop().create_task(
         sessions.run_sweeper(config.session_sweep_interval_s)
     )
     log.info("session store: %s", sessions.usage())
-    return RunningServer(server=server, app=app, sweeper=sweeper)
+    return RunningServer(
+        server=server, app=app, sweeper=sweeper, socket_options=applied, tickets=tickets
+    )
