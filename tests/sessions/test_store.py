@@ -42,7 +42,7 @@ def test_records_and_their_tokens_survive_a_restart(tmp_path):
     # No close(): as after a kill -9, only what reached the kernel counts.
     again = _store(tmp_path).get(b"a" * 16)
     assert again is not None
-    assert again.generated == [7, 8, 9]
+    assert list(again.generated) == [7, 8, 9]
     assert again.end == SessionEnd(EndReason.LENGTH, 3)
     assert again.snapshot() == record.snapshot()
     for path in tmp_path.iterdir():
@@ -58,7 +58,7 @@ def test_a_torn_last_token_write_is_ignored(tmp_path):
     with open(tmp_path / f"{(b'b' * 16).hex()}.tokens", "ab") as f:
         f.write(b"\x01\x02")  # half a token
     again = _store(tmp_path).get(b"b" * 16)
-    assert again is not None and again.generated == [5]
+    assert again is not None and list(again.generated) == [5]
 
 
 def test_expired_sessions_are_removed_from_disk_and_remembered(tmp_path):
