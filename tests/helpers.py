@@ -5,6 +5,11 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import dataclasses
+import os
+import re
+import signal
+import subprocess
+import sys
 import tempfile
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
@@ -130,3 +135,43 @@ async def raw_connection(port: int, ca: Path) -> AsyncIterator[_RawProtocol]:
     ) as protocol:
         assert isinstance(protocol, _RawProtocol)
         yield protocol
+
+
+@contextlib.asynccontextmanager
+async def server_process(
+    certs: DevCertPaths, data_dir: Path, port: int = 0
+) -> AsyncIterator[tuple[subprocess.Popen[str], int]]:
+    """``quicsrv serve`` as a real process (to kill -9 it); yields it and its port."""
+    command = [
+        sys.executable,
+        "-m",
+        "quicsrv.cli",
+        "serve",
+        "--host",
+        "127.0.0.1",
+        "--port",
+        str(port),
+        "--cert",
+        str(certs.server_cert),
+        "--key",
+        str(certs.server_key),
+        "--data-dir",
+        str(data_dir),
+    ]
+    with subprocess.Popen(
+        command,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.DEVNULL,
+        text=True,
+        env={**os.environ, "PYTHONUNBUFFERED": "1"},
+    ) as process:
+        try:
+            assert process.stdout is not None
+            line = await asyncio.to_thread(process.stdout.readline)
+            match = re.search(r"listening on \S+:(\d+)", line)
+            assert match, f"the server did not start: {line!r}"
+            yield process, int(match.group(1))
+        finally:
+            if process.poll() is None:
+                process.send_signal(signal.SIGTERM)
+                await asyncio.to_thread(process.wait, 30)

@@ -3,17 +3,12 @@
 from __future__ import annotations
 
 import asyncio
-import contextlib
-import os
-import re
 import signal
-import subprocess
-import sys
-from collections.abc import AsyncIterator
 
 import pytest
 
 from client import Client, GenerationEnded, ResumePosition, TokenReceived
+from tests.helpers import server_process
 
 pytestmark = [pytest.mark.model, pytest.mark.asyncio, pytest.mark.slow]
 
@@ -21,47 +16,10 @@ PROMPT = "The three most important inventions of the last century are"
 PARAMS = dict(max_tokens=64, temperature=0.7, top_k=40, seed=5, ignore_eos=True)
 
 
-@contextlib.asynccontextmanager
-async def _server_process(certs, data_dir) -> AsyncIterator[tuple[subprocess.Popen[str], int]]:
-    command = [
-        sys.executable,
-        "-m",
-        "quicsrv.cli",
-        "serve",
-        "--host",
-        "127.0.0.1",
-        "--port",
-        "0",
-        "--cert",
-        str(certs.server_cert),
-        "--key",
-        str(certs.server_key),
-        "--data-dir",
-        str(data_dir),
-    ]
-    with subprocess.Popen(
-        command,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.DEVNULL,
-        text=True,
-        env={**os.environ, "PYTHONUNBUFFERED": "1"},
-    ) as process:
-        try:
-            assert process.stdout is not None
-            line = await asyncio.to_thread(process.stdout.readline)
-            match = re.search(r"listening on \S+:(\d+)", line)
-            assert match, f"the server did not start: {line!r}"
-            yield process, int(match.group(1))
-        finally:
-            if process.poll() is None:
-                process.send_signal(signal.SIGTERM)
-                await asyncio.to_thread(process.wait, 30)
-
-
 async def test_resume_after_kill_9_and_restart_continues_exactly(certs, tmp_path, model_path):
     ids: list[int] = []
     text: list[str] = []
-    async with _server_process(certs, tmp_path) as (process, port):
+    async with server_process(certs, tmp_path) as (process, port):
         client = Client("127.0.0.1", port, ca=certs.ca_cert)
         await client.connect()
         generation = client.generate(PROMPT, **PARAMS)
@@ -77,7 +35,7 @@ async def test_resume_after_kill_9_and_restart_continues_exactly(certs, tmp_path
         await client.close()
     assert isinstance(position, ResumePosition) and position.last_index == 26
 
-    async with _server_process(certs, tmp_path) as (_process, port):
+    async with server_process(certs, tmp_path) as (_process, port):
         async with Client("127.0.0.1", port, ca=certs.ca_cert) as c:
             resumed = c.resume_from(position)
             async for event in resumed:

@@ -4,13 +4,9 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import os
-import re
 import signal
 import socket
-import subprocess
 import sys
-from collections.abc import AsyncIterator
 from typing import Any
 
 import pytest
@@ -32,7 +28,7 @@ from client import (
     TokenReceived,
 )
 from proto import ErrorCode
-from tests.helpers import running_server
+from tests.helpers import running_server, server_process
 
 pytestmark = [pytest.mark.model, pytest.mark.asyncio]
 
@@ -218,42 +214,6 @@ def _free_udp_port() -> int:
         return int(probe.getsockname()[1])
 
 
-@contextlib.asynccontextmanager
-async def _server(certs, data_dir, port: int) -> AsyncIterator[subprocess.Popen[str]]:
-    command = [
-        sys.executable,
-        "-m",
-        "quicsrv.cli",
-        "serve",
-        "--host",
-        "127.0.0.1",
-        "--port",
-        str(port),
-        "--cert",
-        str(certs.server_cert),
-        "--key",
-        str(certs.server_key),
-        "--data-dir",
-        str(data_dir),
-    ]
-    with subprocess.Popen(
-        command,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.DEVNULL,
-        text=True,
-        env={**os.environ, "PYTHONUNBUFFERED": "1"},
-    ) as process:
-        try:
-            assert process.stdout is not None
-            line = await asyncio.to_thread(process.stdout.readline)
-            assert re.search(r"listening on", line), line
-            yield process
-        finally:
-            if process.poll() is None:
-                process.send_signal(signal.SIGTERM)
-                await asyncio.to_thread(process.wait, 30)
-
-
 @pytest.mark.slow
 async def test_auto_resume_delivers_everything_through_a_kill_9_and_restart(
     certs, tmp_path, model_path
@@ -262,8 +222,8 @@ async def test_auto_resume_delivers_everything_through_a_kill_9_and_restart(
     params = dict(max_tokens=64, temperature=0.8, top_k=40, seed=3, ignore_eos=True)
     events: list[Any] = []
     async with contextlib.AsyncExitStack() as servers:
-        first = await servers.enter_async_context(_server(certs, tmp_path, port))
-        restarted: asyncio.Task[subprocess.Popen[str]] | None = None
+        first, _ = await servers.enter_async_context(server_process(certs, tmp_path, port))
+        restarted: asyncio.Future[Any] | None = None
         client = Client(
             "127.0.0.1",
             port,
@@ -279,7 +239,7 @@ async def test_auto_resume_delivers_everything_through_a_kill_9_and_restart(
                     first.send_signal(signal.SIGKILL)
                     await asyncio.to_thread(first.wait, 30)
                     restarted = asyncio.ensure_future(
-                        servers.enter_async_context(_server(certs, tmp_path, port))
+                        servers.enter_async_context(server_process(certs, tmp_path, port))
                     )
             assert restarted is not None
             await restarted
