@@ -62,10 +62,10 @@ def _settings(data_dir: Path, path: str, ahead: int) -> SessionSettings:
 
 
 async def _cut_at(server: RunningServer, ca: Path, context: int) -> Any:
-    """Generate ``context`` tokens, then drop the connection (the server holds at most one
-    more: ``max_tokens_ahead`` is 1 here)."""
+    """Generate ``context`` tokens, then drop the connection (the server may hold up to
+    ``max_tokens_ahead`` more, which a resume replays from history before the first new one)."""
     async with Client("127.0.0.1", server.port, ca=ca) as c:
-        generation = c.generate(PROMPT, max_tokens=context + 8, ignore_eos=True)
+        generation = c.generate(PROMPT, max_tokens=context + 256, ignore_eos=True)
         live = None
         async for event in generation:
             if isinstance(event, SessionStarted):
@@ -95,7 +95,7 @@ async def _resume_latency(server: RunningServer, ca: Path, context: int) -> tupl
 async def _scratch_latency(server: RunningServer, ca: Path, context: int) -> float:
     async with Client("127.0.0.1", server.port, ca=ca) as c:
         started = time.perf_counter()
-        generation = c.generate(PROMPT, max_tokens=context + 8, ignore_eos=True)
+        generation = c.generate(PROMPT, max_tokens=context + 256, ignore_eos=True)
         async for event in generation:
             if isinstance(event, TokenReceived) and event.index >= context:
                 elapsed = time.perf_counter() - started
@@ -106,7 +106,7 @@ async def _scratch_latency(server: RunningServer, ca: Path, context: int) -> flo
 
 async def _paused_memory(engine: LlamaEngine, certs: Any, context: int) -> dict[str, float]:
     with tempfile.TemporaryDirectory() as scratch:
-        sessions = SessionManager(engine, _settings(Path(scratch), "kv-restore", 1))
+        sessions = SessionManager(engine, _settings(Path(scratch), "kv-restore", 64))
         server = await start_server(engine, _config(certs), sessions)
         try:
             _position, live = await _cut_at(server, certs.ca_cert, context)
@@ -128,7 +128,7 @@ def _config(certs: Any) -> ServerConfig:
 
 
 async def run(contexts: list[int], runs: int) -> dict[str, Any]:
-    max_context = max(contexts) + 64
+    max_context = max(contexts) + 256
     engine = LlamaEngine(
         EngineSettings(
             model_path=default_model_path(), n_seq_max=4, context_per_sequence=max_context + 128
@@ -141,8 +141,7 @@ async def run(contexts: list[int], runs: int) -> dict[str, Any]:
         try:
             for path in PATHS:
                 with tempfile.TemporaryDirectory() as scratch:
-                    # max_tokens_ahead 1: the server stops right where the client cut.
-                    sessions = SessionManager(engine, _settings(Path(scratch), path, 1))
+                    sessions = SessionManager(engine, _settings(Path(scratch), path, 64))
                     server = await start_server(engine, _config(certs), sessions)
                     try:
                         for context in contexts:

@@ -302,7 +302,11 @@ class Session:
         attachment = self._attachment
         if self.finished or self._state is not _EngineState.IDLE or attachment is None:
             return
-        if self._allowance(attachment) <= len(self.record.generated):
+        room = self._allowance(attachment) - len(self.record.generated)
+        # Hysteresis: a paused sequence restarts only once the reader has caught up by half
+        # the allowance, so a slow reader costs one restore per max_tokens_ahead / 2 tokens
+        # rather than one per token.
+        if room < max(1, self._flow.max_tokens_ahead // 2):
             return
         self._state = _EngineState.STARTING
         self._loop.create_task(self._restart())
