@@ -10,9 +10,9 @@ from __future__ import annotations
 
 import logging
 import os
-from array import array
 import secrets
 import struct
+from array import array
 from collections import OrderedDict
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
