@@ -7,6 +7,7 @@ import asyncio
 import logging
 import signal
 import sys
+import time
 from pathlib import Path
 
 from .config import ServerConfig
@@ -58,6 +59,15 @@ def _parser() -> argparse.ArgumentParser:
         dest="max_tokens_ahead",
         help="tokens generated past what a reader acknowledged before its generation pauses",
     )
+    keys = commands.add_parser("keys", help="manage the snapshot MAC keys")
+    keys.add_argument("action", choices=["rotate"], help="make a new current key")
+    keys.add_argument("--data-dir", type=Path, default=Path(".quicsrv"))
+    keys.add_argument(
+        "--previous-key-ttl",
+        type=float,
+        default=86400.0,
+        help="seconds the replaced key keeps verifying older checkpoints",
+    )
     certs = commands.add_parser("certs", help="create the dev CA and server certificate")
     certs.add_argument("--dir", type=Path, default=Path("certs"))
     return parser
@@ -70,6 +80,8 @@ def main(argv: list[str] | None = None) -> int:
     if args.command == "certs":
         print(describe(ensure_dev_certs(args.dir)))
         return 0
+    if args.command == "keys":
+        return _rotate_keys(args.data_dir, args.previous_key_ttl)
     overrides = {
         k: getattr(args, k)
         for k in (
@@ -94,6 +106,20 @@ def main(argv: list[str] | None = None) -> int:
         asyncio.run(_serve(config))
     except KeyboardInterrupt:
         return 130
+    return 0
+
+
+def _rotate_keys(data_dir: Path, previous_key_ttl_s: float) -> int:
+    from .sessions.keys import KeyRing
+
+    path = data_dir / "mac-keys.json"
+    ring = KeyRing.load_or_create(path, previous_key_ttl_s=previous_key_ttl_s)
+    ring.rotate(now_s=time.time())
+    ring.save(path)
+    print(
+        f"rotated {path}: new checkpoints use a new key; older ones verify for "
+        f"{previous_key_ttl_s:.0f}s (a running server reloads the file)"
+    )
     return 0
 
 

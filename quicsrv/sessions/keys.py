@@ -1,7 +1,8 @@
 """The MAC keyring: a current key plus previous ones that still verify until they expire.
 
 Keys live in ``<data_dir>/mac-keys.json`` (created 0600 on first start) unless given by config.
-Rotation makes a new current key; the old one keeps verifying for ``previous_key_ttl_s``.
+Rotation (``quicsrv keys rotate``) makes a new current key; the old one keeps verifying for
+``previous_key_ttl_s``. A running server notices the rewritten file and reloads it.
 """
 
 from __future__ import annotations
@@ -24,18 +25,21 @@ class _Key:
 
 
 class KeyRing:
-    def __init__(self, keys: list[_Key], previous_key_ttl_s: float) -> None:
+    def __init__(
+        self, keys: list[_Key], previous_key_ttl_s: float, path: Path | None = None
+    ) -> None:
         self._keys = keys
         self._ttl_s = previous_key_ttl_s
+        self._path = path
+        self._mtime_ns = path.stat().st_mtime_ns if path is not None and path.exists() else 0
 
     @classmethod
     def load_or_create(cls, path: Path, *, previous_key_ttl_s: float = 86400.0) -> KeyRing:
         if path.exists():
-            raw = json.loads(path.read_text())
-            keys = [_Key(bytes.fromhex(k), None if r is None else float(r)) for k, r in raw]
-            return cls(keys, previous_key_ttl_s)
+            return cls(_read(path), previous_key_ttl_s, path)
         ring = cls([_Key(secrets.token_bytes(KEY_BYTES), None)], previous_key_ttl_s)
         ring.save(path)
+        ring._path, ring._mtime_ns = path, path.stat().st_mtime_ns
         return ring
 
     @classmethod
@@ -46,9 +50,11 @@ class KeyRing:
 
     @property
     def current(self) -> bytes:
+        self._reload_if_changed()
         return next(k.key for k in self._keys if k.retired_at_s is None)
 
     def verifying_keys(self, now_s: float) -> list[bytes]:
+        self._reload_if_changed()
         return [
             k.key
             for k in self._keys
@@ -62,6 +68,16 @@ class KeyRing:
         ]
         self._keys = [_Key(secrets.token_bytes(KEY_BYTES), None), *kept]
 
+    def _reload_if_changed(self) -> None:
+        if self._path is None:
+            return
+        try:
+            mtime_ns = self._path.stat().st_mtime_ns
+            if mtime_ns != self._mtime_ns:
+                self._keys, self._mtime_ns = _read(self._path), mtime_ns
+        except (OSError, ValueError):
+            pass  # a half-written or vanished file: keep the keys we have
+
     def save(self, path: Path) -> None:
         path.parent.mkdir(parents=True, exist_ok=True)
         data = json.dumps([[k.key.hex(), k.retired_at_s] for k in self._keys]).encode()
@@ -72,3 +88,8 @@ class KeyRing:
             f.flush()
             os.fsync(f.fileno())
         os.replace(tmp, path)
+
+
+def _read(path: Path) -> list[_Key]:
+    raw = json.loads(path.read_text())
+    return [_Key(bytes.fromhex(k), None if r is None else float(r)) for k, r in raw]

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import stat
 
 from quicsrv.engine import SamplingParams
@@ -53,3 +54,16 @@ def test_keyring_persists_0600_and_rotation_keeps_old_keys_until_they_expire(tmp
     assert ring.current != old
     assert old in ring.verifying_keys(now_s=105.0)
     assert old not in ring.verifying_keys(now_s=111.0)
+
+
+def test_a_running_keyring_picks_up_a_rotation_written_by_another_process(tmp_path):
+    path = tmp_path / "mac-keys.json"
+    running = KeyRing.load_or_create(path, previous_key_ttl_s=60.0)
+    before = running.current
+    other = KeyRing.load_or_create(path, previous_key_ttl_s=60.0)  # `quicsrv keys rotate`
+    other.rotate(now_s=1000.0)
+    other.save(path)
+    os.utime(path, ns=(1, 1))  # a distinct mtime even on coarse-grained filesystems
+    assert running.current == other.current != before
+    assert before in running.verifying_keys(now_s=1030.0)
+    assert before not in running.verifying_keys(now_s=1061.0)
