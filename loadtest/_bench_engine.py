@@ -1,0 +1,109 @@
+"""quicsrv's own engine in this process, with no server or transport: where does the time go?
+
+Between the raw ``llama_decode`` loop and quicsrv over QUIC sit two layers; timing the
+:class:`~quicsrv.engine.llama.LlamaEngine` alone (tokens stamped on its worker thread) splits the
+gap into the engine's share (scheduling, sampler, callbacks) and the server's (sessions, frames,
+HTTP/3, QUIC, the client).
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+import time
+from collections.abc import Callable, Iterable
+
+from quicsrv.config import ServerConfig
+from quicsrv.engine import FinishReason, SamplingParams, SequenceRequest
+from quicsrv.engine.llama import EngineSettings, LlamaEngine
+
+from ._bench_machine import CpuMeter
+from ._bench_servers import ServerSettings
+from ._bench_stats import PROMPTS, LoadResult, StreamResult, summarise
+
+__all__ = ["ENGINE", "measure_engine"]
+
+ENGINE = "quicsrv engine, in-process"
+WAIT_S = 300.0
+
+
+class _Sink:
+    """Stamps each token into a :class:`StreamResult` on the engine thread."""
+
+    def __init__(self, result: StreamResult) -> None:
+        self.result = result
+        self.done = threading.Event()
+
+    def token_generated(self, index: int, token_id: int, piece: bytes) -> None:
+        self.result.token_times_s.append(time.perf_counter())
+
+    def sequence_finished(self, reason: FinishReason, completion_tokens: int) -> None:
+        self.result.finish = str(reason)
+        self.done.set()
+
+    # Never paused or resumed here; ``object`` keeps these in step with the sink protocol.
+    def sequence_paused(self, state: object) -> None:
+        self.result.finish = "paused"
+        self.done.set()
+
+    def sequence_resumed(self, path: object) -> None:
+        pass
+
+
+def _run(engine: LlamaEngine, streams: int, max_tokens: int) -> tuple[float, list[StreamResult]]:
+    requests = [
+        SequenceRequest(
+            prompt_tokens=tuple(engine.tokenize(PROMPTS[i % len(PROMPTS)], add_special=True)),
+            max_tokens=max_tokens,
+            sampling=SamplingParams(),
+            ignore_eos=True,
+        )
+        for i in range(streams)
+    ]
+    started = time.perf_counter()
+    sinks = []
+    for request in requests:
+        sink = _Sink(StreamResult(expected_tokens=max_tokens, started_s=time.perf_counter()))
+        engine.submit(request, sink)
+        sinks.append(sink)
+    for sink in sinks:
+        if not sink.done.wait(WAIT_S):
+            sink.result.finish = "timeout"
+    return started, [sink.result for sink in sinks]
+
+
+def measure_engine(
+    settings: ServerSettings,
+    loads: Iterable[int],
+    max_tokens: int,
+    repeats: int,
+    *,
+    prefill_chunk: int | None = None,
+    before_each: Callable[[], object] = lambda: None,
+) -> list[LoadResult]:
+    """Every load ``repeats`` times against one engine built like ``quicsrv serve`` builds it."""
+    # ``quicsrv serve`` takes its chunk from ServerConfig, whatever EngineSettings defaults to.
+    chunk = ServerConfig().prefill_chunk_tokens if prefill_chunk is None else prefill_chunk
+    engine = LlamaEngine(
+        EngineSettings(
+            model_path=settings.model_path,
+            n_seq_max=settings.parallel,
+            context_per_sequence=settings.context_per_sequence,
+            n_batch=settings.n_batch,
+            n_threads=settings.n_threads,
+            flash_attn=settings.flash_attn,
+            prefill_chunk=chunk,
+        )
+    )
+    try:
+        _run(engine, 1, 4)
+        results: list[LoadResult] = []
+        for streams in loads:
+            for _ in range(repeats):
+                before_each()
+                meter = CpuMeter([os.getpid()])
+                started, seen = _run(engine, streams, max_tokens)
+                results.append(summarise(ENGINE, max_tokens, started, seen, meter.stop()))
+        return results
+    finally:
+        engine.close()

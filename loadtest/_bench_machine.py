@@ -1,0 +1,75 @@
+"""How much of the machine other processes took while we measured, and waiting for it to calm.
+
+On a small shared machine (2 cores here, other people's test suites running) a benchmark cell is
+only meaningful next to the CPU that others used during it. Linux ``/proc`` gives both numbers:
+the whole machine's busy time, and the CPU time of our own processes (this one and the server).
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from collections.abc import Iterable
+
+__all__ = ["CpuMeter", "busy_share", "wait_until_quiet"]
+
+_TICKS_PER_S = os.sysconf("SC_CLK_TCK")
+_CPUS = os.cpu_count() or 1
+
+
+def _machine_busy_s() -> float:
+    """Seconds of CPU the whole machine spent busy since boot (all cores)."""
+    with open("/proc/stat") as f:
+        fields = [int(x) for x in f.readline().split()[1:]]
+    # user nice system idle iowait irq softirq steal [guest guest_nice: already in user/nice]
+    idle = fields[3] + fields[4]
+    return (sum(fields[:8]) - idle) / _TICKS_PER_S
+
+
+def _process_cpu_s(pid: int) -> float:
+    """User + system CPU seconds of ``pid`` (every thread); 0 once it is gone."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            stat = f.read()
+    except OSError:
+        return 0.0
+    # Field 2 (comm) may hold spaces; everything after its closing parenthesis is fixed.
+    rest = stat[stat.rindex(")") + 2 :].split()
+    return (int(rest[11]) + int(rest[12])) / _TICKS_PER_S
+
+
+class CpuMeter:
+    """CPU time used by processes other than ``ours`` between construction and :meth:`stop`."""
+
+    def __init__(self, ours: Iterable[int]) -> None:
+        self._ours = list(ours)
+        self._started = time.perf_counter()
+        self._machine = _machine_busy_s()
+        self._own = sum(_process_cpu_s(pid) for pid in self._ours)
+
+    def stop(self) -> float:
+        """Others' share of the machine over the interval: 0.0 idle, 1.0 every core busy."""
+        wall = time.perf_counter() - self._started
+        machine = _machine_busy_s() - self._machine
+        own = sum(_process_cpu_s(pid) for pid in self._ours) - self._own
+        return max(0.0, machine - own) / (wall * _CPUS) if wall > 0 else 0.0
+
+
+def busy_share(window_s: float) -> float:
+    """The machine's busy share over the next ``window_s`` seconds (all processes)."""
+    meter = CpuMeter(())
+    time.sleep(window_s)  # a measurement window, not synchronisation
+    return meter.stop()
+
+
+def wait_until_quiet(threshold: float, patience_s: float, window_s: float = 2.0) -> float:
+    """Sample the machine until it is busier than ``threshold`` no more, for ``patience_s``.
+
+    Returns the last sample. Called while our own processes are idle, so what it sees is others.
+    Bounded: after ``patience_s`` it gives up and the cell runs anyway (and says so in its row).
+    """
+    deadline = time.monotonic() + patience_s
+    share = busy_share(window_s)
+    while share > threshold and time.monotonic() < deadline:
+        share = busy_share(window_s)
+    return share

@@ -1,0 +1,169 @@
+"""Model servers as child processes: started, awaited until they say they listen, stopped.
+
+Readiness is the server's own "listening" line, read from its output as it arrives; the output
+is drained into a log file for the whole run so the child never blocks on a full pipe.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import re
+import signal
+import sys
+from collections.abc import AsyncIterator, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+__all__ = ["Child", "ServerSettings", "llama_cpp_server", "quicsrv_server"]
+
+STARTUP_TIMEOUT_S = 120.0
+STOP_TIMEOUT_S = 30.0
+
+_QUICSRV_READY = re.compile(r"listening on \S+:(\d+)")
+_UVICORN_READY = re.compile(r"Uvicorn running on https?://\S+:(\d+)")
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Child:
+    """A started server: the port it announced and its process id (for CPU accounting)."""
+
+    port: int
+    pid: int
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class ServerSettings:
+    """What both servers get, so that they are compared on equal terms."""
+
+    model_path: Path
+    n_threads: int = 2
+    context_per_sequence: int = 2048
+    n_batch: int = 512
+    parallel: int = 8
+    flash_attn: bool = False
+    """Set explicitly everywhere: llama.cpp's "auto" may turn it on, which changes the speed."""
+
+
+async def _drain(
+    stream: asyncio.StreamReader,
+    log: Path,
+    pattern: re.Pattern[str],
+    announced: asyncio.Future[int],
+) -> None:
+    """Copy ``stream`` to ``log`` until EOF; the first ``pattern`` match resolves the port."""
+    with log.open("w") as out:
+        async for raw in stream:
+            line = raw.decode("utf-8", "replace")
+            out.write(line)
+            out.flush()
+            if not announced.done() and (match := pattern.search(line)):
+                announced.set_result(int(match.group(1)))
+
+
+@contextlib.asynccontextmanager
+async def _child(argv: Sequence[str], log: Path, ready: re.Pattern[str]) -> AsyncIterator[Child]:
+    """Run ``argv``; yield it once it announces its port; SIGTERM (then SIGKILL) on the way out."""
+    process = await asyncio.create_subprocess_exec(
+        *argv,
+        stdin=asyncio.subprocess.DEVNULL,
+        stdout=asyncio.subprocess.PIPE,
+        stderr=asyncio.subprocess.STDOUT,
+    )
+    assert process.stdout is not None
+    announced: asyncio.Future[int] = asyncio.get_running_loop().create_future()
+    drain = asyncio.create_task(_drain(process.stdout, log, ready, announced))
+    exited = asyncio.create_task(process.wait())
+    try:
+        done, _ = await asyncio.wait(
+            {announced, exited}, timeout=STARTUP_TIMEOUT_S, return_when=asyncio.FIRST_COMPLETED
+        )
+        if announced not in done:
+            why = f"exited with {process.returncode}" if exited in done else "did not start"
+            raise RuntimeError(f"{argv[0]} {why} within {STARTUP_TIMEOUT_S:.0f}s; see {log}")
+        yield Child(port=announced.result(), pid=process.pid)
+    finally:
+        if process.returncode is None:
+            process.send_signal(signal.SIGTERM)
+            try:
+                await asyncio.wait_for(asyncio.shield(exited), STOP_TIMEOUT_S)
+            except TimeoutError:
+                process.kill()
+        await exited
+        await drain
+
+
+@contextlib.asynccontextmanager
+async def quicsrv_server(
+    settings: ServerSettings, cert: Path, key: Path, log: Path, *, prefill_chunk: int | None = None
+) -> AsyncIterator[Child]:
+    """``quicsrv serve`` on 127.0.0.1 with an ephemeral UDP port."""
+    argv = [
+        sys.executable,
+        "-m",
+        "quicsrv.cli",
+        "serve",
+        "--host=127.0.0.1",
+        "--port=0",
+        f"--model={settings.model_path}",
+        f"--cert={cert}",
+        f"--key={key}",
+        f"--parallel={settings.parallel}",
+        f"--ctx={settings.context_per_sequence}",
+        f"--threads={settings.n_threads}",
+    ]
+    # No CLI flags for these; ServerConfig reads QUICSRV_<KEY> variables.
+    env = [f"QUICSRV_FLASH_ATTN={str(settings.flash_attn).lower()}"]
+    if prefill_chunk is not None:
+        env.append(f"QUICSRV_PREFILL_CHUNK_TOKENS={prefill_chunk}")
+    argv = ["env", *env, *argv]
+    async with _child(argv, log, _QUICSRV_READY) as child:
+        yield child
+
+
+def llama_cpp_server_argv(settings: ServerSettings, *, interrupt_requests: bool) -> list[str]:
+    """``python -m llama_cpp.server`` with the same model, threads, batch and context.
+
+    It decodes one sequence at a time (no ``n_seq_max``), so its context is one sequence's
+    budget. ``logits_all`` is turned off (quicsrv computes only the logits it samples) and
+    ``verbose`` too (no timing print per request): its best settings, not its defaults.
+    """
+    return [
+        sys.executable,
+        "-m",
+        "llama_cpp.server",
+        "--model",
+        str(settings.model_path),
+        "--host",
+        "127.0.0.1",
+        "--port",
+        "0",
+        "--n_ctx",
+        str(settings.context_per_sequence),
+        "--n_batch",
+        str(settings.n_batch),
+        "--n_ubatch",
+        str(settings.n_batch),
+        "--n_threads",
+        str(settings.n_threads),
+        "--n_threads_batch",
+        str(settings.n_threads),
+        "--flash_attn",
+        str(settings.flash_attn),
+        "--logits_all",
+        "False",
+        "--verbose",
+        "False",
+        "--interrupt_requests",
+        str(interrupt_requests),
+    ]
+
+
+@contextlib.asynccontextmanager
+async def llama_cpp_server(
+    settings: ServerSettings, log: Path, *, interrupt_requests: bool
+) -> AsyncIterator[Child]:
+    """llama-cpp-python's OpenAI-compatible server on 127.0.0.1, on an ephemeral TCP port."""
+    argv = llama_cpp_server_argv(settings, interrupt_requests=interrupt_requests)
+    async with _child(argv, log, _UVICORN_READY) as child:
+        yield child

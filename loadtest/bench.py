@@ -1,0 +1,348 @@
+"""Side-by-side benchmark: raw llama.cpp ceiling, quicsrv over QUIC, llama-cpp-python's server.
+
+Same model, same prompts, greedy, ``max_tokens`` fixed, end-of-generation ignored. Everything
+runs one after another on this machine, never two model servers at once::
+
+    .venv/bin/python -m loadtest.bench            # full run, about 5 minutes on 2 cores
+    .venv/bin/python -m loadtest.bench --quick    # smoke run, well under a minute
+
+Prints the markdown table and writes ``loadtest/results/bench-<timestamp>.{md,json,png}``.
+See ``loadtest/README.md`` for what each column means.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import os
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
+from datetime import UTC, datetime
+from pathlib import Path
+from typing import Any
+
+from quicsrv.config import ServerConfig
+from quicsrv.devcerts import ensure_dev_certs
+from quicsrv.engine import default_model_path
+
+from ._bench_engine import ENGINE, measure_engine
+from ._bench_load import run_quicsrv_load, run_sse_load
+from ._bench_machine import CpuMeter, wait_until_quiet
+from ._bench_raw import end_of_generation_tokens, measure_raw
+from ._bench_report import QUICSRV, Report, write_chart
+from ._bench_servers import (
+    ServerSettings,
+    llama_cpp_server,
+    llama_cpp_server_argv,
+    quicsrv_server,
+)
+from ._bench_stats import LoadResult, StreamResult, summarise
+
+DESCRIPTION = "Side-by-side benchmark: raw llama.cpp, quicsrv over QUIC, llama-cpp-python server."
+LLAMA_SERVER = "llama-cpp-python server"
+LLAMA_SERVER_QUEUED = "llama-cpp-python server (queued)"
+WARMUP_TOKENS = 8
+
+_Driver = Callable[[int, int, float], Awaitable[tuple[float, list[StreamResult]]]]
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="python -m loadtest.bench", description=DESCRIPTION)
+    parser.add_argument("--max-tokens", type=int, default=128, help="tokens per stream")
+    parser.add_argument(
+        "--loads",
+        type=lambda s: [int(x) for x in s.split(",")],
+        default=[1, 4, 8, 16],
+        help="comma-separated concurrent stream counts (default 1,4,8,16)",
+    )
+    parser.add_argument(
+        "--repeats", type=int, default=3, help="runs per cell; the least disturbed is shown (3)"
+    )
+    parser.add_argument(
+        "--quiet-below",
+        type=float,
+        default=0.15,
+        help="before each run, wait until other processes use less than this share of the "
+        "machine (default 0.15)",
+    )
+    parser.add_argument(
+        "--quiet-patience-s",
+        type=float,
+        default=60.0,
+        help="longest wait for that before running anyway; 0 never waits (default 60)",
+    )
+    parser.add_argument("--out", type=Path, default=Path("loadtest/results"), help="output dir")
+    parser.add_argument(
+        "--llama-server",
+        choices=["both", "default", "queued", "none"],
+        default="both",
+        help="llama-cpp-python server variants: its default (interrupt_requests=True), "
+        "queued (interrupt_requests=False), both, or none",
+    )
+    parser.add_argument("--parallel", type=int, default=8, help="quicsrv sequences per step")
+    parser.add_argument("--threads", type=int, default=2, help="llama.cpp threads (all)")
+    parser.add_argument("--ctx", type=int, default=2048, help="context per sequence")
+    parser.add_argument("--prefill-chunk", type=int, help="quicsrv prefill_chunk_tokens")
+    parser.add_argument(
+        "--flash-attn",
+        action=argparse.BooleanOptionalAction,
+        default=ServerConfig().flash_attn,
+        help="flash attention for all targets (default: quicsrv's default, off)",
+    )
+    parser.add_argument("--model", type=Path, help="GGUF (default: the project's default)")
+    parser.add_argument(
+        "--report-only",
+        type=Path,
+        metavar="JSON",
+        help="measure nothing: re-render a previous run's bench-*.json (md, png, json)",
+    )
+    parser.add_argument(
+        "--quick", action="store_true", help="smoke run: 16 tokens, loads 1,4, one repeat"
+    )
+    return parser
+
+
+def _log(message: str) -> None:
+    print(message, file=sys.stderr, flush=True)
+
+
+def _commit() -> str:
+    try:
+        head = subprocess.run(
+            ["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, check=True
+        ).stdout.strip()
+        dirty = subprocess.run(["git", "diff", "--quiet", "HEAD"], check=False).returncode != 0
+    except (OSError, subprocess.CalledProcessError):
+        return "unknown"
+    return head + ("+dirty" if dirty else "")
+
+
+def _timeout_s(streams: int, max_tokens: int) -> float:
+    # Generous: 60 s plus 20 tokens/s aggregate, far below anything measured here.
+    return 60.0 + streams * max_tokens / 20.0
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Plan:
+    """What every server is put through, and how long to wait for a quiet machine first."""
+
+    loads: list[int]
+    max_tokens: int
+    repeats: int
+    quiet_below: float
+    quiet_patience_s: float
+
+    def settle(self) -> float:
+        """Wait (bounded) until other processes leave the machine; their last busy share."""
+        if self.quiet_patience_s <= 0:
+            return 0.0
+        return wait_until_quiet(self.quiet_below, self.quiet_patience_s)
+
+
+async def _measure_server(target: str, pid: int, drive: _Driver, plan: Plan) -> list[LoadResult]:
+    """Warm up with one short stream, then every load ``plan.repeats`` times."""
+    await drive(1, WARMUP_TOKENS, _timeout_s(1, WARMUP_TOKENS))
+    results: list[LoadResult] = []
+    for streams in plan.loads:
+        for _ in range(plan.repeats):
+            await asyncio.to_thread(plan.settle)
+            meter = CpuMeter([os.getpid(), pid])
+            started, seen = await drive(
+                streams, plan.max_tokens, _timeout_s(streams, plan.max_tokens)
+            )
+            result = summarise(target, plan.max_tokens, started, seen, meter.stop())
+            _log(
+                f"  {target}, {streams} streams: {result.tokens_per_s:.1f} tokens/s, "
+                f"{result.delivered_tokens}/{result.expected_tokens} tokens delivered, "
+                f"finishes {result.finishes}, others' CPU {result.others_cpu_share:.0%}"
+            )
+            results.append(result)
+    return results
+
+
+async def _measure_servers(
+    settings: ServerSettings,
+    plan: Plan,
+    args: argparse.Namespace,
+    logs: Path,
+    eog: list[int],
+) -> list[LoadResult]:
+    # SIGTERM cancels this task, so the servers it started are stopped on the way out.
+    task = asyncio.current_task()
+    assert task is not None
+    asyncio.get_running_loop().add_signal_handler(signal.SIGTERM, task.cancel)
+    results: list[LoadResult] = []
+    with tempfile.TemporaryDirectory(prefix="quicsrv-bench-") as tmp:
+        certs = ensure_dev_certs(Path(tmp))
+        _log(f"quicsrv over QUIC (log: {logs / 'quicsrv.log'})")
+        async with quicsrv_server(
+            settings,
+            certs.server_cert,
+            certs.server_key,
+            logs / "quicsrv.log",
+            prefill_chunk=args.prefill_chunk,
+        ) as quic:
+
+            async def drive_quic(
+                streams: int, max_tokens: int, timeout_s: float
+            ) -> tuple[float, list[StreamResult]]:
+                return await run_quicsrv_load(
+                    quic.port,
+                    certs.ca_cert,
+                    streams=streams,
+                    max_tokens=max_tokens,
+                    timeout_s=timeout_s,
+                )
+
+            results += await _measure_server(QUICSRV, quic.pid, drive_quic, plan)
+    variants = {
+        "both": [(LLAMA_SERVER, True), (LLAMA_SERVER_QUEUED, False)],
+        "default": [(LLAMA_SERVER, True)],
+        "queued": [(LLAMA_SERVER_QUEUED, False)],
+        "none": [],
+    }[args.llama_server]
+    for name, interrupt in variants:
+        log = logs / f"llama_cpp_server-interrupt_{interrupt}.log"
+        _log(f"{name} over SSE (log: {log})")
+        async with llama_cpp_server(settings, log, interrupt_requests=interrupt) as http:
+
+            async def drive_sse(
+                streams: int, max_tokens: int, timeout_s: float, port: int = http.port
+            ) -> tuple[float, list[StreamResult]]:
+                return await run_sse_load(
+                    port,
+                    streams=streams,
+                    max_tokens=max_tokens,
+                    timeout_s=timeout_s,
+                    suppressed_tokens=eog,
+                )
+
+            results += await _measure_server(name, http.pid, drive_sse, plan)
+    return results
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = _parser().parse_args(argv)
+    if args.report_only is not None:
+        _write(Report.from_json(args.report_only.read_text()), args.report_only.with_suffix(""))
+        return 0
+    if args.quick:
+        args.max_tokens, args.loads, args.repeats, args.quiet_patience_s = 16, [1, 4], 1, 0.0
+    settings = ServerSettings(
+        model_path=args.model or default_model_path(),
+        n_threads=args.threads,
+        context_per_sequence=args.ctx,
+        parallel=args.parallel,
+        flash_attn=args.flash_attn,
+    )
+    timestamp = datetime.now(UTC).strftime("%Y%m%d-%H%M%S")
+    args.out.mkdir(parents=True, exist_ok=True)
+    logs = args.out / f"bench-{timestamp}-logs"
+    logs.mkdir()
+    loadavg_start = os.getloadavg()[0]
+
+    plan = Plan(
+        loads=args.loads,
+        max_tokens=args.max_tokens,
+        repeats=args.repeats,
+        quiet_below=args.quiet_below,
+        quiet_patience_s=args.quiet_patience_s,
+    )
+    counts = sorted({min(n, args.parallel) for n in args.loads} | {1, args.parallel})
+    _log(f"raw llama_decode loop: {counts} sequences per step")
+    raw_runs = [
+        measure_raw(settings, counts, args.max_tokens, before_each=plan.settle)
+        for _ in range(args.repeats)
+    ]
+    all_raw = [r for runs in raw_runs for r in runs]
+    for r in all_raw:
+        _log(
+            f"  raw, {r.sequences} sequences: {r.tokens_per_s:.1f} tokens/s, "
+            f"others' CPU {r.others_cpu_share:.0%}"
+        )
+    _log("quicsrv's engine in-process (no transport)")
+    all_loads = measure_engine(
+        settings,
+        args.loads,
+        args.max_tokens,
+        args.repeats,
+        prefill_chunk=args.prefill_chunk,
+        before_each=plan.settle,
+    )
+    for result in all_loads:
+        _log(
+            f"  engine, {result.streams} streams: {result.tokens_per_s:.1f} tokens/s, "
+            f"others' CPU {result.others_cpu_share:.0%}"
+        )
+    eog = end_of_generation_tokens(settings)
+    try:
+        all_loads += asyncio.run(_measure_servers(settings, plan, args, logs, eog))
+    except (KeyboardInterrupt, asyncio.CancelledError):
+        _log("interrupted: servers stopped, nothing written")
+        return 130
+
+    baselines = list(
+        dict.fromkeys(r.target for r in all_loads if r.target not in (QUICSRV, ENGINE))
+    )
+    meta: dict[str, Any] = {
+        "timestamp": timestamp,
+        "model": settings.model_path.name,
+        "max_tokens": args.max_tokens,
+        "loads": args.loads,
+        "repeats": args.repeats,
+        "quiet_below": args.quiet_below,
+        "quiet_patience_s": args.quiet_patience_s,
+        "n_threads": settings.n_threads,
+        "context_per_sequence": settings.context_per_sequence,
+        "n_batch": settings.n_batch,
+        "parallel": settings.parallel,
+        "flash_attn": settings.flash_attn,
+        "prefill_chunk": args.prefill_chunk or ServerConfig().prefill_chunk_tokens,
+        "cpus": os.cpu_count(),
+        "loadavg_start": loadavg_start,
+        "loadavg_end": os.getloadavg()[0],
+        "commit": _commit(),
+        "llama_cpp_server_argv": llama_cpp_server_argv(settings, interrupt_requests=True)[1:],
+        "end_of_generation_tokens": eog,
+        "notes": [
+            "quicsrv: all streams of a load share one QUIC connection (project client); "
+            "llama-cpp-python server: one HTTP/1.1 connection per stream (httpx), "
+            "`/v1/completions` with `stream: true`.",
+            f"llama-cpp-python server flags: --n_ctx {settings.context_per_sequence} "
+            f"--n_batch {settings.n_batch} --n_ubatch {settings.n_batch} "
+            f"--n_threads {settings.n_threads} --n_threads_batch {settings.n_threads} "
+            f"--flash_attn {settings.flash_attn} --logits_all False --verbose False "
+            "--interrupt_requests True|False; it decodes one sequence at a time (it has no "
+            "parallel setting), so its context is one sequence's.",
+            "EOS: quicsrv and the raw loop decode past it (ignore_eos); the OpenAI API has no "
+            f"such flag, so the server gets logit_bias -100 on {eog} instead.",
+            "`÷ raw` compares with the raw rate at min(streams, parallel) sequences per step.",
+            f"`{ENGINE}`: quicsrv's LlamaEngine driven directly, tokens timed on its worker "
+            "thread: the engine's own overhead without sessions, HTTP/3, QUIC or a client.",
+        ],
+    }
+    report = Report.build(meta, all_raw, all_loads, baselines)
+    _write(report, args.out / f"bench-{timestamp}")
+    _log(f"server logs in {logs}")
+    return 0
+
+
+def _write(report: Report, stem: Path) -> None:
+    markdown = report.markdown()
+    Path(f"{stem}.md").write_text(markdown)
+    Path(f"{stem}.json").write_text(report.to_json())
+    write_chart(report, Path(f"{stem}.png"))
+    print(markdown)
+    _log(f"wrote {stem}.md, {stem}.json, {stem}.png")
+
+
+if __name__ == "__main__":
+    started = time.monotonic()
+    status = main()
+    _log(f"done in {time.monotonic() - started:.0f} s")
+    sys.exit(status)
