@@ -280,11 +280,12 @@ def write_chart(report: Report, path: Path) -> None:
         "k--o",
         label="raw llama_decode ceiling",
     )
-    axes[0].legend(fontsize="small")
+    handles, labels = axes[0].get_legend_handles_labels()
+    fig.legend(handles, labels, loc="lower center", ncol=len(labels), fontsize="small")
     fig.suptitle(
         f"{report.meta['model']}, {report.meta['max_tokens']} tokens/stream, "
         f"{report.meta['n_threads']} threads"
     )
-    fig.tight_layout()
+    fig.tight_layout(rect=(0, 0.07, 1, 1))
     fig.savefig(path, dpi=110)
     plt.close(fig)

@@ -3,8 +3,9 @@
 Same model, same prompts, greedy, ``max_tokens`` fixed, end-of-generation ignored. Everything
 runs one after another on this machine, never two model servers at once::
 
-    .venv/bin/python -m loadtest.bench            # full run, about 5 minutes on 2 cores
-    .venv/bin/python -m loadtest.bench --quick    # smoke run, well under a minute
+    .venv/bin/python -m loadtest.bench            # full run: 15-30 min on 2 cores (3 repeats,
+                                                  # each waiting up to 60 s for a quiet machine)
+    .venv/bin/python -m loadtest.bench --quick    # smoke run, about a minute
 
 Prints the markdown table and writes ``loadtest/results/bench-<timestamp>.{md,json,png}``.
 See ``loadtest/README.md`` for what each column means.
@@ -61,7 +62,10 @@ def _parser() -> argparse.ArgumentParser:
         help="comma-separated concurrent stream counts (default 1,4,8,16)",
     )
     parser.add_argument(
-        "--repeats", type=int, default=3, help="runs per cell; the least disturbed is shown (3)"
+        "--repeats",
+        type=int,
+        default=3,
+        help="runs per cell; of the least disturbed, the median is shown (default 3)",
     )
     parser.add_argument(
         "--quiet-below",

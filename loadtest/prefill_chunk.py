@@ -26,6 +26,7 @@ from quicsrv.engine import default_model_path as _default_model_path
 from quicsrv.engine.llama import EngineSettings, LlamaEngine
 
 from ._bench_machine import CpuMeter, wait_until_quiet
+from ._bench_report import pick
 from ._bench_stats import PROMPTS, percentile
 
 WAIT_S = 120.0
@@ -185,26 +186,21 @@ def measure(
         engine.close()
 
 
-def _quietest(runs: list[ChunkRun]) -> ChunkRun:
-    """Of a chunk size's repetitions, the one that other processes disturbed least."""
-    return min(runs, key=lambda r: r.others_cpu_share)
-
-
 def markdown(results: dict[int, list[ChunkRun]], meta: dict[str, object], decoders: int) -> str:
     lines = [
         f"# Prefill chunk size {meta['timestamp']}",
         "",
         f"{decoders} streams decoding; a {meta['prompt_tokens']}-token prompt arrives. "
-        f"{meta['repeats']} run(s) per chunk size, the one least disturbed by other processes "
-        f"shown; {meta['cpus']} CPUs, load average {meta['loadavg_start']:.2f} at start, "
-        f"{meta['loadavg_end']:.2f} at end.",
+        f"{meta['repeats']} run(s) per chunk size; shown: of the runs least disturbed by other "
+        f"processes, the median TTFT; {meta['cpus']} CPUs, load average "
+        f"{meta['loadavg_start']:.2f} at start, {meta['loadavg_end']:.2f} at end.",
         "",
         "| chunk | steps | long prompt TTFT ms | decode stall (max gap) ms | gap p50 while "
         "prefilling ms | gap p50 before ms | decode tokens/s while prefilling | others' CPU |",
         "|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
     for chunk, runs in results.items():
-        r = _quietest(runs)
+        r = pick(runs, lambda r: r.others_cpu_share, lambda r: r.long_ttft_s)
         room = min(chunk, r.n_batch - decoders)
         steps = -(-r.prompt_tokens // room)
         label = f"{chunk} (unchunked)" if steps == 1 else str(chunk)
@@ -242,8 +238,19 @@ def main(argv: list[str] | None = None) -> int:
         default=60.0,
         help="longest wait for that before running anyway; 0 never waits (default 60)",
     )
+    parser.add_argument(
+        "--report-only",
+        type=Path,
+        nargs="+",
+        metavar="JSON",
+        help="measure nothing: print the table of earlier runs' prefill-chunk-*.json (runs of "
+        "the same chunk size from several files are pooled)",
+    )
     parser.add_argument("--quick", action="store_true", help="chunks 64,256; 500 tokens; 1 run")
     args = parser.parse_args(argv)
+    if args.report_only:
+        print(_rerender(args.report_only))
+        return 0
     if args.quick:
         args.chunks, args.prompt_tokens, args.repeats = [64, 256], 500, 1
         args.quiet_patience_s = 0.0
@@ -288,6 +295,19 @@ def main(argv: list[str] | None = None) -> int:
     print(text)
     print(f"wrote {stem}.md and {stem}.json", file=sys.stderr)
     return 0
+
+
+def _rerender(paths: list[Path]) -> str:
+    payloads = [json.loads(p.read_text()) for p in paths]
+    results: dict[int, list[ChunkRun]] = {}
+    for payload in payloads:
+        for chunk, runs in payload["runs"].items():
+            results.setdefault(int(chunk), []).extend(ChunkRun(**r) for r in runs)
+    meta = dict(payloads[0]["meta"])
+    if len(paths) > 1:
+        meta["timestamp"] = " + ".join(str(p["meta"]["timestamp"]) for p in payloads)
+        meta["loadavg_end"] = payloads[-1]["meta"]["loadavg_end"]
+    return markdown(dict(sorted(results.items())), meta, int(meta["decoders"]))
 
 
 if __name__ == "__main__":
