@@ -65,7 +65,7 @@ def main() -> None:
         defaults = llama_cpp.llama_context_default_params
 
         def unified() -> llama_cpp.llama_context_params:
-            params = defaults()
+            params: llama_cpp.llama_context_params = defaults()
             params.kv_unified = True
             return params
 
