@@ -24,6 +24,9 @@ demo: certs
 demo-resume: certs
 	$(BIN)/python -m quicsrv.demo resume
 
+bench: certs
+	$(BIN)/python -m loadtest.bench
+
 test: certs
 	$(BIN)/python -m pytest
 

@@ -25,7 +25,7 @@ class ServerConfig:
     n_seq_max: int = 8
     context_per_sequence: int = 2048
     n_batch: int = 512
-    prefill_chunk_tokens: int = 256
+    prefill_chunk_tokens: int = 64
     n_threads: int = 2
     max_queued_requests: int = 64
     batch_invariant: bool = False
