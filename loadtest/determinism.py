@@ -13,27 +13,16 @@ import threading
 import time
 from pathlib import Path
 
-from quicsrv.engine import FinishReason, SamplingParams, SequenceRequest, default_model_path
+from loadtest._bench_stats import PROMPTS
+from quicsrv.engine import (
+    FinishReason,
+    PausedState,
+    ResumePath,
+    SamplingParams,
+    SequenceRequest,
+    default_model_path,
+)
 from quicsrv.engine.llama import EngineSettings, LlamaEngine
-
-PROMPTS = [
-    "The history of the printing press",
-    "Write a recipe for tomato soup.",
-    "Explain how a bicycle gear works.",
-    "List five uses for a paperclip:",
-    "Once upon a time in a small village,",
-    "The main causes of the French Revolution were",
-    "def fibonacci(n):",
-    "Photosynthesis is the process by which",
-    "The rules of chess are simple:",
-    "A letter to my future self:",
-    "Why is the ocean salty?",
-    "The best way to learn a language is",
-    "In 1969, the first humans",
-    "How do vaccines work?",
-    "The three laws of thermodynamics",
-    "A haiku about autumn leaves:",
-]
 
 
 class _Sink:
@@ -46,6 +35,12 @@ class _Sink:
 
     def sequence_finished(self, reason: FinishReason, completion_tokens: int) -> None:
         self.done.set()
+
+    def sequence_paused(self, state: PausedState) -> None:
+        self.done.set()  # never asked for here; ending the wait beats hanging on it
+
+    def sequence_resumed(self, path: ResumePath) -> None:
+        pass
 
 
 def _run(engine: LlamaEngine, prompts: list[str], max_tokens: int) -> list[list[int]]:
