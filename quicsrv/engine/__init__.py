@@ -3,6 +3,7 @@
 from ._api import (
     Engine,
     EngineError,
+    EngineUnavailable,
     FinishReason,
     PausedState,
     PromptTooLong,
@@ -18,6 +19,7 @@ from .model import default_model_path
 __all__ = [
     "Engine",
     "EngineError",
+    "EngineUnavailable",
     "FinishReason",
     "PausedState",
     "PromptTooLong",

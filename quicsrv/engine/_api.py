@@ -13,6 +13,7 @@ from typing import Protocol
 __all__ = [
     "Engine",
     "EngineError",
+    "EngineUnavailable",
     "FinishReason",
     "PausedState",
     "PromptTooLong",
@@ -30,10 +31,16 @@ class FinishReason(StrEnum):
     EOS = "eos"
     CANCELLED = "cancelled"
     SHUTDOWN = "shutdown"
+    FAILED = "failed"
+    """The engine failed and could not be brought back: the session stays resumable."""
 
 
 class EngineError(Exception):
     """The engine refused a request."""
+
+
+class EngineUnavailable(EngineError):
+    """The engine failed (its worker crashes in a loop, or its thread died): no new work."""
 
 
 class PromptTooLong(EngineError):

@@ -18,15 +18,14 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
-import blake3
 import llama_cpp
 import numpy as np
 from llama_cpp import _logger as llama_cpp_logger
 from llama_cpp._internals import LlamaContext, LlamaModel
-from llama_cpp.llama_chat_format import Jinja2ChatFormatter
 
 from ._api import (
     EngineError,
+    EngineUnavailable,
     FinishReason,
     PausedState,
     PromptTooLong,
@@ -35,10 +34,33 @@ from ._api import (
     TokenSink,
 )
 from .sampling import SequenceSampler
+from .vocab import Vocabulary, file_digest
 
-__all__ = ["EngineSettings", "LlamaEngine", "Overloaded"]
+__all__ = ["EngineObserver", "EngineSettings", "LlamaEngine", "Overloaded", "check_request"]
 
 log = logging.getLogger(__name__)
+
+
+def check_request(settings: EngineSettings, request: SequenceRequest) -> int:
+    """Refuse what an engine with ``settings`` could never run; returns the prefill chunk."""
+    if not request.prompt_tokens:
+        raise PromptTooLong("the prompt is empty after tokenization")
+    chunk = request.prefill_chunk or settings.prefill_chunk
+    if not 0 < chunk <= settings.n_batch - settings.n_seq_max:
+        # A chunk must always fit beside every decoding sequence's token, so prompts are cut
+        # the same way whatever else is running: an exact replay depends on it.
+        raise EngineError(
+            f"prefill chunk {chunk} must be in 1..n_batch - n_seq_max "
+            f"({settings.n_batch - settings.n_seq_max})"
+        )
+    budget = len(request.prompt_tokens) + request.max_tokens
+    if budget > settings.context_per_sequence:
+        raise PromptTooLong(
+            f"prompt ({len(request.prompt_tokens)} tokens) + max_tokens "
+            f"({request.max_tokens}) exceeds the per-sequence context of "
+            f"{settings.context_per_sequence} tokens"
+        )
+    return chunk
 
 
 class Overloaded(EngineError):
@@ -61,6 +83,25 @@ class EngineSettings:
     batch_invariant: bool = False
     """Decode each sequence in its own micro-batch so its output never depends on its batch."""
     flash_attn: bool = False
+    cpu_extra_buffers: bool = True
+    """llama.cpp's extra CPU weight buffers (AMX, repacked layouts); off = the safe mode."""
+
+
+class EngineObserver:
+    """Hooks around the worker thread's steps (the engine worker process meters and reports
+    through them); every method is called on the engine thread and does nothing here."""
+
+    def decode_started(self) -> None:
+        """``llama_decode`` is about to run."""
+
+    def decode_finished(self) -> None:
+        """``llama_decode`` returned."""
+
+    def step_finished(self) -> None:
+        """A step ended: every sink callback of that step has been made."""
+
+    def engine_failed(self, error: BaseException) -> None:
+        """The worker thread stopped on an exception; every sequence got ``FAILED``."""
 
 
 @dataclass(eq=False)
@@ -107,14 +148,16 @@ class _Sequence:
 class LlamaEngine:
     """Continuous-batching engine over llama-cpp-python's low-level API."""
 
-    def __init__(self, settings: EngineSettings) -> None:
+    def __init__(self, settings: EngineSettings, observer: EngineObserver | None = None) -> None:
         self.settings = settings
+        self._observer = observer or EngineObserver()
         llama_cpp_logger.set_verbose(False)
         llama_cpp.llama_backend_init()
+        model_params = llama_cpp.llama_model_default_params()
+        # Off avoids llama.cpp's AMX buffer, whose batched matmul faults on some Xeons.
+        model_params.use_extra_bufts = settings.cpu_extra_buffers
         self._model = LlamaModel(
-            path_model=str(settings.model_path),
-            params=llama_cpp.llama_model_default_params(),
-            verbose=False,
+            path_model=str(settings.model_path), params=model_params, verbose=False
         )
         params = llama_cpp.llama_context_default_params()
         params.n_ctx = settings.context_per_sequence * settings.n_seq_max
@@ -134,8 +177,7 @@ class LlamaEngine:
         self._memory = llama_cpp.llama_get_memory(self._context.ctx)
         self._batch = llama_cpp.llama_batch_init(settings.n_batch, 0, 1)
         self._n_vocab = self._model.n_vocab()
-        self._model_digest = _file_digest(settings.model_path)
-        self._chat = self._make_chat_formatter()
+        self.vocabulary = Vocabulary(self._model, file_digest(settings.model_path))
         self._inbox: queue.SimpleQueue[_Sequence | None] = queue.SimpleQueue()
         self._waiting: deque[_Sequence] = deque()
         self._active: list[_Sequence] = []
@@ -144,6 +186,7 @@ class LlamaEngine:
         self._submissions = itertools.count()
         self._admission_lock = threading.Lock()
         self._closing = False
+        self._failed = False
         self.tokens_generated_total = 0  # every sampled token, for tests and stats
         self.decode_calls_total = 0
         self._thread = threading.Thread(target=self._run, name="llama-engine", daemon=True)
@@ -161,49 +204,18 @@ class LlamaEngine:
     def model_path(self) -> Path:
         return self.settings.model_path
 
-    def _make_chat_formatter(self) -> Jinja2ChatFormatter | None:
-        metadata = self._model.metadata()
-        template = metadata.get("tokenizer.chat_template")
-        if not template:
-            return None
-        eos = self._model.token_to_piece(self._model.token_eos(), special=True)
-        bos = self._model.token_to_piece(self._model.token_bos(), special=True)
-        return Jinja2ChatFormatter(
-            template=template,
-            eos_token=eos.decode("utf-8", "replace"),
-            bos_token=bos.decode("utf-8", "replace"),
-        )
-
     def tokenize(self, text: str, *, add_special: bool) -> list[int]:
-        return list(self._model.tokenize(text.encode("utf-8"), add_special, True))
+        return self.vocabulary.tokenize(text, add_special=add_special)
 
     def render_chat(self, messages: list[dict[str, str]]) -> str:
-        if self._chat is None:
-            # No template in the GGUF: a plain transcript is the least surprising fallback.
-            lines = [f"{m['role']}: {m['content']}" for m in messages]
-            return "\n".join(lines) + "\nassistant:"
-        return str(self._chat(messages=messages).prompt)  # type: ignore[arg-type]
+        return self.vocabulary.render_chat(messages)
 
     def submit(self, request: SequenceRequest, sink: TokenSink) -> _Sequence:
         """Queue a sequence; raises PromptTooLong or Overloaded instead of waiting unboundedly."""
-        if not request.prompt_tokens:
-            raise PromptTooLong("the prompt is empty after tokenization")
-        chunk = request.prefill_chunk or self.settings.prefill_chunk
-        if not 0 < chunk <= self.settings.n_batch - self.settings.n_seq_max:
-            # A chunk must always fit beside every decoding sequence's token, so prompts are cut
-            # the same way whatever else is running: an exact replay depends on it.
-            raise EngineError(
-                f"prefill chunk {chunk} must be in 1..n_batch - n_seq_max "
-                f"({self.settings.n_batch - self.settings.n_seq_max})"
-            )
-        budget = len(request.prompt_tokens) + request.max_tokens
-        if budget > self.settings.context_per_sequence:
-            raise PromptTooLong(
-                f"prompt ({len(request.prompt_tokens)} tokens) + max_tokens "
-                f"({request.max_tokens}) exceeds the per-sequence context of "
-                f"{self.settings.context_per_sequence} tokens"
-            )
+        chunk = check_request(self.settings, request)
         with self._admission_lock:
+            if self._failed:
+                raise EngineUnavailable("the engine failed; see the server log")
             if self._closing:
                 raise EngineError("the engine is shutting down")
             limit = self.settings.n_seq_max + self.settings.max_queued
@@ -255,11 +267,22 @@ class LlamaEngine:
     def _run(self) -> None:
         try:
             while self._step():
-                pass
-        except Exception:  # the engine thread must never die silently
-            log.exception("engine worker crashed")
+                self._observer.step_finished()
+        except Exception as exc:  # the engine thread must never die silently
+            log.exception("engine worker thread failed")
+            with self._admission_lock:
+                self._failed = True  # nobody would ever serve what is admitted now
             for sequence in [*self._active, *self._waiting]:
-                self._finish(sequence, FinishReason.SHUTDOWN)
+                self._finish(sequence, FinishReason.FAILED)
+            while True:  # and whatever was submitted meanwhile
+                try:
+                    item = self._inbox.get_nowait()
+                except queue.Empty:
+                    break
+                if item is not None:
+                    self._waiting.append(item)
+                    self._finish(item, FinishReason.FAILED)
+            self._observer.engine_failed(exc)
 
     def _step(self) -> bool:
         idle = not self._active and not self._waiting
@@ -332,7 +355,9 @@ class LlamaEngine:
         for i, (sequence, token, position, logits) in enumerate(entries):
             self._add(i, token, position, sequence.seq_id, logits)
         self._batch.n_tokens = len(entries)
+        self._observer.decode_started()
         status = llama_cpp.llama_decode(self._context.ctx, self._batch)
+        self._observer.decode_finished()
         if status != 0:
             raise RuntimeError(f"llama_decode failed with status {status}")
         self.decode_calls_total += 1
@@ -383,7 +408,7 @@ class LlamaEngine:
             written = llama_cpp.llama_state_seq_get_data(
                 self._context.ctx, buffer, size, sequence.seq_id
             )
-            kv = bytes(buffer[:written]) if written else None
+            kv = ctypes.string_at(buffer, written) if written else None
         elif sequence.seq_id < 0 and sequence.request.resume is not None:
             kv = sequence.request.resume.kv_state  # never admitted: hand the blob back as it was
         generated = (*sequence.history, *sequence.forced)
@@ -415,11 +440,11 @@ class LlamaEngine:
                 sequence.sink.sequence_resumed(ResumePath.REPLAY)
             return  # the client already has it; replay only rebuilds the KV cells
         self.tokens_generated_total += 1
-        is_eog = llama_cpp.llama_vocab_is_eog(self._model.vocab, token)
+        is_eog = self.vocabulary.is_end_of_generation(token)
         if is_eog and not sequence.request.ignore_eos:
             self._finish(sequence, FinishReason.EOS)
             return
-        piece = b"" if is_eog else self._piece(token)
+        piece = b"" if is_eog else self.vocabulary.piece(token)
         sequence.sink.token_generated(index, token, piece)
         if sequence.generated >= sequence.request.max_tokens:
             self._finish(sequence, FinishReason.LENGTH)
@@ -431,21 +456,11 @@ class LlamaEngine:
                 self._admitted -= 1
 
     def piece(self, token_id: int) -> bytes:
-        return self._piece(token_id)
+        return self.vocabulary.piece(token_id)
 
     @property
     def model_digest(self) -> bytes:
-        return self._model_digest
-
-    def _piece(self, token: int) -> bytes:
-        """The token's bytes (possibly part of a UTF-8 character)."""
-        size = 64
-        while True:
-            buffer = ctypes.create_string_buffer(size)
-            n = llama_cpp.llama_token_to_piece(self._model.vocab, token, buffer, size, 0, False)
-            if n >= 0:
-                return buffer.raw[:n]
-            size = -n
+        return self.vocabulary.model_digest
 
     def _release(self, sequence: _Sequence) -> bool:
         """Take a sequence out of the engine and free its cells; False if it was not in."""
@@ -466,10 +481,3 @@ class LlamaEngine:
             return
         generated = sequence.generated - (1 if reason is FinishReason.EOS else 0)
         sequence.sink.sequence_finished(reason, generated)
-
-
-def _file_digest(path: Path) -> bytes:
-    """BLAKE3 of the model file: a resumed session must meet the very same weights."""
-    hasher = blake3.blake3(max_threads=blake3.blake3.AUTO)
-    hasher.update_mmap(path)
-    return hasher.digest()

@@ -1,0 +1,133 @@
+"""The messages between the server and its engine worker process.
+
+Both directions carry one message per batch: the server sends the commands gathered since its
+last send (``list[Command]``), the worker sends one :class:`Step` per decode step with every
+sequence's events of that step. Messages are small (token ids, counts); KV blobs travel as files
+in a spool directory (on ``/dev/shm`` where there is one), named in the message, never pickled
+through the pipe.
+
+Sequences are named by a *key* the server assigns; a worker never sees session ids.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from enum import IntEnum
+
+from ._api import FinishReason, ResumePath, SequenceRequest
+
+__all__ = [
+    "Allow",
+    "Cancel",
+    "Command",
+    "Event",
+    "Pause",
+    "Ready",
+    "SequenceCommand",
+    "SequenceFinished",
+    "SequencePaused",
+    "SequenceResumed",
+    "Step",
+    "Stop",
+    "Submit",
+    "TokenGenerated",
+    "WorkerPhase",
+]
+
+
+class WorkerPhase(IntEnum):
+    """What the worker was doing, kept in shared memory so it survives the worker's death:
+    a fault while ``DECODING`` died inside llama.cpp's compute kernels."""
+
+    LOADING = 0
+    CANARY = 1
+    IDLE = 2
+    DECODING = 3
+
+
+# --- server -> worker ---------------------------------------------------------------------
+
+
+@dataclass(frozen=True, slots=True)
+class Submit:
+    key: int
+    request: SequenceRequest
+    """With ``resume.kv_state`` stripped: the blob, if any, is in ``kv_file``."""
+    kv_file: str | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class Cancel:
+    key: int
+
+
+@dataclass(frozen=True, slots=True)
+class Pause:
+    key: int
+    capture_kv: bool
+
+
+@dataclass(frozen=True, slots=True)
+class Allow:
+    key: int
+    n_tokens: int
+
+
+@dataclass(frozen=True, slots=True)
+class Stop:
+    """Finish every sequence and exit."""
+
+
+SequenceCommand = Submit | Cancel | Pause | Allow
+Command = SequenceCommand | Stop
+
+
+# --- worker -> server ---------------------------------------------------------------------
+
+
+@dataclass(frozen=True, slots=True)
+class Ready:
+    """Sent once, after the model loaded and the canary decoded."""
+
+    pid: int
+    cpu_extra_buffers: bool
+    load_s: float
+    canary_s: float
+
+
+@dataclass(frozen=True, slots=True)
+class TokenGenerated:
+    key: int
+    index: int
+    token_id: int
+    piece: bytes
+
+
+@dataclass(frozen=True, slots=True)
+class SequenceFinished:
+    key: int
+    reason: FinishReason
+    completion_tokens: int
+
+
+@dataclass(frozen=True, slots=True)
+class SequencePaused:
+    key: int
+    generated: tuple[int, ...]
+    kv_file: str | None
+
+
+@dataclass(frozen=True, slots=True)
+class SequenceResumed:
+    key: int
+    path: ResumePath
+
+
+Event = TokenGenerated | SequenceFinished | SequencePaused | SequenceResumed
+
+
+@dataclass(frozen=True, slots=True)
+class Step:
+    """One decode step's events (possibly none: a step is also the worker's heartbeat)."""
+
+    events: tuple[Event, ...]

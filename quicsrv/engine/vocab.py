@@ -1,0 +1,93 @@
+"""The model's vocabulary: tokenizing, detokenizing and the chat template, without any weights.
+
+The server process needs these synchronously for every request, but must not load the weights
+or touch llama.cpp's compute kernels (those live in the engine worker process, where a crash
+cannot take the server down). llama.cpp loads a GGUF ``vocab_only`` in milliseconds.
+"""
+
+from __future__ import annotations
+
+import ctypes
+from pathlib import Path
+
+import blake3
+import llama_cpp
+from llama_cpp import _logger as llama_cpp_logger
+from llama_cpp._internals import LlamaModel
+from llama_cpp.llama_chat_format import Jinja2ChatFormatter
+
+__all__ = ["Vocabulary", "file_digest"]
+
+
+class Vocabulary:
+    """Tokenizer, token pieces and chat template of one GGUF model."""
+
+    def __init__(self, model: LlamaModel, model_digest: bytes) -> None:
+        self._model = model
+        self._owned = False
+        self.model_digest = model_digest
+        self._chat = _chat_formatter(model)
+
+    @classmethod
+    def load(cls, model_path: Path) -> Vocabulary:
+        """The vocabulary alone (``vocab_only``): no weights, no compute backend."""
+        llama_cpp_logger.set_verbose(False)
+        llama_cpp.llama_backend_init()
+        params = llama_cpp.llama_model_default_params()
+        params.vocab_only = True
+        model = LlamaModel(path_model=str(model_path), params=params, verbose=False)
+        vocabulary = cls(model, file_digest(model_path))
+        vocabulary._owned = True
+        return vocabulary
+
+    @property
+    def n_vocab(self) -> int:
+        return int(self._model.n_vocab())
+
+    def tokenize(self, text: str, *, add_special: bool) -> list[int]:
+        return list(self._model.tokenize(text.encode("utf-8"), add_special, True))
+
+    def render_chat(self, messages: list[dict[str, str]]) -> str:
+        if self._chat is None:
+            # No template in the GGUF: a plain transcript is the least surprising fallback.
+            lines = [f"{m['role']}: {m['content']}" for m in messages]
+            return "\n".join(lines) + "\nassistant:"
+        return str(self._chat(messages=messages).prompt)  # type: ignore[arg-type]
+
+    def is_end_of_generation(self, token_id: int) -> bool:
+        return bool(llama_cpp.llama_vocab_is_eog(self._model.vocab, token_id))
+
+    def piece(self, token_id: int) -> bytes:
+        """The token's bytes (possibly part of a UTF-8 character)."""
+        size = 64
+        while True:
+            buffer = ctypes.create_string_buffer(size)
+            n = llama_cpp.llama_token_to_piece(self._model.vocab, token_id, buffer, size, 0, False)
+            if n >= 0:
+                return buffer.raw[:n]
+            size = -n
+
+    def close(self) -> None:
+        if self._owned:
+            self._model.close()  # type: ignore[no-untyped-call]
+            self._owned = False
+
+
+def _chat_formatter(model: LlamaModel) -> Jinja2ChatFormatter | None:
+    template = model.metadata().get("tokenizer.chat_template")
+    if not template:
+        return None
+    eos = model.token_to_piece(model.token_eos(), special=True)
+    bos = model.token_to_piece(model.token_bos(), special=True)
+    return Jinja2ChatFormatter(
+        template=template,
+        eos_token=eos.decode("utf-8", "replace"),
+        bos_token=bos.decode("utf-8", "replace"),
+    )
+
+
+def file_digest(path: Path) -> bytes:
+    """BLAKE3 of the model file: a resumed session must meet the very same weights."""
+    hasher = blake3.blake3(max_threads=blake3.blake3.AUTO)
+    hasher.update_mmap(path)
+    return hasher.digest()
