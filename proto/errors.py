@@ -69,6 +69,7 @@ class ErrorCode(IntEnum):
     SESSION_BUSY = 45
     # Our fault, not the peer's.
     INTERNAL_ERROR = 50
+    ENGINE_UNAVAILABLE = 51  # the engine worker crashes in a loop; sessions stay resumable
 
     @property
     def slug(self) -> str:
@@ -144,6 +145,7 @@ _HTTP_STATUS: dict[ErrorCode, int] = {
     ErrorCode.MODEL_CHANGED: 409,
     ErrorCode.SESSION_BUSY: 409,
     ErrorCode.INTERNAL_ERROR: 500,
+    ErrorCode.ENGINE_UNAVAILABLE: 503,
 }
 
 

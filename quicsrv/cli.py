@@ -38,6 +38,19 @@ def _parser() -> argparse.ArgumentParser:
         dest="batch_invariant",
         help="decode each sequence alone so output never depends on batch composition",
     )
+    serve.add_argument(
+        "--cpu-extra-buffers",
+        choices=["auto", "on", "off"],
+        dest="cpu_extra_buffers",
+        help="llama.cpp's extra CPU weight buffers (AMX, repacking); auto: on unless the "
+        "start-up canary crashes the engine worker",
+    )
+    serve.add_argument(
+        "--worker-stall-timeout",
+        type=float,
+        dest="worker_stall_timeout_s",
+        help="seconds without a decode step (while generating) before the worker is replaced",
+    )
     serve.add_argument("--data-dir", type=Path, dest="data_dir", help="sessions, KV and MAC keys")
     serve.add_argument("--session-ttl", type=float, dest="session_ttl_s", help="seconds")
     serve.add_argument(
@@ -94,6 +107,8 @@ def main(argv: list[str] | None = None) -> int:
             "context_per_sequence",
             "n_threads",
             "batch_invariant",
+            "cpu_extra_buffers",
+            "worker_stall_timeout_s",
             "data_dir",
             "session_ttl_s",
             "resume_conflict",
@@ -102,10 +117,15 @@ def main(argv: list[str] | None = None) -> int:
         )
     }
     config = ServerConfig.load(args.config, **overrides)
+    from .engine import EngineUnavailable
+
     try:
         asyncio.run(_serve(config))
     except KeyboardInterrupt:
         return 130
+    except EngineUnavailable as exc:
+        log.error("cannot serve: %s", exc)
+        return 1
     return 0
 
 
@@ -124,24 +144,15 @@ def _rotate_keys(data_dir: Path, previous_key_ttl_s: float) -> int:
 
 
 async def _serve(config: ServerConfig) -> None:
-    from .engine.llama import EngineSettings, LlamaEngine
     from .engine.model import default_model_path
+    from .engine.supervisor import WorkerEngine
     from .transport import start_server
 
     log.info("config: %s", config.describe())
     model_path = config.model_path or default_model_path()
-    engine = LlamaEngine(
-        EngineSettings(
-            model_path=model_path,
-            n_seq_max=config.n_seq_max,
-            context_per_sequence=config.context_per_sequence,
-            n_batch=config.n_batch,
-            prefill_chunk=config.prefill_chunk_tokens,
-            n_threads=config.n_threads,
-            max_queued=config.max_queued_requests,
-            batch_invariant=config.batch_invariant,
-            flash_attn=config.flash_attn,
-        )
+    # Blocks until the worker loaded the model and passed its canary (safe mode decided).
+    engine = await asyncio.to_thread(
+        WorkerEngine, config.engine_settings(model_path), config.supervisor_settings()
     )
     running = await start_server(engine, config)
     host = f"[{config.host}]" if ":" in config.host else config.host

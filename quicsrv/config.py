@@ -10,6 +10,8 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
+    from .engine.llama import EngineSettings
+    from .engine.supervisor import SupervisorSettings
     from .sessions import SessionSettings
 
 __all__ = ["ServerConfig"]
@@ -30,6 +32,12 @@ class ServerConfig:
     max_queued_requests: int = 64
     batch_invariant: bool = False
     flash_attn: bool = False
+    # The engine worker process and its supervision.
+    cpu_extra_buffers: str = "auto"  # "on", "off", or "auto": on unless the start-up canary crashes
+    worker_start_timeout_s: float = 300.0
+    worker_stall_timeout_s: float = 60.0
+    worker_max_restarts: int = 5
+    worker_restart_window_s: float = 600.0
     max_tokens_limit: int = 2048
     max_request_bytes: int = 1 << 20
     idle_timeout_s: float = 60.0
@@ -82,6 +90,32 @@ class ServerConfig:
             for k, v in dataclasses.asdict(self).items()
         }
         return " ".join(f"{k}={v}" for k, v in shown.items())
+
+    def engine_settings(self, model_path: Path) -> EngineSettings:
+        from .engine.llama import EngineSettings
+
+        return EngineSettings(
+            model_path=model_path,
+            n_seq_max=self.n_seq_max,
+            context_per_sequence=self.context_per_sequence,
+            n_batch=self.n_batch,
+            prefill_chunk=self.prefill_chunk_tokens,
+            n_threads=self.n_threads,
+            max_queued=self.max_queued_requests,
+            batch_invariant=self.batch_invariant,
+            flash_attn=self.flash_attn,
+        )
+
+    def supervisor_settings(self) -> SupervisorSettings:
+        from .engine.supervisor import CpuExtraBuffers, SupervisorSettings
+
+        return SupervisorSettings(
+            cpu_extra_buffers=CpuExtraBuffers(self.cpu_extra_buffers),
+            start_timeout_s=self.worker_start_timeout_s,
+            stall_timeout_s=self.worker_stall_timeout_s,
+            max_restarts=self.worker_max_restarts,
+            restart_window_s=self.worker_restart_window_s,
+        )
 
     def session_settings(self) -> SessionSettings:
         from .sessions import FlowSettings, ResumeConflict, SessionSettings

@@ -23,9 +23,11 @@ def model_path() -> Path:
 
 @pytest.fixture(scope="session")
 def engine(model_path: Path) -> Iterator[object]:
-    """The real llama.cpp engine, loaded once for the whole session."""
-    from quicsrv.engine.llama import EngineSettings, LlamaEngine
+    """The engine as ``quicsrv serve`` runs it: llama.cpp in a supervised worker process,
+    started once for the whole session."""
+    from quicsrv.engine.llama import EngineSettings
+    from quicsrv.engine.supervisor import WorkerEngine
 
-    engine = LlamaEngine(EngineSettings(model_path=model_path, n_seq_max=8, max_queued=8))
+    engine = WorkerEngine(EngineSettings(model_path=model_path, n_seq_max=8, max_queued=8))
     yield engine
     engine.close()

@@ -21,7 +21,7 @@ from pathlib import Path
 import proto
 from proto import ErrorCode
 
-from ..engine import Engine, EngineError, PromptTooLong
+from ..engine import Engine, EngineError, EngineUnavailable, PromptTooLong
 from .generation import RequestRejected, build_request
 from .keys import KeyRing
 from .kvstore import KVStore
@@ -126,6 +126,8 @@ class SessionManager:
             session.start()
         except PromptTooLong as exc:
             raise RequestRejected(ErrorCode.PROMPT_TOO_LONG, str(exc)) from None
+        except EngineUnavailable as exc:
+            raise RequestRejected(ErrorCode.ENGINE_UNAVAILABLE, str(exc)) from None
         except EngineError as exc:
             retry = getattr(exc, "retry_after_s", None)
             code = ErrorCode.OVERLOADED if retry is not None else ErrorCode.SHUTTING_DOWN

@@ -24,6 +24,7 @@ from proto import EndReason
 from ..engine import (
     Engine,
     EngineError,
+    EngineUnavailable,
     FinishReason,
     PausedState,
     ResumePath,
@@ -249,6 +250,9 @@ class Session:
     def _on_finished(self, reason: FinishReason, completion_tokens: int) -> None:
         self._state = _EngineState.IDLE
         self._handle = None
+        if reason is FinishReason.FAILED:
+            self._fail_reader("the engine failed and could not be restarted; resume later")
+            return
         if reason is FinishReason.LENGTH:
             self._record_end(SessionEnd(EndReason.LENGTH, completion_tokens))
         elif reason is FinishReason.EOS:
@@ -328,6 +332,10 @@ class Session:
                     inexact_reprefill=self._flow.inexact_reprefill,
                 )
             )
+        except EngineUnavailable as exc:
+            self._state = _EngineState.IDLE
+            self._fail_reader(str(exc))
+            return
         except EngineError as exc:
             self._state = _EngineState.IDLE
             retry = getattr(exc, "retry_after_s", 1.0)
@@ -393,6 +401,15 @@ class Session:
             session_id=self.session_id, index=index, snapshot_hash=snapshot_hash
         )
         attachment.port.send(proto.encode_frame(frame), False)
+
+    def _fail_reader(self, message: str) -> None:
+        """End the reader's stream with ERROR(engine_unavailable); the session stays resumable
+        (its tokens are on disk), so the client can come back once the engine is."""
+        attachment, self._attachment = self._attachment, None
+        if attachment is not None:  # it was sent every token already: _pump runs per token
+            error = proto.Error(code=proto.ErrorCode.ENGINE_UNAVAILABLE, message=message)
+            attachment.port.send(proto.encode_frame(error), True)
+        self._check_idle()
 
     def _check_idle(self) -> None:
         if self._attachment is None and self._state is _EngineState.IDLE:

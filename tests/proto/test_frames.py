@@ -442,6 +442,7 @@ def test_each_protocol_error_class_has_its_own_code() -> None:
         (ErrorCode.MODEL_CHANGED, 409),
         (ErrorCode.SESSION_BUSY, 409),
         (ErrorCode.INTERNAL_ERROR, 500),
+        (ErrorCode.ENGINE_UNAVAILABLE, 503),
     ],
 )
 def test_http_status_for_each_code(code: ErrorCode, status: int) -> None:
@@ -460,7 +461,12 @@ def test_http_status_is_an_error_status_for_every_code() -> None:
         assert 400 <= status <= 599
         # Our own faults are the only 5xx besides capacity and shutdown.
         if status >= 500:
-            assert code in {ErrorCode.INTERNAL_ERROR, ErrorCode.OVERLOADED, ErrorCode.SHUTTING_DOWN}
+            assert code in {
+                ErrorCode.INTERNAL_ERROR,
+                ErrorCode.ENGINE_UNAVAILABLE,
+                ErrorCode.OVERLOADED,
+                ErrorCode.SHUTTING_DOWN,
+            }
 
 
 # --- sans-I/O ------------------------------------------------------------------------------

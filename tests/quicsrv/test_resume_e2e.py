@@ -81,17 +81,18 @@ async def _run_with_cuts(port: int, ca, should_cut: Callable[[Event], bool], **p
 
 
 def _cut_points(reference: Joined) -> tuple[set[int], set[int]]:
-    """Token indices and checkpoint indices to cut at: 20 in all."""
+    """Token indices and checkpoint indices to cut at: 20 in all, whatever text the model
+    happens to produce on this CPU (only the split characters' positions depend on it)."""
     utf8_splits = [i for i, t in enumerate(reference.text[:-1]) if t == ""]
     assert utf8_splits, "the prompt must produce a character split across tokens"
     last = len(reference.ids) - 1
     checkpoints = {-1, 15, 31}  # right after CHECKPOINT(-1) (no token yet), and at two more
     # Inside characters, around a checkpoint, just before END (last token missing, or only END).
-    tokens = {*utf8_splits[:4], 0, 14, 16, last - 1, last}
-    for extra in (1, 2, 5, 10, 20, 24, 28, 33, 36, 40, 44):
-        if len(tokens) + len(checkpoints) >= 20:
-            break
-        tokens.add(extra)
+    # (Not at a checkpoint's own token: after that cut the checkpoint is never sent again.)
+    tokens = {*utf8_splits[:4], 0, 14, 16, last - 1, last} - checkpoints
+    # Then spread over the rest of the generation until there are 20.
+    fillers = sorted(set(range(1, last)) - tokens - checkpoints, key=lambda i: (i * 7) % last)
+    tokens.update(fillers[: 20 - len(checkpoints) - len(tokens)])
     assert len(tokens) + len(checkpoints) == 20
     return tokens, checkpoints
 
