@@ -104,6 +104,14 @@ class SupervisorSettings:
     """Where KV blobs pass between the processes; None: a fresh directory in /dev/shm."""
 
 
+_PHASE_WORDS = {
+    WorkerPhase.LOADING: "while loading the model",
+    WorkerPhase.CANARY: "in the start-up canary",
+    WorkerPhase.IDLE: "between decode steps",
+    WorkerPhase.DECODING: "inside llama_decode",
+}
+
+
 @dataclass(frozen=True, slots=True)
 class _Death:
     """How a worker ended."""
@@ -140,7 +148,7 @@ class _Death:
             how = "exited: the canary decoded wrongly"
         else:
             how = f"exited with status {self.exitcode}"
-        return f"{how} while {self.phase.name.lower()}"
+        return f"{how} {_PHASE_WORDS[self.phase]}"
 
 
 @dataclass(eq=False)
