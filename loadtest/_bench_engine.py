@@ -92,6 +92,7 @@ def measure_engine(
             n_batch=settings.n_batch,
             n_threads=settings.n_threads,
             flash_attn=settings.flash_attn,
+            cpu_extra_buffers=settings.cpu_extra_buffers,
             prefill_chunk=chunk,
         )
     )

@@ -38,11 +38,32 @@ def _process_cpu_s(pid: int) -> float:
     return (int(rest[11]) + int(rest[12])) / _TICKS_PER_S
 
 
+def _with_descendants(pids: Iterable[int]) -> list[int]:
+    """``pids`` and all their children, grandchildren... (quicsrv's engine worker process)."""
+    found: list[int] = []
+    pending = list(pids)
+    while pending:
+        pid = pending.pop()
+        found.append(pid)
+        try:
+            tasks = os.listdir(f"/proc/{pid}/task")
+        except OSError:
+            continue
+        for task in tasks:
+            try:
+                with open(f"/proc/{pid}/task/{task}/children") as f:
+                    pending.extend(int(child) for child in f.read().split())
+            except OSError:
+                continue
+    return found
+
+
 class CpuMeter:
-    """CPU time used by processes other than ``ours`` between construction and :meth:`stop`."""
+    """CPU time used by processes other than ``ours`` (and their descendants) between
+    construction and :meth:`stop`."""
 
     def __init__(self, ours: Iterable[int]) -> None:
-        self._ours = list(ours)
+        self._ours = _with_descendants(ours)
         self._started = time.perf_counter()
         self._machine = _machine_busy_s()
         self._own = sum(_process_cpu_s(pid) for pid in self._ours)

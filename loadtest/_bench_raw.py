@@ -54,10 +54,10 @@ class _RawEngine:
     def __init__(self, settings: ServerSettings) -> None:
         llama_cpp_logger.set_verbose(False)
         llama_cpp.llama_backend_init()
+        model_params = llama_cpp.llama_model_default_params()
+        model_params.use_extra_bufts = settings.cpu_extra_buffers
         self.model = LlamaModel(
-            path_model=str(settings.model_path),
-            params=llama_cpp.llama_model_default_params(),
-            verbose=False,
+            path_model=str(settings.model_path), params=model_params, verbose=False
         )
         params = llama_cpp.llama_context_default_params()
         params.n_ctx = settings.context_per_sequence * settings.parallel

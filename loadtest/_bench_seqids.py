@@ -16,6 +16,7 @@ from collections.abc import Sequence
 import llama_cpp
 
 from quicsrv.engine import default_model_path
+from quicsrv.engine.supervisor import probe_cpu_extra_buffers
 
 from ._bench_machine import CpuMeter
 from ._bench_raw import _RawEngine
@@ -70,7 +71,10 @@ def main() -> None:
             return params
 
         llama_cpp.llama_context_default_params = unified
-    engine = _RawEngine(ServerSettings(model_path=default_model_path()))
+    model = default_model_path()
+    engine = _RawEngine(
+        ServerSettings(model_path=model, cpu_extra_buffers=probe_cpu_extra_buffers(model))
+    )
     try:
         step_times(engine, [0], 4)
         print(f"kv_unified={args.unified}: decode step ms (min / p10 / p50), others' CPU")

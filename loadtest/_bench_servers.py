@@ -43,6 +43,8 @@ class ServerSettings:
     parallel: int = 8
     flash_attn: bool = False
     """Set explicitly everywhere: llama.cpp's "auto" may turn it on, which changes the speed."""
+    cpu_extra_buffers: bool = True
+    """llama.cpp's extra CPU weight buffers (AMX); quicsrv's canary decides (``probe``)."""
 
 
 async def _drain(
@@ -111,6 +113,7 @@ async def quicsrv_server(
         f"--parallel={settings.parallel}",
         f"--ctx={settings.context_per_sequence}",
         f"--threads={settings.n_threads}",
+        f"--cpu-extra-buffers={'on' if settings.cpu_extra_buffers else 'off'}",
     ]
     # No CLI flags for these; ServerConfig reads QUICSRV_<KEY> variables.
     env = [f"QUICSRV_FLASH_ATTN={str(settings.flash_attn).lower()}"]

@@ -30,6 +30,7 @@ from typing import Any
 from quicsrv.config import ServerConfig
 from quicsrv.devcerts import ensure_dev_certs
 from quicsrv.engine import default_model_path
+from quicsrv.engine.supervisor import probe_cpu_extra_buffers
 
 from ._bench_engine import ENGINE, measure_engine
 from ._bench_load import run_quicsrv_load, run_sse_load
@@ -243,6 +244,9 @@ def main(argv: list[str] | None = None) -> int:
         context_per_sequence=args.ctx,
         parallel=args.parallel,
         flash_attn=args.flash_attn,
+        # In-process targets below run llama.cpp in this process: a worker process tries the
+        # extra buffers (AMX) first, so a machine where they crash measures the safe mode.
+        cpu_extra_buffers=probe_cpu_extra_buffers(args.model or default_model_path()),
     )
     timestamp = datetime.now(UTC).strftime("%Y%m%d-%H%M%S")
     args.out.mkdir(parents=True, exist_ok=True)

@@ -23,6 +23,7 @@ from quicsrv.engine import (
     default_model_path,
 )
 from quicsrv.engine.llama import EngineSettings, LlamaEngine
+from quicsrv.engine.supervisor import probe_cpu_extra_buffers
 
 
 class _Sink:
@@ -63,8 +64,13 @@ def _first_divergence(a: list[int], b: list[int]) -> int | None:
 
 
 def measure(batch_invariant: bool, max_tokens: int) -> dict[str, object]:
+    model = default_model_path()
     engine = LlamaEngine(
-        EngineSettings(model_path=default_model_path(), batch_invariant=batch_invariant)
+        EngineSettings(
+            model_path=model,
+            batch_invariant=batch_invariant,
+            cpu_extra_buffers=probe_cpu_extra_buffers(model),
+        )
     )
     try:
         solo = [_run(engine, [p], max_tokens)[0] for p in PROMPTS]

@@ -24,6 +24,7 @@ from pathlib import Path
 from quicsrv.engine import FinishReason, SamplingParams, SequenceRequest
 from quicsrv.engine import default_model_path as _default_model_path
 from quicsrv.engine.llama import EngineSettings, LlamaEngine
+from quicsrv.engine.supervisor import probe_cpu_extra_buffers
 
 from ._bench_machine import CpuMeter, wait_until_quiet
 from ._bench_report import pick
@@ -170,7 +171,14 @@ def measure(
     # (chunk <= n_batch - n_seq_max); only chunks above 504 need more than the default 512.
     n_seq_max = EngineSettings(model_path=model).n_seq_max
     n_batch = max(512, chunk + n_seq_max)
-    engine = LlamaEngine(EngineSettings(model_path=model, prefill_chunk=chunk, n_batch=n_batch))
+    engine = LlamaEngine(
+        EngineSettings(
+            model_path=model,
+            prefill_chunk=chunk,
+            n_batch=n_batch,
+            cpu_extra_buffers=probe_cpu_extra_buffers(model),
+        )
+    )
     try:
         text = _PARAGRAPH * (prompt_tokens // 60 + 2)
         long_prompt = engine.tokenize(text, add_special=True)[:prompt_tokens]

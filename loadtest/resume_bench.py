@@ -36,6 +36,7 @@ from quicsrv.config import ServerConfig
 from quicsrv.devcerts import ensure_dev_certs
 from quicsrv.engine import default_model_path
 from quicsrv.engine.llama import EngineSettings, LlamaEngine
+from quicsrv.engine.supervisor import probe_cpu_extra_buffers
 from quicsrv.sessions import FlowSettings, SessionManager, SessionSettings
 from quicsrv.transport import RunningServer, start_server
 
@@ -129,9 +130,13 @@ def _config(certs: Any) -> ServerConfig:
 
 async def run(contexts: list[int], runs: int) -> dict[str, Any]:
     max_context = max(contexts) + 256
+    model = default_model_path()
     engine = LlamaEngine(
         EngineSettings(
-            model_path=default_model_path(), n_seq_max=4, context_per_sequence=max_context + 128
+            model_path=model,
+            n_seq_max=4,
+            context_per_sequence=max_context + 128,
+            cpu_extra_buffers=probe_cpu_extra_buffers(model),
         )
     )
     samples: list[Sample] = []

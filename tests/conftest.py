@@ -31,3 +31,14 @@ def engine(model_path: Path) -> Iterator[object]:
     engine = WorkerEngine(EngineSettings(model_path=model_path, n_seq_max=8, max_queued=8))
     yield engine
     engine.close()
+
+
+@pytest.fixture(scope="session")
+def cpu_extra_buffers(engine: object) -> bool:
+    """What the worker's canary decided for this machine; in-process engines follow it, so
+    the suite never runs llama.cpp's extra buffers (AMX) in the pytest process where they crash.
+    """
+    from quicsrv.engine.supervisor import WorkerEngine
+
+    assert isinstance(engine, WorkerEngine)
+    return engine.cpu_extra_buffers

@@ -11,7 +11,7 @@ import signal
 import subprocess
 import sys
 import tempfile
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -36,6 +36,26 @@ def session_settings(data_dir: Path, **changes: Any) -> SessionSettings:
     """SessionSettings for tests; FlowSettings fields may be given alongside the others."""
     flow = {k: changes.pop(k) for k in list(changes) if k in _FLOW_FIELDS}
     return SessionSettings(data_dir=data_dir, flow=FlowSettings(**flow), **changes)
+
+
+@contextlib.contextmanager
+def llama_extra_buffers(enabled: bool) -> Iterator[None]:
+    """Make ``llama_cpp.Llama`` load models with ``use_extra_bufts = enabled``: it has no
+    argument for it, so the default parameters it asks for are adjusted meanwhile."""
+    import llama_cpp.llama_cpp as bindings
+
+    original = bindings.llama_model_default_params
+
+    def params() -> Any:
+        value = original()
+        value.use_extra_bufts = enabled
+        return value
+
+    bindings.llama_model_default_params = params
+    try:
+        yield
+    finally:
+        bindings.llama_model_default_params = original
 
 
 @contextlib.asynccontextmanager

@@ -72,7 +72,7 @@ from .llama import EngineSettings, Overloaded, check_request
 from .vocab import Vocabulary
 from .worker import EXIT_CANARY_FAILED, EXIT_ENGINE_FAILED, WorkerOptions
 
-__all__ = ["CpuExtraBuffers", "SupervisorSettings", "WorkerEngine"]
+__all__ = ["CpuExtraBuffers", "SupervisorSettings", "WorkerEngine", "probe_cpu_extra_buffers"]
 
 log = logging.getLogger("quicsrv.engine")
 
@@ -644,6 +644,19 @@ class WorkerEngine:
         for sequence in victims:
             ending = FinishReason.CANCELLED if sequence.cancelled else FinishReason.FAILED
             sequence.sink.sequence_finished(ending, len(sequence.history))
+
+
+def probe_cpu_extra_buffers(model_path: Path) -> bool:
+    """Whether llama.cpp's extra CPU buffers survive the canary on this machine.
+
+    A worker process takes the risk, so that a tool that then runs llama.cpp in its own process
+    (a benchmark, a unit test) can choose the safe setting without crashing first.
+    """
+    engine = WorkerEngine(EngineSettings(model_path=model_path, n_seq_max=4, max_queued=0))
+    try:
+        return engine.cpu_extra_buffers
+    finally:
+        engine.close()
 
 
 def _take_blob(kv_file: str | None) -> bytes | None:

@@ -42,8 +42,12 @@ def _request(engine: LlamaEngine, text: str, max_tokens: int) -> SequenceRequest
     )
 
 
-def test_long_prompt_is_prefilled_in_chunks_between_decode_steps(model_path):
-    engine = LlamaEngine(EngineSettings(model_path=model_path, prefill_chunk=128))
+def test_long_prompt_is_prefilled_in_chunks_between_decode_steps(model_path, cpu_extra_buffers):
+    engine = LlamaEngine(
+        EngineSettings(
+            model_path=model_path, prefill_chunk=128, cpu_extra_buffers=cpu_extra_buffers
+        )
+    )
     try:
         log: list[tuple[str, int]] = []
         streams = [Recorder(f"s{i}", log) for i in range(4)]
@@ -67,9 +71,15 @@ def test_long_prompt_is_prefilled_in_chunks_between_decode_steps(model_path):
         engine.close()
 
 
-def test_cancelled_sequences_free_their_cells(model_path):
+def test_cancelled_sequences_free_their_cells(model_path, cpu_extra_buffers):
     engine = LlamaEngine(
-        EngineSettings(model_path=model_path, n_seq_max=4, context_per_sequence=256, max_queued=0)
+        EngineSettings(
+            model_path=model_path,
+            n_seq_max=4,
+            context_per_sequence=256,
+            max_queued=0,
+            cpu_extra_buffers=cpu_extra_buffers,
+        )
     )
     try:
         log: list[tuple[str, int]] = []
@@ -94,8 +104,14 @@ def test_cancelled_sequences_free_their_cells(model_path):
         engine.close()
 
 
-def test_over_the_admission_limit_is_overloaded_and_the_engine_goes_on(model_path):
-    engine = LlamaEngine(EngineSettings(model_path=model_path, n_seq_max=2, max_queued=1))
+def test_over_the_admission_limit_is_overloaded_and_the_engine_goes_on(
+    model_path, cpu_extra_buffers
+):
+    engine = LlamaEngine(
+        EngineSettings(
+            model_path=model_path, n_seq_max=2, max_queued=1, cpu_extra_buffers=cpu_extra_buffers
+        )
+    )
     try:
         log: list[tuple[str, int]] = []
         sinks = [Recorder(f"a{i}", log) for i in range(3)]

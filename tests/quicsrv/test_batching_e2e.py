@@ -30,8 +30,14 @@ async def test_eight_concurrent_greedy_generations_complete(engine, certs):
     assert [len(o) for o in outputs] == [48] * 8
 
 
-async def test_batch_invariant_output_equals_single_stream_output(model_path, certs):
-    engine = LlamaEngine(EngineSettings(model_path=model_path, batch_invariant=True))
+async def test_batch_invariant_output_equals_single_stream_output(
+    model_path, certs, cpu_extra_buffers
+):
+    engine = LlamaEngine(
+        EngineSettings(
+            model_path=model_path, batch_invariant=True, cpu_extra_buffers=cpu_extra_buffers
+        )
+    )
     try:
         async with running_server(engine, certs) as server:
             together = await _run_all(server.port, certs.ca_cert, 32)
@@ -45,8 +51,12 @@ async def test_batch_invariant_output_equals_single_stream_output(model_path, ce
     assert together == alone
 
 
-async def test_overloaded_error_and_the_server_stays_healthy(model_path, certs):
-    engine = LlamaEngine(EngineSettings(model_path=model_path, n_seq_max=1, max_queued=1))
+async def test_overloaded_error_and_the_server_stays_healthy(model_path, certs, cpu_extra_buffers):
+    engine = LlamaEngine(
+        EngineSettings(
+            model_path=model_path, n_seq_max=1, max_queued=1, cpu_extra_buffers=cpu_extra_buffers
+        )
+    )
     try:
         async with running_server(engine, certs) as server:
             async with Client("127.0.0.1", server.port, ca=certs.ca_cert) as c:

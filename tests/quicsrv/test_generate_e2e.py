@@ -12,15 +12,16 @@ import pytest
 import proto
 from client import Client, GenerationEnded, ServerError, TokenReceived
 from proto import ErrorCode
-from tests.helpers import raw_connection, running_server
+from tests.helpers import llama_extra_buffers, raw_connection, running_server
 
 PROMPT = "The capital of France is"
 
 pytestmark = [pytest.mark.model, pytest.mark.asyncio]
 
 
-def _reference_greedy(model_path, prompt: str, n: int) -> list[int]:
-    llm = llama_cpp.Llama(str(model_path), n_ctx=2048, n_batch=512, n_threads=2, verbose=False)
+def _reference_greedy(model_path, prompt: str, n: int, extra_buffers: bool) -> list[int]:
+    with llama_extra_buffers(extra_buffers):  # the same weights layout as the engine's
+        llm = llama_cpp.Llama(str(model_path), n_ctx=2048, n_batch=512, n_threads=2, verbose=False)
     tokens = llm.tokenize(prompt.encode(), add_bos=True, special=True)
     out: list[int] = []
     for token in llm.generate(tokens, temp=0.0, top_k=1, repeat_penalty=1.0):
@@ -31,8 +32,8 @@ def _reference_greedy(model_path, prompt: str, n: int) -> list[int]:
     return out
 
 
-async def test_greedy_matches_llama_cpp_python(engine, certs, model_path):
-    expected = _reference_greedy(model_path, PROMPT, 40)
+async def test_greedy_matches_llama_cpp_python(engine, certs, model_path, cpu_extra_buffers):
+    expected = _reference_greedy(model_path, PROMPT, 40, cpu_extra_buffers)
     async with running_server(engine, certs) as server:
         async with Client("127.0.0.1", server.port, ca=certs.ca_cert) as c:
             result = await c.generate_text(PROMPT, max_tokens=40, ignore_eos=True)
@@ -96,11 +97,15 @@ async def test_stop_sequence_is_not_emitted(engine, certs):
     assert stopped.text == full.text[: full.text.index(".")]
 
 
-async def test_cancel_by_breaking_out_frees_the_engine(model_path, certs):
+async def test_cancel_by_breaking_out_frees_the_engine(model_path, certs, cpu_extra_buffers):
     from quicsrv.engine.llama import EngineSettings, LlamaEngine
 
     # One slot and one queue place: the next request can only run once the first is freed.
-    solo = LlamaEngine(EngineSettings(model_path=model_path, n_seq_max=1, max_queued=1))
+    solo = LlamaEngine(
+        EngineSettings(
+            model_path=model_path, n_seq_max=1, max_queued=1, cpu_extra_buffers=cpu_extra_buffers
+        )
+    )
     try:
         async with running_server(solo, certs) as server:
             async with Client("127.0.0.1", server.port, ca=certs.ca_cert) as c:
