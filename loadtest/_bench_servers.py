@@ -64,10 +64,13 @@ async def _drain(
 
 
 @contextlib.asynccontextmanager
-async def _child(argv: Sequence[str], log: Path, ready: re.Pattern[str]) -> AsyncIterator[Child]:
+async def _child(
+    argv: Sequence[str], log: Path, ready: re.Pattern[str], cwd: Path | None = None
+) -> AsyncIterator[Child]:
     """Run ``argv``; yield it once it announces its port; SIGTERM (then SIGKILL) on the way out."""
     process = await asyncio.create_subprocess_exec(
         *argv,
+        cwd=cwd,
         stdin=asyncio.subprocess.DEVNULL,
         stdout=asyncio.subprocess.PIPE,
         stderr=asyncio.subprocess.STDOUT,
@@ -97,9 +100,16 @@ async def _child(argv: Sequence[str], log: Path, ready: re.Pattern[str]) -> Asyn
 
 @contextlib.asynccontextmanager
 async def quicsrv_server(
-    settings: ServerSettings, cert: Path, key: Path, log: Path, *, prefill_chunk: int | None = None
+    settings: ServerSettings,
+    cert: Path,
+    key: Path,
+    log: Path,
+    *,
+    prefill_chunk: int | None = None,
+    tree: Path | None = None,
 ) -> AsyncIterator[Child]:
-    """``quicsrv serve`` on 127.0.0.1 with an ephemeral UDP port."""
+    """``quicsrv serve`` on 127.0.0.1 with an ephemeral UDP port; with ``tree``, the quicsrv of
+    that checkout (``python -m`` imports from the working directory first)."""
     argv = [
         sys.executable,
         "-m",
@@ -113,14 +123,16 @@ async def quicsrv_server(
         f"--parallel={settings.parallel}",
         f"--ctx={settings.context_per_sequence}",
         f"--threads={settings.n_threads}",
-        f"--cpu-extra-buffers={'on' if settings.cpu_extra_buffers else 'off'}",
     ]
-    # No CLI flags for these; ServerConfig reads QUICSRV_<KEY> variables.
-    env = [f"QUICSRV_FLASH_ATTN={str(settings.flash_attn).lower()}"]
+    # Variables, not flags: an older checkout (``tree``) ignores the keys it does not know.
+    env = [
+        f"QUICSRV_FLASH_ATTN={str(settings.flash_attn).lower()}",
+        f"QUICSRV_CPU_EXTRA_BUFFERS={'on' if settings.cpu_extra_buffers else 'off'}",
+    ]
     if prefill_chunk is not None:
         env.append(f"QUICSRV_PREFILL_CHUNK_TOKENS={prefill_chunk}")
     argv = ["env", *env, *argv]
-    async with _child(argv, log, _QUICSRV_READY) as child:
+    async with _child(argv, log, _QUICSRV_READY, cwd=tree) as child:
         yield child
 
 

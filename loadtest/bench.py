@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import os
 import signal
 import subprocess
@@ -109,6 +110,13 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument(
         "--quick", action="store_true", help="smoke run: 16 tokens, loads 1,4, one repeat"
     )
+    parser.add_argument(
+        "--baseline-tree",
+        type=Path,
+        metavar="DIR",
+        help="also run the quicsrv of another checkout (e.g. `git worktree add /tmp/base HEAD~3`)"
+        ", its runs interleaved with this tree's, as a before/after comparison",
+    )
     return parser
 
 
@@ -116,12 +124,13 @@ def _log(message: str) -> None:
     print(message, file=sys.stderr, flush=True)
 
 
-def _commit() -> str:
+def _commit(tree: Path | None = None) -> str:
+    git = ["git"] if tree is None else ["git", "-C", str(tree)]
     try:
         head = subprocess.run(
-            ["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, check=True
+            [*git, "rev-parse", "--short", "HEAD"], capture_output=True, text=True, check=True
         ).stdout.strip()
-        dirty = subprocess.run(["git", "diff", "--quiet", "HEAD"], check=False).returncode != 0
+        dirty = subprocess.run([*git, "diff", "--quiet", "HEAD"], check=False).returncode != 0
     except (OSError, subprocess.CalledProcessError):
         return "unknown"
     return head + ("+dirty" if dirty else "")
@@ -151,22 +160,32 @@ class Plan:
 
 async def _measure_server(target: str, pid: int, drive: _Driver, plan: Plan) -> list[LoadResult]:
     """Warm up with one short stream, then every load ``plan.repeats`` times."""
-    await drive(1, WARMUP_TOKENS, _timeout_s(1, WARMUP_TOKENS))
+    return await _measure_interleaved([(target, pid, drive)], plan)
+
+
+async def _measure_interleaved(
+    targets: list[tuple[str, int, _Driver]], plan: Plan
+) -> list[LoadResult]:
+    """Like :func:`_measure_server` for servers running side by side: each repeat of a load
+    runs every target in turn (in alternating order), so drift in the machine hits all alike."""
+    for _, _, drive in targets:
+        await drive(1, WARMUP_TOKENS, _timeout_s(1, WARMUP_TOKENS))
     results: list[LoadResult] = []
     for streams in plan.loads:
-        for _ in range(plan.repeats):
-            await asyncio.to_thread(plan.settle)
-            meter = CpuMeter([os.getpid(), pid])
-            started, seen = await drive(
-                streams, plan.max_tokens, _timeout_s(streams, plan.max_tokens)
-            )
-            result = summarise(target, plan.max_tokens, started, seen, meter.stop())
-            _log(
-                f"  {target}, {streams} streams: {result.tokens_per_s:.1f} tokens/s, "
-                f"{result.delivered_tokens}/{result.expected_tokens} tokens delivered, "
-                f"finishes {result.finishes}, others' CPU {result.others_cpu_share:.0%}"
-            )
-            results.append(result)
+        for repeat in range(plan.repeats):
+            for target, pid, drive in targets if repeat % 2 == 0 else targets[::-1]:
+                await asyncio.to_thread(plan.settle)
+                meter = CpuMeter([os.getpid(), pid])
+                started, seen = await drive(
+                    streams, plan.max_tokens, _timeout_s(streams, plan.max_tokens)
+                )
+                result = summarise(target, plan.max_tokens, started, seen, meter.stop())
+                _log(
+                    f"  {target}, {streams} streams: {result.tokens_per_s:.1f} tokens/s, "
+                    f"{result.delivered_tokens}/{result.expected_tokens} tokens delivered, "
+                    f"finishes {result.finishes}, others' CPU {result.others_cpu_share:.0%}"
+                )
+                results.append(result)
     return results
 
 
@@ -185,26 +204,37 @@ async def _measure_servers(
     with tempfile.TemporaryDirectory(prefix="quicsrv-bench-") as tmp:
         certs = ensure_dev_certs(Path(tmp))
         _log(f"quicsrv over QUIC (log: {logs / 'quicsrv.log'})")
-        async with quicsrv_server(
-            settings,
-            certs.server_cert,
-            certs.server_key,
-            logs / "quicsrv.log",
-            prefill_chunk=args.prefill_chunk,
-        ) as quic:
-
-            async def drive_quic(
-                streams: int, max_tokens: int, timeout_s: float
-            ) -> tuple[float, list[StreamResult]]:
-                return await run_quicsrv_load(
-                    quic.port,
-                    certs.ca_cert,
-                    streams=streams,
-                    max_tokens=max_tokens,
-                    timeout_s=timeout_s,
+        async with contextlib.AsyncExitStack() as servers:
+            targets: list[tuple[str, int, _Driver]] = []
+            trees = [(QUICSRV, None, "quicsrv.log")]
+            if args.baseline_tree is not None:
+                name = f"quicsrv @ {_commit(args.baseline_tree)}"
+                trees.append((name, args.baseline_tree.resolve(), "quicsrv-baseline.log"))
+            for target, tree, log_name in trees:
+                quic = await servers.enter_async_context(
+                    quicsrv_server(
+                        settings,
+                        certs.server_cert,
+                        certs.server_key,
+                        logs / log_name,
+                        prefill_chunk=args.prefill_chunk,
+                        tree=tree,
+                    )
                 )
 
-            results += await _measure_server(QUICSRV, quic.pid, drive_quic, plan)
+                async def drive_quic(
+                    streams: int, max_tokens: int, timeout_s: float, port: int = quic.port
+                ) -> tuple[float, list[StreamResult]]:
+                    return await run_quicsrv_load(
+                        port,
+                        certs.ca_cert,
+                        streams=streams,
+                        max_tokens=max_tokens,
+                        timeout_s=timeout_s,
+                    )
+
+                targets.append((target, quic.pid, drive_quic))
+            results += await _measure_interleaved(targets, plan)
     variants = {
         "both": [(LLAMA_SERVER, True), (LLAMA_SERVER_QUEUED, False)],
         "default": [(LLAMA_SERVER, True)],

@@ -381,7 +381,7 @@ class WorkerEngine:
                 link = self._link
             if link is None:
                 return  # closing while no worker runs
-            commands = [self._with_blob_file(c, blobs, link) for c in batch]
+            commands = [self._with_blob_file(c, blobs, link) for c in _latest_allowances(batch)]
             try:
                 link.conn.send(commands)
             except (OSError, EOFError, ValueError):
@@ -644,6 +644,21 @@ class WorkerEngine:
         for sequence in victims:
             ending = FinishReason.CANCELLED if sequence.cancelled else FinishReason.FAILED
             sequence.sink.sequence_finished(ending, len(sequence.history))
+
+
+def _latest_allowances(batch: list[Command]) -> list[Command]:
+    """Drop every allowance that a later one for the same sequence replaces: a message holds
+    at most one per sequence, however many ACKs arrived since the last send."""
+    seen: set[int] = set()
+    kept: list[Command] = []
+    for command in reversed(batch):
+        if isinstance(command, Allow):
+            if command.key in seen:
+                continue
+            seen.add(command.key)
+        kept.append(command)
+    kept.reverse()
+    return kept
 
 
 def probe_cpu_extra_buffers(model_path: Path) -> bool:

@@ -15,7 +15,9 @@ otherwise only a broken CPU or build does:
 
 * ``canary-crash`` - SIGSEGV inside the canary's decode while CPU extra buffers are on;
 * ``decode-crash:N`` - SIGSEGV at the N-th decode after Ready while extra buffers are on;
-* ``hang:N`` - the first worker (incarnation 0) hangs at its N-th decode after Ready.
+* ``hang:N`` - the first worker (incarnation 0) hangs at its N-th decode after Ready;
+* ``decode-error:N`` - the first worker's N-th decode after Ready raises, as a failed
+  ``llama_decode`` does.
 """
 
 from __future__ import annotations
@@ -329,10 +331,18 @@ def _canary(engine: LlamaEngine) -> None:
 class _Faults:
     """The test-only switches of the module docstring, bound to this worker."""
 
-    def __init__(self, *, canary_crash: bool = False, crash_at: int = 0, hang_at: int = 0):
+    def __init__(
+        self,
+        *,
+        canary_crash: bool = False,
+        crash_at: int = 0,
+        hang_at: int = 0,
+        error_at: int = 0,
+    ) -> None:
         self._canary_crash = canary_crash
         self._crash_at = crash_at
         self._hang_at = hang_at
+        self._error_at = error_at
         self._decodes = 0  # since Ready
 
     @classmethod
@@ -340,7 +350,7 @@ class _Faults:
         spec = os.environ.get(FAULT_ENV, "")
         if not spec:
             return cls()
-        canary_crash, crash_at, hang_at = False, 0, 0
+        canary_crash, crash_at, hang_at, error_at = False, 0, 0, 0
         for item in spec.split(","):
             name, _, count = item.strip().partition(":")
             if name == "canary-crash":
@@ -349,6 +359,8 @@ class _Faults:
                 crash_at = int(count)
             elif name == "hang":
                 hang_at = int(count)
+            elif name == "decode-error":
+                error_at = int(count)
             else:
                 raise ValueError(f"{FAULT_ENV}: unknown fault {name!r}")
         extra_buffers = options.settings.cpu_extra_buffers
@@ -356,8 +368,8 @@ class _Faults:
         if not extra_buffers:  # the crashes model a kernel that only the extra buffers use
             canary_crash, crash_at = False, 0
         if options.incarnation != 0:
-            hang_at = 0
-        return cls(canary_crash=canary_crash, crash_at=crash_at, hang_at=hang_at)
+            hang_at, error_at = 0, 0
+        return cls(canary_crash=canary_crash, crash_at=crash_at, hang_at=hang_at, error_at=error_at)
 
     def before_decode(self, *, canary: bool) -> None:
         if canary:
@@ -370,6 +382,8 @@ class _Faults:
         if self._decodes == self._hang_at:
             log.warning("test fault: hanging in decode")
             threading.Event().wait()
+        if self._decodes == self._error_at:
+            raise RuntimeError("test fault: llama_decode failed")
 
 
 def _die_with_parent() -> None:

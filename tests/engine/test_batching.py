@@ -127,3 +127,29 @@ def test_over_the_admission_limit_is_overloaded_and_the_engine_goes_on(
         assert after.done.wait(60) and len(after.tokens) == 16
     finally:
         engine.close()
+
+
+def test_a_failed_decode_ends_every_sequence_failed_and_refuses_new_work(
+    model_path, cpu_extra_buffers, monkeypatch
+):
+    import llama_cpp
+
+    from quicsrv.engine import EngineUnavailable
+
+    engine = LlamaEngine(
+        EngineSettings(model_path=model_path, n_seq_max=2, cpu_extra_buffers=cpu_extra_buffers)
+    )
+    try:
+        log: list[tuple[str, int]] = []
+        first = Recorder("first", log)
+        engine.submit(_request(engine, "Hi", 400), first)
+        assert first.first_token.wait(60)
+        monkeypatch.setattr(llama_cpp, "llama_decode", lambda ctx, batch: 1)
+        assert first.done.wait(60)
+        assert first.reason is FinishReason.FAILED
+        # Nobody would ever serve a request queued now: it is refused instead.
+        with pytest.raises(EngineUnavailable):
+            engine.submit(_request(engine, "Hi", 4), Recorder("late", log))
+    finally:
+        monkeypatch.undo()
+        engine.close()

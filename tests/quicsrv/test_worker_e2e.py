@@ -168,6 +168,26 @@ async def test_a_hung_worker_is_detected_and_replaced(model_path, certs, monkeyp
         await asyncio.to_thread(engine.close)
 
 
+async def test_a_failed_decode_restarts_the_worker_and_the_generation_goes_on(
+    model_path, certs, monkeypatch
+):
+    monkeypatch.setenv(FAULT_ENV, "decode-error:5")  # the first worker's 5th decode raises
+    engine = await asyncio.to_thread(_engine, model_path)
+    try:
+        params = dict(max_tokens=20, ignore_eos=True)
+        async with running_server(engine, certs) as server:
+            async with Client("127.0.0.1", server.port, ca=certs.ca_cert) as client:
+                failed = Output()
+                async for event in client.generate(PROMPTS[0], **params):
+                    failed.take(event)
+                reference = await client.generate_text(PROMPTS[0], **params)
+        assert engine.restarts == 1
+        assert "the engine thread failed" in engine.deaths[0]
+        assert failed.ids == list(reference.token_ids)
+    finally:
+        await asyncio.to_thread(engine.close)
+
+
 async def test_two_kernel_faults_in_a_row_switch_to_safe_mode(model_path, certs, monkeypatch):
     # Every worker with extra buffers on faults at its 3rd decode after the canary.
     monkeypatch.setenv(FAULT_ENV, "decode-crash:3")
