@@ -80,6 +80,7 @@ log = logging.getLogger("quicsrv.engine")
 #: kill from outside (SIGKILL by the OOM killer or an operator, SIGTERM).
 _FAULT_SIGNALS = frozenset({signal.SIGSEGV, signal.SIGBUS, signal.SIGILL, signal.SIGFPE})
 _ADMISSION_UNLIMITED = 1 << 30  # the worker's own limit: the server process admits
+ALLOWANCE_STEP_TOKENS = 8
 
 
 class CpuExtraBuffers(StrEnum):
@@ -190,7 +191,7 @@ class _RemoteSequence:
     history: list[int]  # every token of the sequence: the resumed ones, then what it generated
     admitted: bool = True
     cancelled: bool = False
-    allowed: int = -1
+    allowed: int = -(1 << 62)  # none sent yet
 
     def cancel(self) -> None:
         self.cancelled = True
@@ -200,7 +201,11 @@ class _RemoteSequence:
         self.engine._post(self, Pause(self.key, capture_kv), release=True)
 
     def allow(self, n_tokens: int) -> None:
-        if n_tokens != self.allowed:  # called on every ACK: only changes travel
+        # Called on every ACK. A lower allowance (a blocked reader) travels at once, a higher
+        # one only in steps: every message wakes the worker's command thread, which takes a
+        # core from llama.cpp's threads mid-decode. The cost: a sequence whose reader lags by
+        # nearly max_tokens_ahead may pause up to a step early.
+        if n_tokens < self.allowed or n_tokens >= self.allowed + ALLOWANCE_STEP_TOKENS:
             self.allowed = n_tokens
             self.engine._post(self, Allow(self.key, n_tokens), release=False)
 
@@ -234,6 +239,7 @@ class WorkerEngine:
         self.restarts = 0
         self.deaths: list[str] = []  # why each worker ended, in order (stats, tests)
         self.tokens_generated_total = 0
+        self.messages_sent = 0  # to the worker, each one batch of commands (stats, benchmarks)
         self.last_ready: Ready | None = None
         # Workers are started from the supervisor thread only: Linux's parent-death signal
         # (the worker's safety net) fires when the *thread* that started it exits.
@@ -384,6 +390,7 @@ class WorkerEngine:
             commands = [self._with_blob_file(c, blobs, link) for c in _latest_allowances(batch)]
             try:
                 link.conn.send(commands)
+                self.messages_sent += 1
             except (OSError, EOFError, ValueError):
                 pass  # the worker died: the supervisor hands its sequences back for a resume
             if any(isinstance(c, Stop) for c in commands):
