@@ -581,6 +581,9 @@ class WorkerEngine:
         log.error(
             "%s; %d generation(s) continue from their tokens after a restart", reason, len(victims)
         )
+        for prefix in ("in", "out"):  # blobs the dead worker never passed on
+            for orphan in self._spool.glob(f"{prefix}-{link.incarnation}-*.kv"):
+                orphan.unlink(missing_ok=True)
         self._hand_back(victims)
         if death.kernel_fault and self._extra_buffers:
             self._kernel_faults_in_a_row += 1
