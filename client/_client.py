@@ -427,7 +427,15 @@ class Client:
         """One request stream's events (the machinery under :class:`Generation`)."""
         if path == GENERATE_PATH:
             # GENERATE is never sent as 0-RTT data: the server would refuse it (too_early).
-            await self._wait_handshake()
+            try:
+                await self._wait_handshake()
+            except TransportError:
+                # The connection failed before this request sent anything (e.g. a 0-RTT
+                # reconnect to a server still starting): with auto-resume on, a new one is fine.
+                if self.reconnect_policy is None:
+                    raise
+                await self._reconnect()
+                await self._wait_handshake()
         protocol = self._require_protocol()
         stream_id, queue = protocol.open_stream()
         finished = False
