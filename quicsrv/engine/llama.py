@@ -36,7 +36,14 @@ from ._api import (
 from .sampling import SequenceSampler
 from .vocab import Vocabulary, file_digest
 
-__all__ = ["EngineObserver", "EngineSettings", "LlamaEngine", "Overloaded", "check_request"]
+__all__ = [
+    "EngineObserver",
+    "EngineSettings",
+    "LlamaEngine",
+    "ModelFacts",
+    "Overloaded",
+    "check_request",
+]
 
 log = logging.getLogger(__name__)
 
@@ -145,7 +152,36 @@ class _Sequence:
             self.release_admission(self)
 
 
-class LlamaEngine:
+class ModelFacts:
+    """The part of the Engine protocol answered from the settings and the vocabulary alone,
+    shared by the in-process engine and the worker-process one."""
+
+    settings: EngineSettings
+    vocabulary: Vocabulary
+
+    @property
+    def context_per_sequence(self) -> int:
+        return self.settings.context_per_sequence
+
+    @property
+    def prefill_chunk(self) -> int:
+        return self.settings.prefill_chunk
+
+    @property
+    def model_digest(self) -> bytes:
+        return self.vocabulary.model_digest
+
+    def tokenize(self, text: str, *, add_special: bool) -> list[int]:
+        return self.vocabulary.tokenize(text, add_special=add_special)
+
+    def render_chat(self, messages: list[dict[str, str]]) -> str:
+        return self.vocabulary.render_chat(messages)
+
+    def piece(self, token_id: int) -> bytes:
+        return self.vocabulary.piece(token_id)
+
+
+class LlamaEngine(ModelFacts):
     """Continuous-batching engine over llama-cpp-python's low-level API."""
 
     def __init__(self, settings: EngineSettings, observer: EngineObserver | None = None) -> None:
@@ -193,22 +229,8 @@ class LlamaEngine:
         self._thread.start()
 
     @property
-    def context_per_sequence(self) -> int:
-        return self.settings.context_per_sequence
-
-    @property
-    def prefill_chunk(self) -> int:
-        return self.settings.prefill_chunk
-
-    @property
     def model_path(self) -> Path:
         return self.settings.model_path
-
-    def tokenize(self, text: str, *, add_special: bool) -> list[int]:
-        return self.vocabulary.tokenize(text, add_special=add_special)
-
-    def render_chat(self, messages: list[dict[str, str]]) -> str:
-        return self.vocabulary.render_chat(messages)
 
     def submit(self, request: SequenceRequest, sink: TokenSink) -> _Sequence:
         """Queue a sequence; raises PromptTooLong or Overloaded instead of waiting unboundedly."""
@@ -454,13 +476,6 @@ class LlamaEngine:
             if sequence.release_admission is not None:
                 sequence.release_admission = None
                 self._admitted -= 1
-
-    def piece(self, token_id: int) -> bytes:
-        return self.vocabulary.piece(token_id)
-
-    @property
-    def model_digest(self) -> bytes:
-        return self.vocabulary.model_digest
 
     def _release(self, sequence: _Sequence) -> bool:
         """Take a sequence out of the engine and free its cells; False if it was not in."""

@@ -68,7 +68,7 @@ from .ipc import (
     TokenGenerated,
     WorkerPhase,
 )
-from .llama import EngineSettings, Overloaded, check_request
+from .llama import EngineSettings, ModelFacts, Overloaded, check_request
 from .vocab import Vocabulary
 from .worker import EXIT_CANARY_FAILED, EXIT_ENGINE_FAILED, WorkerOptions
 
@@ -120,6 +120,7 @@ class _Death:
     exitcode: int | None
     phase: WorkerPhase
     killed_for: str = ""  # why the supervisor killed it, if it did
+    who: str = "engine worker"
 
     @property
     def signal(self) -> signal.Signals | None:
@@ -178,7 +179,8 @@ class _Link:
             self.phase_file.unlink()
         except (OSError, IndexError, ValueError):
             phase = WorkerPhase.LOADING
-        return _Death(self.process.returncode, phase, killed_for)
+        who = f"engine worker {self.incarnation} (pid {self.process.pid})"
+        return _Death(self.process.returncode, phase, killed_for, who)
 
 
 @dataclass(eq=False)
@@ -210,7 +212,7 @@ class _RemoteSequence:
             self.engine._post(self, Allow(self.key, n_tokens), release=False)
 
 
-class WorkerEngine:
+class WorkerEngine(ModelFacts):
     """See the module docstring."""
 
     def __init__(
@@ -254,28 +256,7 @@ class WorkerEngine:
             raise EngineUnavailable(f"the engine worker could not start: {self._failure}")
         self._sender.start()
 
-    # --- the Engine protocol ------------------------------------------------------------
-
-    @property
-    def context_per_sequence(self) -> int:
-        return self.settings.context_per_sequence
-
-    @property
-    def prefill_chunk(self) -> int:
-        return self.settings.prefill_chunk
-
-    @property
-    def model_digest(self) -> bytes:
-        return self.vocabulary.model_digest
-
-    def tokenize(self, text: str, *, add_special: bool) -> list[int]:
-        return self.vocabulary.tokenize(text, add_special=add_special)
-
-    def render_chat(self, messages: list[dict[str, str]]) -> str:
-        return self.vocabulary.render_chat(messages)
-
-    def piece(self, token_id: int) -> bytes:
-        return self.vocabulary.piece(token_id)
+    # --- the Engine protocol (the rest comes from ModelFacts) -----------------------------
 
     def submit(self, request: SequenceRequest, sink: TokenSink) -> _RemoteSequence:
         """Queue a sequence for the worker; raises PromptTooLong, Overloaded or
@@ -426,7 +407,7 @@ class WorkerEngine:
             outcome = self._spawn()
             if isinstance(outcome, _Link):
                 return outcome
-            reason = f"engine worker {outcome.describe()} before it was ready"
+            reason = f"{outcome.who} {outcome.describe()} before it was ready"
             self.deaths.append(reason)
             log.error("%s", reason)
             if (
@@ -568,7 +549,7 @@ class WorkerEngine:
 
     def _replace(self, link: _Link, death: _Death) -> _Link | None:
         """A running worker ended: hand its sequences back, then start another."""
-        reason = f"engine worker {link.incarnation} (pid {link.process.pid}) {death.describe()}"
+        reason = f"{death.who} {death.describe()}"
         self.deaths.append(reason)
         with self._lock:
             self._link = None
