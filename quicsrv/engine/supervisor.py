@@ -239,7 +239,7 @@ class WorkerEngine(ModelFacts):
         self._extra_buffers = supervision.cpu_extra_buffers is not CpuExtraBuffers.OFF
         self._first_ready = threading.Event()
         self.restarts = 0
-        self.deaths: list[str] = []  # why each worker ended, in order (stats, tests)
+        self.deaths: deque[str] = deque(maxlen=100)  # why workers ended, oldest first
         self.tokens_generated_total = 0
         self.messages_sent = 0  # to the worker, each one batch of commands (stats, benchmarks)
         self.last_ready: Ready | None = None
