@@ -34,6 +34,7 @@ from ..engine import (
 )
 from .keys import KeyRing
 from .kvstore import KVStore
+from .snapshot import PrefixSigner
 from .store import SessionEnd, SessionRecord, SessionStore
 from .text import TextAssembler
 
@@ -106,6 +107,9 @@ class Session:
         self._flow = flow
         self._loop = loop
         self._on_idle = on_idle
+        self._signer = PrefixSigner(
+            record.snapshot(upto=0).header(), record.generated, flow.checkpoint_every_tokens
+        )
         self._text = TextAssembler(record.stop)
         self._texts = [self._text.push(engine.piece(t)) for t in record.generated]
         self._tail = self._end_tail() if record.end is not None else ""
@@ -396,7 +400,7 @@ class Session:
         self.on_transport_progress()
 
     def _send_checkpoint(self, attachment: _Attachment, index: int) -> None:
-        snapshot_hash = self.record.snapshot(upto=index + 1).mac(self._keys.current, index)
+        snapshot_hash = self._signer.mac(self._keys.current, index)
         frame = proto.Checkpoint(
             session_id=self.session_id, index=index, snapshot_hash=snapshot_hash
         )

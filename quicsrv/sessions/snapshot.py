@@ -7,11 +7,20 @@ sampler state), the tokens generated so far, the KV offset and the model's diges
 The hash given to clients for token index ``i`` is a keyed BLAKE3 MAC over the canonical CBOR of
 the snapshot *prefix* ending at ``i``. So an older checkpoint hash of a session stays valid: it
 verifies the prefix it names, which is all a client resuming from ``i`` needs.
+
+The prefix's tokens enter the MAC as a digest that can be extended one token at a time
+(:class:`TokenChain`, format v2), so a running session signs a checkpoint in the time of the
+tokens since the last one (:class:`PrefixSigner`), not of its whole history. Format v1 (a digest
+of the tokens' CBOR array, which cannot be extended) is still verified, so checkpoints issued
+before v2 stay valid.
 """
 
 from __future__ import annotations
 
 import hmac
+import sys
+from array import array
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
 import blake3
@@ -20,7 +29,7 @@ from proto import canonical_cbor
 
 from ..engine import SamplingParams
 
-__all__ = ["MAC_BYTES", "Snapshot", "digest_tokens"]
+__all__ = ["MAC_BYTES", "PrefixSigner", "Snapshot", "TokenChain", "digest_tokens"]
 
 MAC_BYTES = 32
 
@@ -28,6 +37,41 @@ MAC_BYTES = 32
 def digest_tokens(tokens: tuple[int, ...] | list[int]) -> bytes:
     """A content digest of a token sequence (not keyed: it names, it does not authenticate)."""
     return blake3.blake3(canonical_cbor(list(tokens))).digest()
+
+
+class TokenChain:
+    """A running digest of a token sequence: BLAKE3 over each token as 4 little-endian bytes.
+
+    Unlike :func:`digest_tokens` it grows with the sequence: ``append`` costs one token, and the
+    digest of what is there so far is a copy away.
+    """
+
+    def __init__(self, tokens: Iterable[int] = ()) -> None:
+        self._hasher = blake3.blake3()
+        self._length = 0
+        self.extend(tokens)
+
+    def __len__(self) -> int:
+        return self._length
+
+    def append(self, token: int) -> None:
+        self._hasher.update(token.to_bytes(4, "little"))
+        self._length += 1
+
+    def extend(self, tokens: Iterable[int]) -> None:
+        packed = array("I", tokens)
+        if sys.byteorder != "little":
+            packed.byteswap()
+        self._hasher.update(packed.tobytes())
+        self._length += len(packed)
+
+    def digest(self) -> bytes:
+        return self._hasher.copy().digest()
+
+
+def _mac(key: bytes, header: dict[str, object], index: int, tokens_digest: bytes) -> bytes:
+    payload = {**header, "index": index, "tokens": tokens_digest}
+    return blake3.blake3(canonical_cbor(payload), key=key).digest(MAC_BYTES)
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -55,13 +99,11 @@ class Snapshot:
         # The last generated token is sampled but not yet decoded.
         return len(self.prompt_tokens) + max(len(self.generated) - 1, 0)
 
-    def prefix_payload(self, index: int) -> dict[str, object]:
-        """The canonical map a MAC for token ``index`` covers."""
-        if not -1 <= index <= self.last_index:
-            raise ValueError(f"index {index} outside the snapshot (last {self.last_index})")
+    def header(self, version: int = 2) -> dict[str, object]:
+        """What every MAC of this session covers besides the index and the tokens."""
         s = self.sampling
         return {
-            "v": 1,
+            "v": version,
             "session": self.session_id,
             "model": self.model_digest,
             "prompt": digest_tokens(self.prompt_tokens),
@@ -70,20 +112,64 @@ class Snapshot:
             "stop": list(self.stop),
             "ignore_eos": self.ignore_eos,
             "chunk": self.prefill_chunk,
-            "index": index,
-            "tokens": digest_tokens(self.generated[: index + 1]),
         }
 
     def mac(self, key: bytes, index: int) -> bytes:
         """The keyed BLAKE3 MAC naming this snapshot's prefix up to ``index``."""
-        return blake3.blake3(canonical_cbor(self.prefix_payload(index)), key=key).digest(MAC_BYTES)
+        self._check(index)
+        return _mac(key, self.header(), index, TokenChain(self.generated[: index + 1]).digest())
 
     def verify(self, keys: list[bytes], index: int, presented: bytes) -> bool:
-        """Whether ``presented`` is the MAC of the prefix up to ``index`` under any live key."""
+        """Whether ``presented`` is the MAC of the prefix up to ``index`` under any live key,
+        in the current format or the one before."""
         if not -1 <= index <= self.last_index:
             return False
+        prefix = self.generated[: index + 1]
+        candidates = [
+            (self.header(2), TokenChain(prefix).digest()),
+            (self.header(1), digest_tokens(prefix)),
+        ]
         ok = False
         for key in keys:
-            # Check every key, and compare in constant time, so timing says nothing.
-            ok |= hmac.compare_digest(self.mac(key, index), presented)
+            for header, tokens_digest in candidates:
+                # Check every key and format, each in constant time, so timing says nothing.
+                ok |= hmac.compare_digest(_mac(key, header, index, tokens_digest), presented)
         return ok
+
+    def _check(self, index: int) -> None:
+        if not -1 <= index <= self.last_index:
+            raise ValueError(f"index {index} outside the snapshot (last {self.last_index})")
+
+
+class PrefixSigner:
+    """Signs a growing session's checkpoints, each in the time of the tokens since the last.
+
+    Keeps the MAC header (prompt digest included) computed once, a :class:`TokenChain` that
+    follows the session's live token sequence, and the chain's digest at every ``every``-th
+    token, so the checkpoints a resumed reader is replayed are signed without rehashing either.
+    """
+
+    def __init__(self, header: dict[str, object], tokens: Sequence[int], every: int) -> None:
+        self._header = header
+        self._tokens = tokens  # the session's own sequence, appended to by its owner
+        self._every = every
+        self._chain = TokenChain()
+        self._marks: dict[int, bytes] = {-1: self._chain.digest()}
+        self._catch_up()
+
+    def mac(self, key: bytes, index: int) -> bytes:
+        """The MAC of the prefix up to ``index`` (-1 .. the last token so far)."""
+        self._catch_up()
+        if not -1 <= index < len(self._chain):
+            raise ValueError(f"index {index} outside the session (last {len(self._chain) - 1})")
+        if index == len(self._chain) - 1:
+            digest = self._chain.digest()
+        else:
+            digest = self._marks.get(index) or TokenChain(self._tokens[: index + 1]).digest()
+        return _mac(key, self._header, index, digest)
+
+    def _catch_up(self) -> None:
+        for index in range(len(self._chain), len(self._tokens)):
+            self._chain.append(self._tokens[index])
+            if (index + 1) % self._every == 0:
+                self._marks[index] = self._chain.digest()

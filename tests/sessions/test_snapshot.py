@@ -67,3 +67,38 @@ def test_a_running_keyring_picks_up_a_rotation_written_by_another_process(tmp_pa
     assert running.current == other.current != before
     assert before in running.verifying_keys(now_s=1030.0)
     assert before not in running.verifying_keys(now_s=1061.0)
+
+
+def test_the_incremental_signer_gives_the_same_macs_as_a_snapshot_from_scratch():
+    from array import array
+
+    from quicsrv.sessions.snapshot import PrefixSigner
+
+    key = b"k" * 32
+    full = _snapshot(generated=tuple(range(100, 140)))
+    tokens: array[int] = array("I")
+    signer = PrefixSigner(full.header(), tokens, every=16)
+    assert signer.mac(key, -1) == full.mac(key, -1)
+    for token in full.generated:
+        tokens.append(token)  # the session's record grows; the signer follows it
+        index = len(tokens) - 1
+        assert signer.mac(key, index) == full.mac(key, index)
+    # Older prefixes (a resumed reader is replayed their checkpoints), marked or not.
+    for index in (-1, 0, 15, 16, 31, 38):
+        assert signer.mac(key, index) == full.mac(key, index)
+        assert full.verify([key], index, signer.mac(key, index))
+
+
+def test_checkpoints_issued_in_the_previous_format_still_verify():
+    import blake3
+
+    from proto import canonical_cbor
+    from quicsrv.sessions.snapshot import MAC_BYTES, digest_tokens
+
+    key = b"k" * 32
+    snap = _snapshot()
+    payload = {**snap.header(1), "index": 2, "tokens": digest_tokens(snap.generated[:3])}
+    v1 = blake3.blake3(canonical_cbor(payload), key=key).digest(MAC_BYTES)
+    assert v1 != snap.mac(key, 2)
+    assert snap.verify([key], 2, v1)
+    assert not snap.verify([key], 1, v1)
