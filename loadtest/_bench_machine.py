@@ -11,7 +11,7 @@ import os
 import time
 from collections.abc import Iterable
 
-__all__ = ["CpuMeter", "busy_share", "wait_until_quiet"]
+__all__ = ["CpuMeter", "busy_share", "process_cpu_s", "wait_until_quiet"]
 
 _TICKS_PER_S = os.sysconf("SC_CLK_TCK")
 _CPUS = os.cpu_count() or 1
@@ -26,7 +26,7 @@ def _machine_busy_s() -> float:
     return (sum(fields[:8]) - idle) / _TICKS_PER_S
 
 
-def _process_cpu_s(pid: int) -> float:
+def process_cpu_s(pid: int) -> float:
     """User + system CPU seconds of ``pid`` (every thread); 0 once it is gone."""
     try:
         with open(f"/proc/{pid}/stat") as f:
@@ -66,13 +66,13 @@ class CpuMeter:
         self._ours = _with_descendants(ours)
         self._started = time.perf_counter()
         self._machine = _machine_busy_s()
-        self._own = sum(_process_cpu_s(pid) for pid in self._ours)
+        self._own = sum(process_cpu_s(pid) for pid in self._ours)
 
     def stop(self) -> float:
         """Others' share of the machine over the interval: 0.0 idle, 1.0 every core busy."""
         wall = time.perf_counter() - self._started
         machine = _machine_busy_s() - self._machine
-        own = sum(_process_cpu_s(pid) for pid in self._ours) - self._own
+        own = sum(process_cpu_s(pid) for pid in self._ours) - self._own
         return max(0.0, machine - own) / (wall * _CPUS) if wall > 0 else 0.0
 
 

@@ -158,6 +158,7 @@ class Report:
             "lost",
             "÷ raw",
             *(f"÷ {b}" for b in self.baselines),
+            "server process µs CPU / token",
             "others' CPU",
         ]
         aligns = [
@@ -196,6 +197,7 @@ class Report:
                 f"{r.complete_streams}/{r.streams}",
                 str(r.lost_tokens),
                 *ratios,
+                "–" if (cpu := r.server_cpu_us_per_token) is None else f"{cpu:.0f}",
                 f"{r.others_cpu_share:.0%}",
             ]
             lines.append("| " + " | ".join(cells) + " |")

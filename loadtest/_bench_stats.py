@@ -87,6 +87,14 @@ class LoadResult:
     """CPU used by other processes during the run, as a share of the whole machine."""
     loadavg_1m: float
     """The machine's 1-minute load average when the load ended."""
+    server_cpu_s: float | None = None
+    """CPU of quicsrv's server process alone (not its engine worker) during the load."""
+
+    @property
+    def server_cpu_us_per_token(self) -> float | None:
+        if self.server_cpu_s is None or not self.delivered_tokens:
+            return None
+        return 1e6 * self.server_cpu_s / self.delivered_tokens
 
     @property
     def lost_tokens(self) -> int:

@@ -16,6 +16,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import dataclasses
 import os
 import signal
 import subprocess
@@ -35,7 +36,7 @@ from quicsrv.engine.supervisor import probe_cpu_extra_buffers
 
 from ._bench_engine import ENGINE, measure_engine
 from ._bench_load import run_quicsrv_load, run_sse_load
-from ._bench_machine import CpuMeter, wait_until_quiet
+from ._bench_machine import CpuMeter, process_cpu_s, wait_until_quiet
 from ._bench_raw import end_of_generation_tokens, measure_raw
 from ._bench_report import QUICSRV, Report, write_chart
 from ._bench_servers import (
@@ -176,14 +177,24 @@ async def _measure_interleaved(
             for target, pid, drive in targets if repeat % 2 == 0 else targets[::-1]:
                 await asyncio.to_thread(plan.settle)
                 meter = CpuMeter([os.getpid(), pid])
+                server_cpu = process_cpu_s(pid)
                 started, seen = await drive(
                     streams, plan.max_tokens, _timeout_s(streams, plan.max_tokens)
                 )
                 result = summarise(target, plan.max_tokens, started, seen, meter.stop())
+                if target.startswith("quicsrv"):
+                    result = dataclasses.replace(
+                        result, server_cpu_s=process_cpu_s(pid) - server_cpu
+                    )
                 _log(
                     f"  {target}, {streams} streams: {result.tokens_per_s:.1f} tokens/s, "
                     f"{result.delivered_tokens}/{result.expected_tokens} tokens delivered, "
                     f"finishes {result.finishes}, others' CPU {result.others_cpu_share:.0%}"
+                    + (
+                        f", server process {cpu:.0f} µs CPU per token"
+                        if (cpu := result.server_cpu_us_per_token) is not None
+                        else ""
+                    )
                 )
                 results.append(result)
     return results

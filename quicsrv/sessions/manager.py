@@ -23,6 +23,7 @@ from proto import ErrorCode
 
 from ..engine import Engine, EngineError, EngineUnavailable, PromptTooLong
 from .generation import RequestRejected, build_request
+from .inbox import LoopInbox
 from .keys import KeyRing
 from .kvstore import KVStore
 from .session import FlowSettings, Session
@@ -86,6 +87,7 @@ class SessionManager:
             disk_budget_bytes=settings.kv_disk_budget_bytes,
         )
         self._live: dict[bytes, Session] = {}
+        self._loop_inbox: LoopInbox | None = None
 
     def live(self, session_id: bytes) -> Session | None:
         """The session's live object, if it runs or is attached (tests and stats)."""
@@ -232,8 +234,16 @@ class SessionManager:
             keys=self.keys,
             flow=self.settings.flow,
             loop=asyncio.get_running_loop(),
+            inbox=self._inbox(),
             on_idle=self._forget,
         )
+
+    def _inbox(self) -> LoopInbox:
+        """The one inbox of the running loop, shared by every session (made on first use)."""
+        loop = asyncio.get_running_loop()
+        if self._loop_inbox is None or self._loop_inbox.loop is not loop:
+            self._loop_inbox = LoopInbox(loop)
+        return self._loop_inbox
 
     def _forget(self, session: Session) -> None:
         if self._live.get(session.session_id) is session:

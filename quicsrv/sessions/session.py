@@ -32,6 +32,7 @@ from ..engine import (
     SequenceHandle,
     SequenceRequest,
 )
+from .inbox import LoopInbox
 from .keys import KeyRing
 from .kvstore import KVStore
 from .snapshot import PrefixSigner
@@ -97,6 +98,7 @@ class Session:
         keys: KeyRing,
         flow: FlowSettings,
         loop: asyncio.AbstractEventLoop,
+        inbox: LoopInbox,
         on_idle: Callable[[Session], None],
     ) -> None:
         self.record = record
@@ -106,6 +108,7 @@ class Session:
         self._keys = keys
         self._flow = flow
         self._loop = loop
+        self._inbox = inbox
         self._on_idle = on_idle
         self._signer = PrefixSigner(
             record.snapshot(upto=0).header(), record.generated, flow.checkpoint_every_tokens
@@ -232,10 +235,7 @@ class Session:
         self._to_loop(self._on_resumed, path)
 
     def _to_loop(self, callback: Callable[..., None], *args: object) -> None:
-        try:
-            self._loop.call_soon_threadsafe(callback, *args)
-        except RuntimeError:  # the loop is closed: the server is gone, nobody to tell
-            pass
+        self._inbox.post(callback, *args)
 
     # --- engine events, on the loop -----------------------------------------------------
 
