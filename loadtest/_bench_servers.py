@@ -41,7 +41,7 @@ class ServerSettings:
     context_per_sequence: int = 2048
     n_batch: int = 512
     parallel: int = 8
-    flash_attn: bool = False
+    flash_attn: bool = True
     """Set explicitly everywhere: llama.cpp's "auto" may turn it on, which changes the speed."""
     cpu_extra_buffers: bool = True
     """llama.cpp's extra CPU weight buffers (AMX); quicsrv's canary decides (``probe``)."""

@@ -31,7 +31,8 @@ class ServerConfig:
     n_threads: int = 2
     max_queued_requests: int = 64
     batch_invariant: bool = False
-    flash_attn: bool = False
+    flash_attn: bool = True  # fastest exact setting: loadtest/settings_sweep.py
+    kv_unified: bool = False  # faster at 8 streams, but resumes are no longer exact
     # The engine worker process and its supervision.
     cpu_extra_buffers: str = "auto"  # "on", "off", or "auto": on unless the start-up canary crashes
     worker_start_timeout_s: float = 300.0
@@ -104,6 +105,7 @@ class ServerConfig:
             max_queued=self.max_queued_requests,
             batch_invariant=self.batch_invariant,
             flash_attn=self.flash_attn,
+            kv_unified=self.kv_unified,
         )
 
     def supervisor_settings(self) -> SupervisorSettings:

@@ -19,9 +19,17 @@ PROMPT = "The capital of France is"
 pytestmark = [pytest.mark.model, pytest.mark.asyncio]
 
 
-def _reference_greedy(model_path, prompt: str, n: int, extra_buffers: bool) -> list[int]:
-    with llama_extra_buffers(extra_buffers):  # the same weights layout as the engine's
-        llm = llama_cpp.Llama(str(model_path), n_ctx=2048, n_batch=512, n_threads=2, verbose=False)
+def _reference_greedy(model_path, prompt: str, n: int, engine) -> list[int]:
+    """llama-cpp-python's own generate, with the engine's weights layout and attention kernel."""
+    with llama_extra_buffers(engine.cpu_extra_buffers):
+        llm = llama_cpp.Llama(
+            str(model_path),
+            n_ctx=2048,
+            n_batch=512,
+            n_threads=2,
+            flash_attn=engine.settings.flash_attn,
+            verbose=False,
+        )
     tokens = llm.tokenize(prompt.encode(), add_bos=True, special=True)
     out: list[int] = []
     for token in llm.generate(tokens, temp=0.0, top_k=1, repeat_penalty=1.0):
@@ -32,8 +40,8 @@ def _reference_greedy(model_path, prompt: str, n: int, extra_buffers: bool) -> l
     return out
 
 
-async def test_greedy_matches_llama_cpp_python(engine, certs, model_path, cpu_extra_buffers):
-    expected = _reference_greedy(model_path, PROMPT, 40, cpu_extra_buffers)
+async def test_greedy_matches_llama_cpp_python(engine, certs, model_path):
+    expected = _reference_greedy(model_path, PROMPT, 40, engine)
     async with running_server(engine, certs) as server:
         async with Client("127.0.0.1", server.port, ca=certs.ca_cert) as c:
             result = await c.generate_text(PROMPT, max_tokens=40, ignore_eos=True)
