@@ -21,7 +21,7 @@ from pathlib import Path
 import proto
 from proto import ErrorCode
 
-from ..engine import Engine, EngineError, EngineUnavailable, PromptTooLong
+from ..engine import Engine, EngineError, EngineUnavailable, PromptTooLong, SequenceRequest
 from .generation import RequestRejected, build_request
 from .inbox import LoopInbox
 from .keys import KeyRing
@@ -100,11 +100,16 @@ class SessionManager:
 
     # --- new generations ----------------------------------------------------------------
 
-    def start(self, frame: proto.Generate) -> Session:
-        """Validate, record and submit a GENERATE; raises RequestRejected."""
-        request = build_request(
-            self._engine, frame, max_tokens_limit=self.settings.max_tokens_limit
-        )
+    def prepare(self, frame: proto.Generate) -> SequenceRequest:
+        """Check a GENERATE against the limits and tokenize its prompt (rendering the chat
+        template first): the slow, pure part of a start, safe to run on any thread."""
+        return build_request(self._engine, frame, max_tokens_limit=self.settings.max_tokens_limit)
+
+    def start(self, frame: proto.Generate, request: SequenceRequest | None = None) -> Session:
+        """Validate, record and submit a GENERATE (``request``: its :meth:`prepare` result,
+        made here when not given); raises RequestRejected."""
+        if request is None:
+            request = self.prepare(frame)
         if not self.store.has_room(lambda r: r.session_id not in self._live):
             raise RequestRejected(
                 ErrorCode.OVERLOADED, "the session store is full of live sessions", 1.0

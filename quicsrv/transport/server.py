@@ -73,6 +73,7 @@ class _Request:
     rejected: bool = False
     session: Session | None = None
     port: _StreamPort | None = None
+    starting: asyncio.Task[None] | None = None  # a GENERATE being tokenized
 
 
 class _StreamPort:
@@ -214,18 +215,50 @@ class _H3ServerProtocol(QuicConnectionProtocol):
                     "GENERATE is not accepted in 0-RTT data: send it after the handshake",
                     retry_after_s=0.0,
                 )
-            session = sessions.start(frame)
-            from_index = 0
-        else:
-            if not isinstance(frame, proto.ResumeStream):
-                raise proto.UnexpectedFrame(f"expected RESUME_STREAM, got {frame.frame_type.name}")
-            session = sessions.resume(frame, _parse_session_header(request.session_header))
-            from_index = frame.last_index + 1
-            if early:
-                self._app.early_resumes += 1
-                extra.append((EARLY_DATA_HEADER, b"1"))
-            path = session.planned_resume_path()
-            extra.append((RESUME_PATH_HEADER, b"none" if path is None else path.value.encode()))
+            # Tokenizing (and rendering a chat template) takes milliseconds per thousand
+            # tokens: off the loop, which meanwhile serves every other stream.
+            request.starting = asyncio.get_running_loop().create_task(
+                self._start_generation(request, frame)
+            )
+            return
+        if not isinstance(frame, proto.ResumeStream):
+            raise proto.UnexpectedFrame(f"expected RESUME_STREAM, got {frame.frame_type.name}")
+        session = sessions.resume(frame, _parse_session_header(request.session_header))
+        if early:
+            self._app.early_resumes += 1
+            extra.append((EARLY_DATA_HEADER, b"1"))
+        path = session.planned_resume_path()
+        extra.append((RESUME_PATH_HEADER, b"none" if path is None else path.value.encode()))
+        self._respond(request, session, frame.last_index + 1, extra)
+
+    async def _start_generation(self, request: _Request, frame: proto.Generate) -> None:
+        sessions = self._app.sessions
+        try:
+            prepared = await asyncio.to_thread(sessions.prepare, frame)
+            if self._requests.get(request.stream_id) is not request:
+                return  # the stream went away meanwhile: nothing was started
+            if not self._app.accepting:
+                raise RequestRejected(ErrorCode.SHUTTING_DOWN, "the server is shutting down")
+            session = sessions.start(frame, prepared)
+        except RequestRejected as exc:
+            self._reject(request, exc.code, exc.message, exc.retry_after_s)
+            return
+        except Exception:  # a bug: the peer still gets an answer, the log the traceback
+            log.exception(
+                "peer %s stream %d: starting a generation failed", self._peer, request.stream_id
+            )
+            self._reject(request, ErrorCode.INTERNAL_ERROR, "internal error")
+            return
+        self._respond(request, session, 0, [])
+
+    def _respond(
+        self,
+        request: _Request,
+        session: Session,
+        from_index: int,
+        extra: list[tuple[bytes, bytes]],
+    ) -> None:
+        """200 with the session id, then the session's frames from ``from_index`` on."""
         request.session = session
         request.port = _StreamPort(self, request.stream_id)
         self._send_headers(

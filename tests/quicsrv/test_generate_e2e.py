@@ -315,3 +315,30 @@ async def test_utf8_characters_are_never_split(engine, certs):
                 seed=5,
             )
     assert "\ufffd" not in result.text
+
+
+async def test_prompts_are_tokenized_and_chat_rendered_off_the_event_loop(
+    engine, certs, monkeypatch
+):
+    import threading
+
+    loop_thread = threading.current_thread()
+    seen: list[tuple[str, threading.Thread]] = []
+    tokenize, render_chat = engine.tokenize, engine.render_chat
+
+    def recording_tokenize(text, *, add_special):
+        seen.append(("tokenize", threading.current_thread()))
+        return tokenize(text, add_special=add_special)
+
+    def recording_render_chat(messages):
+        seen.append(("render_chat", threading.current_thread()))
+        return render_chat(messages)
+
+    monkeypatch.setattr(engine, "tokenize", recording_tokenize)
+    monkeypatch.setattr(engine, "render_chat", recording_render_chat)
+    async with running_server(engine, certs) as server:
+        async with Client("127.0.0.1", server.port, ca=certs.ca_cert) as c:
+            await c.generate_text(PROMPT, max_tokens=2)
+            await c.generate_text(messages=[{"role": "user", "content": "Hi"}], max_tokens=2)
+    assert {name for name, _ in seen} == {"tokenize", "render_chat"}
+    assert all(thread is not loop_thread for _, thread in seen)
