@@ -23,7 +23,10 @@ from ._bench_machine import CpuMeter
 from ._bench_servers import ServerSettings
 from ._bench_stats import PROMPTS
 
-__all__ = ["RawResult", "end_of_generation_tokens", "measure_raw"]
+__all__ = ["BEST_VARIANT", "RawResult", "end_of_generation_tokens", "measure_raw"]
+
+#: The raw loop at the fastest settings measured (loadtest/settings_sweep.py), exact or not.
+BEST_VARIANT = "fastest: flash attention + unified KV"
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -40,6 +43,8 @@ class RawResult:
     """Mean time of one decode step (one token for each sequence)."""
     others_cpu_share: float = 0.0
     """CPU used by other processes during the run, as a share of the whole machine."""
+    variant: str = ""
+    """"": quicsrv's own settings; BEST_VARIANT: the fastest settings, exact or not."""
 
     @property
     def tokens_per_s(self) -> float:
@@ -71,6 +76,7 @@ class _RawEngine:
             if settings.flash_attn
             else llama_cpp.LLAMA_FLASH_ATTN_TYPE_DISABLED
         )
+        params.kv_unified = settings.kv_unified
         self.context = LlamaContext(model=self.model, params=params, verbose=False)
         self.memory = llama_cpp.llama_get_memory(self.context.ctx)
         self.n_batch = settings.n_batch
@@ -140,6 +146,7 @@ def measure_raw(
     max_tokens: int,
     *,
     before_each: Callable[[], object] = lambda: None,
+    variant: str = "",
 ) -> list[RawResult]:
     """One warm-up, then one run per count, sequence i on ``PROMPTS[i % 16]``."""
     engine = _RawEngine(settings)
@@ -150,7 +157,9 @@ def measure_raw(
             before_each()
             meter = CpuMeter([os.getpid()])
             result = engine.run([PROMPTS[i % len(PROMPTS)] for i in range(n)], max_tokens)
-            results.append(dataclasses.replace(result, others_cpu_share=meter.stop()))
+            results.append(
+                dataclasses.replace(result, others_cpu_share=meter.stop(), variant=variant)
+            )
         return results
     finally:
         engine.close()

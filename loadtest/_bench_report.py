@@ -54,9 +54,9 @@ class Report:
         baselines: list[str],
     ) -> Report:
         """Group repetitions into cells and pick the run each cell shows."""
-        raw_cells: dict[int, list[RawResult]] = {}
+        raw_cells: dict[tuple[str, int], list[RawResult]] = {}
         for raw_run in all_raw:
-            raw_cells.setdefault(raw_run.sequences, []).append(raw_run)
+            raw_cells.setdefault((raw_run.variant, raw_run.sequences), []).append(raw_run)
         cells: dict[tuple[str, int], list[LoadResult]] = {}
         for load in all_loads:
             cells.setdefault((load.target, load.streams), []).append(load)
@@ -93,7 +93,14 @@ class Report:
     def raw_for(self, streams: int) -> RawResult | None:
         """The raw ceiling for a load: min(streams, parallel) sequences per step."""
         n = min(streams, int(self.meta["parallel"]))
-        return next((r for r in self.raw if r.sequences == n), None)
+        return next((r for r in self.raw if r.sequences == n and not r.variant), None)
+
+    def best_raw_for(self, streams: int) -> RawResult | None:
+        """The fastest raw rate measured for that many sequences, under any settings."""
+        n = min(streams, int(self.meta["parallel"]))
+        return max(
+            (r for r in self.raw if r.sequences == n), key=lambda r: r.tokens_per_s, default=None
+        )
 
     def load(self, target: str, streams: int) -> LoadResult | None:
         return next((r for r in self.loads if r.target == target and r.streams == streams), None)
@@ -105,10 +112,13 @@ class Report:
         """(target, measured, met) for the three goals of the issue."""
         rows: list[tuple[str, str, bool | None]] = []
         for streams, goal in ((1, 0.95), (8, 0.85)):
-            raw, ours = self.raw_for(streams), self.load(QUICSRV, streams)
+            raw = self.raw_for(streams) if streams == 1 else self.best_raw_for(streams)
+            ours = self.load(QUICSRV, streams)
             what = (
-                f"{streams} stream{'s' * (streams > 1)} >= {goal:.0%} of raw "
+                f"{streams} stream{'s' * (streams > 1)} >= {goal:.0%} of "
+                f"{'the best ' if streams > 1 else ''}raw "
                 f"{min(streams, int(self.meta['parallel']))}-sequence rate"
+                + (f" ({raw.variant})" if raw is not None and raw.variant else "")
             )
             if raw is None or ours is None:
                 rows.append((what, "not measured", None))
@@ -137,13 +147,14 @@ class Report:
             "",
             "## Raw engine ceiling (bare `llama_decode` loop, in-process)",
             "",
-            "| sequences per step | tokens/s (prefill + decode) | decode-only tokens/s "
+            "| sequences per step | settings | tokens/s (prefill + decode) | decode-only tokens/s "
             "| ms per step | TTFT ms | others' CPU |",
-            "|---:|---:|---:|---:|---:|---:|",
+            "|---:|---|---:|---:|---:|---:|---:|",
         ]
         for raw_run in self.raw:
             lines.append(
-                f"| {raw_run.sequences} | {raw_run.tokens_per_s:.1f} "
+                f"| {raw_run.sequences} | {raw_run.variant or 'quicsrv'} "
+                f"| {raw_run.tokens_per_s:.1f} "
                 f"| {raw_run.decode_tokens_per_s:.1f} | {raw_run.decode_step_s * 1e3:.1f} "
                 f"| {raw_run.ttft_s * 1e3:.1f} | {raw_run.others_cpu_share:.0%} |"
             )

@@ -43,6 +43,8 @@ class ServerSettings:
     parallel: int = 8
     flash_attn: bool = True
     """Set explicitly everywhere: llama.cpp's "auto" may turn it on, which changes the speed."""
+    kv_unified: bool = False
+    """Raw loop only: quicsrv keeps it off (a sequence's output would depend on the batch)."""
     cpu_extra_buffers: bool = True
     """llama.cpp's extra CPU weight buffers (AMX); quicsrv's canary decides (``probe``)."""
 
