@@ -60,12 +60,18 @@ def _take(out: Joined, event: Event) -> None:
         out.end = event
 
 
-async def _run_with_cuts(port: int, ca, should_cut: Callable[[Event], bool], **params) -> Joined:
-    """Generate; whenever ``should_cut`` says so, drop the connection and resume on a new one."""
+async def _run_with_cuts(server, ca, should_cut: Callable[[Event], bool], **params) -> Joined:
+    """Generate; whenever ``should_cut`` says so, drop the connection, wait until the server
+    has paused the generation (so the resume meets a session at rest, whatever the machine's
+    speed), and resume on a new connection."""
     out = Joined()
     position: ResumePosition | None = None
     while out.end is None:
-        client = Client("127.0.0.1", port, ca=ca)
+        if position is not None:
+            live = server.sessions.live(bytes.fromhex(position.session_id))
+            if live is not None:
+                await asyncio.wait_for(live.idle.wait(), timeout=60)
+        client = Client("127.0.0.1", server.port, ca=ca)
         await client.connect()
         generation = (
             client.generate(PROMPT, **params) if position is None else client.resume_from(position)
@@ -127,15 +133,18 @@ async def test_cut_at_20_points_and_resume_gives_the_uninterrupted_output(
     engine, certs, tmp_path, params, kv_budget
 ):
     params = dict(params, max_tokens=MAX_TOKENS, ignore_eos=True)
+    # A short allowance: a cut reader's generation pauses a few tokens on instead of running
+    # to its end on a fast machine, so the resumes really rebuild the decoder state.
     settings = session_settings(
-        tmp_path, kv_memory_budget_bytes=kv_budget, kv_disk_budget_bytes=kv_budget
+        tmp_path,
+        kv_memory_budget_bytes=kv_budget,
+        kv_disk_budget_bytes=kv_budget,
+        max_tokens_ahead=4,
     )
     async with running_server(engine, certs, sessions=settings) as server:
         reference = await _uninterrupted(server.port, certs.ca_cert, **params)
         tokens, checkpoints = _cut_points(reference)
-        joined = await _run_with_cuts(
-            server.port, certs.ca_cert, _cutter(tokens, checkpoints), **params
-        )
+        joined = await _run_with_cuts(server, certs.ca_cert, _cutter(tokens, checkpoints), **params)
     assert joined.ids == reference.ids
     assert joined.joined_text == reference.joined_text
     assert joined.end == reference.end
