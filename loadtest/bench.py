@@ -252,6 +252,12 @@ async def _measure_servers(
         "queued": [(LLAMA_SERVER_QUEUED, False)],
         "none": [],
     }[args.llama_server]
+    if variants and not settings.cpu_extra_buffers:
+        # quicsrv's canary found that llama.cpp's extra CPU buffers crash here (AMX), and
+        # llama-cpp-python's server has no way to turn them off: it would die on its first
+        # batched decode.
+        _log("llama-cpp-python server skipped: its llama.cpp extra CPU buffers crash on this CPU")
+        variants = []
     for name, interrupt in variants:
         log = logs / f"llama_cpp_server-interrupt_{interrupt}.log"
         _log(f"{name} over SSE (log: {log})")
@@ -382,6 +388,15 @@ def main(argv: list[str] | None = None) -> int:
             "`÷ raw` compares with the raw rate at min(streams, parallel) sequences per step.",
             f"`{ENGINE}`: quicsrv's LlamaEngine driven directly, tokens timed on its worker "
             "thread: the engine's own overhead without sessions, HTTP/3, QUIC or a client.",
+            *(
+                []
+                if settings.cpu_extra_buffers
+                else [
+                    "llama.cpp's extra CPU buffers crash on this CPU (quicsrv's canary): every "
+                    "target runs without them, and llama-cpp-python's server, which cannot turn "
+                    "them off, is not measured."
+                ]
+            ),
         ],
     }
     report = Report.build(meta, all_raw, all_loads, baselines)
