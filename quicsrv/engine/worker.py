@@ -135,6 +135,7 @@ class _Worker:
         self._phase = phase
         self._faults = faults
         self._send_lock = threading.Lock()
+        self._events_lock = threading.Lock()  # the engine thread reports; rarely the main one
         self._events: list[Event] = []
         self._handles: dict[int, SequenceHandle] = {}
         self._reporting = False  # steps are reported from Ready on (the canary's are not)
@@ -191,12 +192,14 @@ class _Worker:
     # --- engine thread ------------------------------------------------------------------
 
     def _report(self, event: Event) -> None:
-        self._events.append(event)
+        with self._events_lock:
+            self._events.append(event)
 
     def step_finished(self) -> None:
         if not self._reporting:
             return
-        events, self._events = self._events, []
+        with self._events_lock:
+            events, self._events = self._events, []
         self._send(Step(tuple(events)))
 
     def decode_started(self) -> None:
