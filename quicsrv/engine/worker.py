@@ -17,7 +17,8 @@ otherwise only a broken CPU or build does:
 * ``decode-crash:N`` - SIGSEGV at the N-th decode after Ready while extra buffers are on;
 * ``hang:N`` - the first worker (incarnation 0) hangs at its N-th decode after Ready;
 * ``decode-error:N`` - the first worker's N-th decode after Ready raises, as a failed
-  ``llama_decode`` does.
+  ``llama_decode`` does;
+* ``decode-abort:N`` - every worker aborts (SIGABRT) at its N-th decode after Ready: a crash loop.
 """
 
 from __future__ import annotations
@@ -341,11 +342,13 @@ class _Faults:
         crash_at: int = 0,
         hang_at: int = 0,
         error_at: int = 0,
+        abort_at: int = 0,
     ) -> None:
         self._canary_crash = canary_crash
         self._crash_at = crash_at
         self._hang_at = hang_at
         self._error_at = error_at
+        self._abort_at = abort_at
         self._decodes = 0  # since Ready
 
     @classmethod
@@ -353,7 +356,7 @@ class _Faults:
         spec = os.environ.get(FAULT_ENV, "")
         if not spec:
             return cls()
-        canary_crash, crash_at, hang_at, error_at = False, 0, 0, 0
+        canary_crash, crash_at, hang_at, error_at, abort_at = False, 0, 0, 0, 0
         for item in spec.split(","):
             name, _, count = item.strip().partition(":")
             if name == "canary-crash":
@@ -364,6 +367,8 @@ class _Faults:
                 hang_at = int(count)
             elif name == "decode-error":
                 error_at = int(count)
+            elif name == "decode-abort":
+                abort_at = int(count)
             else:
                 raise ValueError(f"{FAULT_ENV}: unknown fault {name!r}")
         extra_buffers = options.settings.cpu_extra_buffers
@@ -372,7 +377,13 @@ class _Faults:
             canary_crash, crash_at = False, 0
         if options.incarnation != 0:
             hang_at, error_at = 0, 0
-        return cls(canary_crash=canary_crash, crash_at=crash_at, hang_at=hang_at, error_at=error_at)
+        return cls(
+            canary_crash=canary_crash,
+            crash_at=crash_at,
+            hang_at=hang_at,
+            error_at=error_at,
+            abort_at=abort_at,
+        )
 
     def before_decode(self, *, canary: bool) -> None:
         if canary:
@@ -382,6 +393,8 @@ class _Faults:
         self._decodes += 1
         if self._decodes == self._crash_at:
             os.kill(os.getpid(), signal.SIGSEGV)
+        if self._decodes == self._abort_at:
+            os.abort()
         if self._decodes == self._hang_at:
             log.warning("test fault: hanging in decode")
             threading.Event().wait()

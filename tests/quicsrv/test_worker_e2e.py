@@ -161,7 +161,8 @@ async def test_a_hung_worker_is_detected_and_replaced(model_path, certs, monkeyp
                     hung.take(event)
                 reference = await client.generate_text(PROMPTS[1], **params)
         assert engine.restarts == 1
-        assert "hung" in engine.deaths[0] and "SIGKILL" not in engine.deaths[0]
+        # (On a CPU whose extra buffers crash, deaths[0] is the canary's: safe mode first.)
+        assert "hung" in engine.deaths[-1] and "SIGKILL" not in engine.deaths[-1]
         assert hung.ids == list(reference.token_ids)
         assert hung.joined == reference.text
     finally:
@@ -182,13 +183,17 @@ async def test_a_failed_decode_restarts_the_worker_and_the_generation_goes_on(
                     failed.take(event)
                 reference = await client.generate_text(PROMPTS[0], **params)
         assert engine.restarts == 1
-        assert "the engine thread failed" in engine.deaths[0]
+        assert "the engine thread failed" in engine.deaths[-1]
         assert failed.ids == list(reference.token_ids)
     finally:
         await asyncio.to_thread(engine.close)
 
 
-async def test_two_kernel_faults_in_a_row_switch_to_safe_mode(model_path, certs, monkeypatch):
+async def test_two_kernel_faults_in_a_row_switch_to_safe_mode(
+    model_path, certs, monkeypatch, cpu_extra_buffers
+):
+    if not cpu_extra_buffers:
+        pytest.skip("this CPU's extra buffers crash in the canary: safe mode comes first")
     # Every worker with extra buffers on faults at its 3rd decode after the canary.
     monkeypatch.setenv(FAULT_ENV, "decode-crash:3")
     engine = await asyncio.to_thread(_engine, model_path)
@@ -212,9 +217,9 @@ async def test_two_kernel_faults_in_a_row_switch_to_safe_mode(model_path, certs,
 async def test_a_crash_loop_ends_generations_with_engine_unavailable(
     model_path, certs, tmp_path, monkeypatch
 ):
-    monkeypatch.setenv(FAULT_ENV, "decode-crash:3")
+    monkeypatch.setenv(FAULT_ENV, "decode-abort:3")  # every worker aborts at its 3rd decode
     engine = await asyncio.to_thread(
-        _engine, model_path, cpu_extra_buffers=CpuExtraBuffers.ON, max_restarts=2
+        _engine, model_path, cpu_extra_buffers=CpuExtraBuffers.OFF, max_restarts=2
     )
     try:
         async with running_server(engine, certs) as server:
