@@ -5,14 +5,14 @@ the model's vocabulary only (tokenizing, pieces, chat template: no weights, no c
 Decoding happens in a worker process (:mod:`.worker`), so a native crash, an OOM kill or a failed
 ``llama_decode`` costs a restart, not the server.
 
-Three threads of this class, none of them the event loop's:
+Two threads of its own, neither of them the event loop's, and its callers:
 
 * the **supervisor** starts workers, reads their step messages and hands the events to each
   sequence's sink (as the in-process engine thread did), and watches them: a worker that exits,
   is killed, or makes no step progress for ``stall_timeout_s`` while it holds work is replaced;
 * the **sender** sends the commands gathered since its last send as one message, and writes the
   KV blobs of resumed sequences to the spool directory on the way;
-* the caller's (the event loop's) ``submit``/``cancel``/``pause``/``allow`` only append to that
+* the callers' ``submit``/``cancel``/``pause``/``allow`` (on the event loop) only append to that
   outbox.
 
 When a worker dies, every sequence it held is reported *paused without KV cells*; the sessions
@@ -22,8 +22,9 @@ bounded (``max_restarts`` per ``restart_window_s``); past that the engine fails:
 finish with :attr:`FinishReason.FAILED` and new work is refused with :class:`EngineUnavailable`.
 
 The start-up canary (see :mod:`.worker`) decides the safe mode: with ``cpu_extra_buffers=auto``
-a worker that dies before it is ready with the extra buffers on is restarted without them, and
-so is a worker that dies of a fault inside ``llama_decode`` twice in a row.
+a worker that dies in the canary (or of a fault signal before it is ready) with the extra
+buffers on is restarted without them, and so is one that dies of a fault signal inside
+``llama_decode`` twice in a row.
 """
 
 from __future__ import annotations
