@@ -12,6 +12,7 @@ from pathlib import Path
 
 from .config import ServerConfig
 from .devcerts import describe, ensure_dev_certs
+from .engine import EngineUnavailable
 
 __all__ = ["main"]
 
@@ -117,8 +118,6 @@ def main(argv: list[str] | None = None) -> int:
         )
     }
     config = ServerConfig.load(args.config, **overrides)
-    from .engine import EngineUnavailable
-
     try:
         asyncio.run(_serve(config))
     except KeyboardInterrupt:

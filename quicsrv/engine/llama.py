@@ -42,6 +42,7 @@ __all__ = [
     "LlamaEngine",
     "ModelFacts",
     "Overloaded",
+    "check_admission",
     "check_request",
 ]
 
@@ -76,6 +77,15 @@ class Overloaded(EngineError):
     def __init__(self, message: str, retry_after_s: float) -> None:
         super().__init__(message)
         self.retry_after_s = retry_after_s
+
+
+def check_admission(settings: EngineSettings, admitted: int) -> None:
+    """Refuse one more sequence past the slots and the queue, with a retry hint."""
+    limit = settings.n_seq_max + settings.max_queued
+    if admitted >= limit:
+        raise Overloaded(
+            f"{admitted} generations active or queued (limit {limit})", retry_after_s=1.0
+        )
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -244,12 +254,7 @@ class LlamaEngine(ModelFacts):
                 raise EngineUnavailable("the engine failed; see the server log")
             if self._closing:
                 raise EngineError("the engine is shutting down")
-            limit = self.settings.n_seq_max + self.settings.max_queued
-            if self._admitted >= limit:
-                raise Overloaded(
-                    f"{self._admitted} generations active or queued (limit {limit})",
-                    retry_after_s=1.0,
-                )
+            check_admission(self.settings, self._admitted)
             self._admitted += 1
         sequence = _Sequence(
             request=request,

@@ -69,7 +69,7 @@ from .ipc import (
     TokenGenerated,
     WorkerPhase,
 )
-from .llama import EngineSettings, ModelFacts, Overloaded, check_request
+from .llama import EngineSettings, ModelFacts, check_admission, check_request
 from .vocab import Vocabulary
 from .worker import EXIT_CANARY_FAILED, EXIT_ENGINE_FAILED, WorkerOptions
 
@@ -242,7 +242,6 @@ class WorkerEngine(ModelFacts):
         self.restarts = 0
         self.deaths: deque[str] = deque(maxlen=100)  # why workers ended, oldest first
         self.tokens_generated_total = 0
-        self.messages_sent = 0  # to the worker, each one batch of commands (stats, benchmarks)
         self.last_ready: Ready | None = None
         # Workers are started from the supervisor thread only: Linux's parent-death signal
         # (the worker's safety net) fires when the *thread* that started it exits.
@@ -269,12 +268,7 @@ class WorkerEngine(ModelFacts):
                 raise EngineUnavailable(f"the engine failed: {self._failure}")
             if self._closing:
                 raise EngineError("the engine is shutting down")
-            limit = self.settings.n_seq_max + self.settings.max_queued
-            if self._admitted >= limit:
-                raise Overloaded(
-                    f"{self._admitted} generations active or queued (limit {limit})",
-                    retry_after_s=1.0,
-                )
+            check_admission(self.settings, self._admitted)
             self._admitted += 1
             key = next(self._keys)
             sequence = _RemoteSequence(
@@ -372,7 +366,6 @@ class WorkerEngine(ModelFacts):
             commands = [self._with_blob_file(c, blobs, link) for c in _latest_allowances(batch)]
             try:
                 link.conn.send(commands)
-                self.messages_sent += 1
             except (OSError, EOFError, ValueError):
                 pass  # the worker died: the supervisor hands its sequences back for a resume
             if any(isinstance(c, Stop) for c in commands):

@@ -140,13 +140,12 @@ class _Worker:
         self._events: list[Event] = []
         self._handles: dict[int, SequenceHandle] = {}
         self._reporting = False  # steps are reported from Ready on (the canary's are not)
-        self._engine: LlamaEngine | None = None
 
     def serve(self) -> None:
         settings = self._options.settings
         started = time.monotonic()
         self._phase.value = WorkerPhase.LOADING
-        engine = self._engine = LlamaEngine(settings, _Observer(self))
+        engine = LlamaEngine(settings, _Observer(self))
         loaded = time.monotonic()
         log.info(
             "model loaded in %.2fs (cpu extra buffers %s)",

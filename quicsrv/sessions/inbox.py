@@ -20,7 +20,7 @@ __all__ = ["LoopInbox"]
 
 class LoopInbox:
     def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
-        self.loop = self._loop = loop
+        self.loop = loop
         self._lock = threading.Lock()
         self._items: deque[tuple[Callable[..., None], tuple[object, ...]]] = deque()
         self._scheduled = False
@@ -37,7 +37,7 @@ class LoopInbox:
             self._scheduled = True
             self.wakeups += 1
         try:
-            self._loop.call_soon_threadsafe(self._drain)
+            self.loop.call_soon_threadsafe(self._drain)
         except RuntimeError:  # the loop is closed: the server is gone, nobody to tell
             pass
 
@@ -49,6 +49,6 @@ class LoopInbox:
             try:
                 callback(*args)
             except Exception as exc:  # as call_soon would: report it, and go on with the rest
-                self._loop.call_exception_handler(
+                self.loop.call_exception_handler(
                     {"message": f"exception in {callback!r}", "exception": exc}
                 )

@@ -86,6 +86,18 @@ async def _generate_all(port: int, ca: Path, params: dict, on_token=None) -> lis
     return outputs
 
 
+async def _through_the_fault_then_again(engine, certs, prompt: str, max_tokens: int):
+    """One generation that meets the armed fault, then the same one on the recovered engine:
+    (what the first delivered, the second's result)."""
+    params = dict(max_tokens=max_tokens, ignore_eos=True)
+    async with running_server(engine, certs) as server:
+        async with Client("127.0.0.1", server.port, ca=certs.ca_cert) as client:
+            faulted = Output()
+            async for event in client.generate(prompt, **params):
+                faulted.take(event)
+            return faulted, await client.generate_text(prompt, **params)
+
+
 @pytest.mark.parametrize(
     "params",
     [dict(temperature=0.0), dict(temperature=0.8, top_k=40, top_p=0.95, seed=21)],
@@ -153,13 +165,7 @@ async def test_a_hung_worker_is_detected_and_replaced(model_path, certs, monkeyp
     monkeypatch.setenv(FAULT_ENV, "hang:6")  # the first worker hangs at its 6th decode
     engine = await asyncio.to_thread(_engine, model_path, stall_timeout_s=3.0)
     try:
-        params = dict(max_tokens=24, ignore_eos=True)
-        async with running_server(engine, certs) as server:
-            async with Client("127.0.0.1", server.port, ca=certs.ca_cert) as client:
-                hung = Output()
-                async for event in client.generate(PROMPTS[1], **params):
-                    hung.take(event)
-                reference = await client.generate_text(PROMPTS[1], **params)
+        hung, reference = await _through_the_fault_then_again(engine, certs, PROMPTS[1], 24)
         assert engine.restarts == 1
         # (On a CPU whose extra buffers crash, deaths[0] is the canary's: safe mode first.)
         assert "hung" in engine.deaths[-1] and "SIGKILL" not in engine.deaths[-1]
@@ -175,13 +181,7 @@ async def test_a_failed_decode_restarts_the_worker_and_the_generation_goes_on(
     monkeypatch.setenv(FAULT_ENV, "decode-error:5")  # the first worker's 5th decode raises
     engine = await asyncio.to_thread(_engine, model_path)
     try:
-        params = dict(max_tokens=20, ignore_eos=True)
-        async with running_server(engine, certs) as server:
-            async with Client("127.0.0.1", server.port, ca=certs.ca_cert) as client:
-                failed = Output()
-                async for event in client.generate(PROMPTS[0], **params):
-                    failed.take(event)
-                reference = await client.generate_text(PROMPTS[0], **params)
+        failed, reference = await _through_the_fault_then_again(engine, certs, PROMPTS[0], 20)
         assert engine.restarts == 1
         assert "the engine thread failed" in engine.deaths[-1]
         assert failed.ids == list(reference.token_ids)
@@ -199,13 +199,7 @@ async def test_two_kernel_faults_in_a_row_switch_to_safe_mode(
     engine = await asyncio.to_thread(_engine, model_path)
     try:
         assert engine.cpu_extra_buffers is True
-        params = dict(max_tokens=16, ignore_eos=True)
-        async with running_server(engine, certs) as server:
-            async with Client("127.0.0.1", server.port, ca=certs.ca_cert) as client:
-                crashed = Output()
-                async for event in client.generate(PROMPTS[2], **params):
-                    crashed.take(event)
-                reference = await client.generate_text(PROMPTS[2], **params)
+        crashed, reference = await _through_the_fault_then_again(engine, certs, PROMPTS[2], 16)
         assert engine.cpu_extra_buffers is False
         assert engine.restarts == 2
         assert all("SIGSEGV inside llama_decode" in d for d in engine.deaths)
