@@ -34,6 +34,7 @@ import signal
 import sys
 import threading
 import time
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from multiprocessing.connection import Connection
 from pathlib import Path
@@ -135,9 +136,12 @@ class _Worker:
         self._options = options
         self._phase = phase
         self._faults = faults
+        # Held from taking the pending events until they are sent: messages leave in order.
         self._send_lock = threading.Lock()
-        self._events_lock = threading.Lock()  # the engine thread reports; rarely the main one
+        self._events_lock = threading.Lock()  # the engine thread reports; rarely the others
         self._events: list[Event] = []
+        # A paused sequence's KV blob (MBs) is written here, not on the decode thread.
+        self._blob_writer = ThreadPoolExecutor(max_workers=1, thread_name_prefix="kv-blob")
         self._handles: dict[int, SequenceHandle] = {}
         self._reporting = False  # steps are reported from Ready on (the canary's are not)
 
@@ -166,6 +170,7 @@ class _Worker:
             for command in commands:
                 if isinstance(command, Stop):
                     engine.close()
+                    self._blob_writer.shutdown(wait=True)
                     os._exit(0)
                 self._apply(engine, command)
 
@@ -196,11 +201,15 @@ class _Worker:
             self._events.append(event)
 
     def step_finished(self) -> None:
-        if not self._reporting:
-            return
-        with self._events_lock:
-            events, self._events = self._events, []
-        self._send(Step(tuple(events)))
+        if self._reporting:
+            self._send_pending()
+
+    def paused(self, key: int, state: PausedState) -> None:
+        self.forget(key)
+        if state.kv_state is None:
+            self._report(SequencePaused(key, state.generated, None))
+        else:
+            self._blob_writer.submit(self._pass_blob_on, key, state.generated, state.kv_state)
 
     def decode_started(self) -> None:
         self._phase.value = WorkerPhase.DECODING if self._reporting else WorkerPhase.CANARY
@@ -212,15 +221,38 @@ class _Worker:
     def forget(self, key: int) -> None:
         self._handles.pop(key, None)
 
-    def write_blob(self, key: int, n_generated: int, blob: bytes) -> str:
-        path = self._options.spool_dir / f"out-{self._options.incarnation}-{key}-{n_generated}.kv"
-        path.write_bytes(blob)
-        return str(path)
+    # --- the blob writer's thread --------------------------------------------------------
+
+    def _pass_blob_on(self, key: int, generated: tuple[int, ...], blob: bytes) -> None:
+        path = (
+            self._options.spool_dir / f"out-{self._options.incarnation}-{key}-{len(generated)}.kv"
+        )
+        kv_file: str | None = str(path)
+        try:
+            path.write_bytes(blob)
+        except OSError as exc:  # the server rebuilds the cells by exact replay instead
+            log.warning("cannot write KV blob %s: %s", path, exc)
+            path.unlink(missing_ok=True)
+            kv_file = None
+        # Sent now, with whatever the current step reported so far: the engine may be idle.
+        self._report(SequencePaused(key, generated, kv_file))
+        self._send_pending()
+
+    # --- any thread ---------------------------------------------------------------------
+
+    def _send_pending(self) -> None:
+        with self._send_lock:
+            with self._events_lock:
+                events, self._events = self._events, []
+            self._send_locked(Step(tuple(events)))
 
     def _send(self, message: object) -> None:
+        with self._send_lock:
+            self._send_locked(message)
+
+    def _send_locked(self, message: object) -> None:
         try:
-            with self._send_lock:
-                self._conn.send(message)
+            self._conn.send(message)
         except (OSError, EOFError):
             os._exit(0)  # the server is gone
 
@@ -260,11 +292,7 @@ class _Sink:
         self._worker._report(SequenceFinished(self._key, reason, completion_tokens))
 
     def sequence_paused(self, state: PausedState) -> None:
-        self._worker.forget(self._key)
-        kv_file = None
-        if state.kv_state is not None:
-            kv_file = self._worker.write_blob(self._key, len(state.generated), state.kv_state)
-        self._worker._report(SequencePaused(self._key, state.generated, kv_file))
+        self._worker.paused(self._key, state)
 
     def sequence_resumed(self, path: ResumePath) -> None:
         self._worker._report(SequenceResumed(self._key, path))

@@ -4,7 +4,7 @@ A blob is what ``llama_state_seq_get_data`` returned for one sequence (about 23 
 context for the default model). Blobs past the memory budget are written to
 ``<dir>/<session>.kv`` (atomic rename, BLAKE3 checksum); past the disk budget the oldest are
 dropped, and a resume without its blob falls back to the exact replay. Thread-safe: the engine
-thread puts, the event loop's worker threads get.
+side puts, the event loop's worker threads get, a writer thread spills.
 """
 
 from __future__ import annotations
@@ -15,6 +15,7 @@ import secrets
 import struct
 import threading
 from collections import OrderedDict
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -51,10 +52,14 @@ class KVStore:
         self._disk_budget = disk_budget_bytes
         self._lock = threading.Lock()
         # Least recently used first.
-        self._memory: OrderedDict[bytes, tuple[int, bytes]] = OrderedDict()
+        self._memory: OrderedDict[bytes, _Blob] = OrderedDict()
         self._memory_bytes = 0
+        self._spilling: dict[bytes, _Blob] = {}  # past the memory budget, not yet on disk
         self._disk: OrderedDict[bytes, int] = OrderedDict()  # session -> file size
         self._disk_bytes = 0
+        # Multi-MB writes and unlinks happen here, in order, never on the putting thread
+        # (the engine's, whose every stream would wait) nor on the event loop.
+        self._writer = ThreadPoolExecutor(max_workers=1, thread_name_prefix="kv-spill")
         directory.mkdir(parents=True, exist_ok=True, mode=0o700)
         for path in sorted(directory.glob("*.kv"), key=lambda p: p.stat().st_mtime):
             try:
@@ -71,12 +76,13 @@ class KVStore:
         """Keep the blob covering a session's first ``n_generated`` tokens."""
         with self._lock:
             self._discard_locked(session)
-            self._memory[session] = (n_generated, blob)
+            self._memory[session] = _Blob(n_generated, blob)
             self._memory_bytes += len(blob)
             while self._memory_bytes > self._memory_budget and self._memory:
-                victim, (covered, victim_blob) = self._memory.popitem(last=False)
-                self._memory_bytes -= len(victim_blob)
-                self._spill_locked(victim, covered, victim_blob)
+                victim, held = self._memory.popitem(last=False)
+                self._memory_bytes -= len(held.data)
+                self._spilling[victim] = held
+                self._writer.submit(self._spill, victim, held)
 
     def get(self, session: bytes, n_generated: int) -> bytes | None:
         """The blob if it covers exactly ``n_generated`` tokens and its checksum holds."""
@@ -84,7 +90,10 @@ class KVStore:
             held = self._memory.get(session)
             if held is not None:
                 self._memory.move_to_end(session)
-                return held[1] if held[0] == n_generated else None
+            else:
+                held = self._spilling.get(session)
+            if held is not None:
+                return held.data if held.n_generated == n_generated else None
             if session not in self._disk:
                 return None
             path = self._path(session)
@@ -100,8 +109,8 @@ class KVStore:
     def has(self, session: bytes, n_generated: int) -> bool:
         """Whether a blob for exactly ``n_generated`` tokens is probably there (not verified)."""
         with self._lock:
-            held = self._memory.get(session)
-            return held[0] == n_generated if held is not None else session in self._disk
+            held = self._memory.get(session) or self._spilling.get(session)
+            return held.n_generated == n_generated if held is not None else session in self._disk
 
     def discard(self, session: bytes) -> None:
         with self._lock:
@@ -116,39 +125,71 @@ class KVStore:
                 disk_bytes=self._disk_bytes,
             )
 
+    def flush(self) -> Future[None]:
+        """Done when every spill and removal asked for so far is done."""
+        return self._writer.submit(lambda: None)
+
+    def close(self) -> None:
+        """Finish the pending spills (a restarted server finds them on disk)."""
+        self._writer.shutdown(wait=True)
+
     def _path(self, session: bytes) -> Path:
         return self._dir / f"{session.hex()}.kv"
 
     def _discard_locked(self, session: bytes) -> None:
         held = self._memory.pop(session, None)
         if held is not None:
-            self._memory_bytes -= len(held[1])
+            self._memory_bytes -= len(held.data)
+        self._spilling.pop(session, None)  # the spill sees that and removes its file
         size = self._disk.pop(session, None)
         if size is not None:
             self._disk_bytes -= size
-            self._path(session).unlink(missing_ok=True)
+            self._writer.submit(self._path(session).unlink, missing_ok=True)
 
-    def _spill_locked(self, session: bytes, n_generated: int, blob: bytes) -> None:
-        data = _HEADER.pack(_MAGIC, n_generated, len(blob), blake3.blake3(blob).digest()) + blob
-        if len(data) > self._disk_budget:
-            return  # bigger than the whole disk budget: dropped, a resume replays
-        while self._disk and self._disk_bytes + len(data) > self._disk_budget:
-            oldest, size = self._disk.popitem(last=False)
-            self._disk_bytes -= size
-            self._path(oldest).unlink(missing_ok=True)
+    # --- the writer thread --------------------------------------------------------------
+
+    def _spill(self, session: bytes, held: _Blob) -> None:
+        blob = held.data
+        data = _HEADER.pack(_MAGIC, held.n_generated, len(blob), blake3.blake3(blob).digest())
+        size = len(data) + len(blob)
+        with self._lock:
+            if self._spilling.get(session) is not held:
+                return  # discarded or replaced while queued
+            if size > self._disk_budget:
+                del self._spilling[session]  # bigger than the whole budget: a resume replays
+                return
+            while self._disk and self._disk_bytes + size > self._disk_budget:
+                oldest, dropped = self._disk.popitem(last=False)
+                self._disk_bytes -= dropped
+                self._path(oldest).unlink(missing_ok=True)
         path = self._path(session)
         tmp = self._dir / f".{path.name}.{secrets.token_hex(4)}.tmp"
         try:
             fd = os.open(tmp, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o600)
             with os.fdopen(fd, "wb") as f:
                 f.write(data)
+                f.write(blob)
             os.replace(tmp, path)
         except OSError as exc:
             tmp.unlink(missing_ok=True)
             log.warning("cannot spill KV blob to %s: %s", path, exc)
+            with self._lock:
+                if self._spilling.get(session) is held:
+                    del self._spilling[session]
             return
-        self._disk[session] = len(data)
-        self._disk_bytes += len(data)
+        with self._lock:
+            if self._spilling.get(session) is held:
+                del self._spilling[session]
+                self._disk[session] = size
+                self._disk_bytes += size
+                return
+        path.unlink(missing_ok=True)  # discarded while being written
+
+
+@dataclass(frozen=True, slots=True, eq=False)
+class _Blob:
+    n_generated: int
+    data: bytes
 
 
 def _unpack(data: bytes, n_generated: int) -> bytes | None:

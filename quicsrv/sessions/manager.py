@@ -143,6 +143,10 @@ class SessionManager:
         self._live[record.session_id] = session
         return session
 
+    async def persisted(self) -> None:
+        """Until every session record write asked for so far is on disk."""
+        await asyncio.wrap_future(self.store.flush())
+
     # --- resumes ------------------------------------------------------------------------
 
     def resume(self, frame: proto.ResumeStream, header_session: bytes | None) -> Session:
@@ -225,6 +229,7 @@ class SessionManager:
 
     def close(self) -> None:
         self.store.close()
+        self.kv.close()
 
     def _expire(self, record: SessionRecord) -> None:
         self.kv.discard(record.session_id)

@@ -185,6 +185,12 @@ class Session:
             self._handle.pause(capture_kv=capture_kv)
         self._check_idle()
 
+    def abandon(self) -> None:
+        """Its stream went away before it was told the session id: stop spending compute."""
+        if self._handle is not None and self._state is _EngineState.RUNNING:
+            self._handle.pause(capture_kv=False)
+        self._check_idle()
+
     def end_for_shutdown(self) -> None:
         """Tell the reader the server is going; the session stays resumable from disk."""
         attachment, self._attachment = self._attachment, None

@@ -4,6 +4,11 @@ Each session is two files under ``<dir>``: ``<id>.meta`` (canonical CBOR of ever
 generated tokens, replaced atomically when it changes) and ``<id>.tokens`` (4 bytes per generated
 token, appended before the token is sent). So whatever a client has received is on disk, and
 the snapshot hash it holds verifies against what a restarted server reads back.
+
+Metadata saves and deletions (open, write, rename, unlink: each can wait on the disk) run in
+order on one writer thread, never on the caller's (the event loop's) thread; :meth:`flush`
+tells when everything asked so far is done. Token appends stay where they are called: one
+``write(2)`` of a step's token to a page-cache file, and it must precede the token's frame.
 """
 
 from __future__ import annotations
@@ -15,6 +20,7 @@ import struct
 from array import array
 from collections import OrderedDict
 from collections.abc import Callable, Iterator
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -145,8 +151,11 @@ class SessionStore:
         # Least recently touched first, so eviction takes the stalest.
         self._records: OrderedDict[bytes, SessionRecord] = OrderedDict()
         self._logs: dict[bytes, int] = {}  # open token-log descriptors of live sessions
+        self._meta_bytes: dict[bytes, int] = {}  # what each .meta file holds (or soon will)
         self._expired: OrderedDict[bytes, None] = OrderedDict()
         self._disk_bytes = 0
+        # One thread, so the files change in the order they were asked to.
+        self._writer = ThreadPoolExecutor(max_workers=1, thread_name_prefix="session-writer")
         directory.mkdir(parents=True, exist_ok=True, mode=0o700)
         self._load()
 
@@ -205,29 +214,28 @@ class SessionStore:
         if fd is not None:
             os.close(fd)
 
-    def save(self, record: SessionRecord) -> None:
-        """Write the record's metadata atomically."""
+    def save(self, record: SessionRecord) -> Future[None]:
+        """Have the record's metadata written atomically, on the writer thread."""
+        if record.session_id not in self._records:  # removed: writing would bring it back
+            return self.flush()
         data = canonical_cbor(record._meta())
-        path = self._meta_path(record.session_id)
-        old = path.stat().st_size if path.exists() else 0
-        tmp = self._dir / f".{path.name}.{secrets.token_hex(4)}.tmp"
-        fd = os.open(tmp, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o600)
-        with os.fdopen(fd, "wb") as f:
-            f.write(data)
-        os.replace(tmp, path)
+        old = self._meta_bytes.get(record.session_id, 0)
+        self._meta_bytes[record.session_id] = len(data)
         self._disk_bytes += len(data) - old
+        return self._writer.submit(_write_atomically, self._meta_path(record.session_id), data)
+
+    def flush(self) -> Future[None]:
+        """Done when every save and removal asked for so far is on disk."""
+        return self._writer.submit(lambda: None)
 
     def remove(self, session: bytes, *, expired: bool = False) -> None:
         record = self._records.pop(session, None)
         if record is None:
             return
         self.close_log(record)
-        for path in (self._meta_path(session), self._tokens_path(session)):
-            try:
-                self._disk_bytes -= path.stat().st_size
-                path.unlink()
-            except FileNotFoundError:
-                pass
+        self._disk_bytes -= self._meta_bytes.pop(session, 0) + _TOKEN.size * len(record.generated)
+        paths = (self._meta_path(session), self._tokens_path(session))
+        self._writer.submit(_unlink_all, paths)
         if expired:
             self._expired[session] = None
             while len(self._expired) > _TOMBSTONES:
@@ -237,6 +245,8 @@ class SessionStore:
         return [r for r in self._records.values() if r.expires_at_s <= now_s]
 
     def close(self) -> None:
+        """Finish the pending writes; close the token logs."""
+        self._writer.shutdown(wait=True)
         for fd in self._logs.values():
             os.close(fd)
         self._logs.clear()
@@ -262,7 +272,29 @@ class SessionStore:
             except Exception as exc:  # one bad file must not stop the server
                 log.warning("ignoring unreadable session file %s: %s", path.name, exc)
                 continue
-            self._disk_bytes += path.stat().st_size + len(raw)
+            meta_bytes = path.stat().st_size
+            self._meta_bytes[record.session_id] = meta_bytes
+            self._disk_bytes += meta_bytes + len(raw)
             loaded.append(record)
         for record in sorted(loaded, key=lambda r: r.expires_at_s):
             self._records[record.session_id] = record
+
+
+def _write_atomically(path: Path, data: bytes) -> None:
+    tmp = path.with_name(f".{path.name}.{secrets.token_hex(4)}.tmp")
+    try:
+        fd = os.open(tmp, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o600)
+        with os.fdopen(fd, "wb") as f:
+            f.write(data)
+        os.replace(tmp, path)
+    except OSError as exc:  # a full disk must not take the server down: the session lives on
+        tmp.unlink(missing_ok=True)
+        log.error("cannot write session file %s: %s", path.name, exc)
+
+
+def _unlink_all(paths: tuple[Path, ...]) -> None:
+    for path in paths:
+        try:
+            path.unlink(missing_ok=True)
+        except OSError as exc:
+            log.warning("cannot remove session file %s: %s", path.name, exc)

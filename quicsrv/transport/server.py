@@ -240,6 +240,12 @@ class _H3ServerProtocol(QuicConnectionProtocol):
             if not self._app.accepting:
                 raise RequestRejected(ErrorCode.SHUTTING_DOWN, "the server is shutting down")
             session = sessions.start(frame, prepared)
+            # The session id goes out once its record is on disk: whoever learns it can
+            # resume it, even after a kill -9 of this process.
+            await sessions.persisted()
+            if self._requests.get(request.stream_id) is not request:
+                session.abandon()
+                return
         except RequestRejected as exc:
             self._reject(request, exc.code, exc.message, exc.retry_after_s)
             return

@@ -339,6 +339,7 @@ async def test_kv_blobs_spill_to_disk_and_resumes_still_restore_them(engine, cer
         port, ca = server.port, certs.ca_cert
         reference = await _uninterrupted(port, ca, **params)
         positions = [await _start_and_cut(server, ca, 8, **params) for _ in range(3)]
+        await asyncio.wrap_future(server.sessions.kv.flush())  # spills run on their thread
         usage = server.sessions.kv.usage()
         assert usage.disk_blobs == 3 and usage.memory_blobs == 0
         for position in positions:

@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import os
 import stat
+import threading
+from pathlib import Path
 
 from proto import EndReason
 from quicsrv.engine import SamplingParams
@@ -39,6 +42,7 @@ def test_records_and_their_tokens_survive_a_restart(tmp_path):
         store.append_token(record, token)
     record.end = SessionEnd(EndReason.LENGTH, 3)
     store.save(record)
+    store.flush().result(timeout=10)
     # No close(): as after a kill -9, only what reached the kernel counts.
     again = _store(tmp_path).get(b"a" * 16)
     assert again is not None
@@ -68,6 +72,7 @@ def test_expired_sessions_are_removed_from_disk_and_remembered(tmp_path):
     store.add(fresh)
     assert store.expired(50.0) == [old]
     store.remove(old.session_id, expired=True)
+    store.flush().result(timeout=10)
     assert store.get(old.session_id) is None and store.was_expired(old.session_id)
     assert not list(tmp_path.glob(f"{old.session_id.hex()}*"))
     assert _store(tmp_path).get(fresh.session_id) is not None
@@ -85,11 +90,43 @@ def test_the_count_limit_evicts_the_stalest_evictable_session(tmp_path):
     assert not store.has_room(lambda r: False)  # nothing may go: no room
 
 
+def test_saves_and_removals_run_on_the_writer_thread_in_order(tmp_path, monkeypatch):
+    store = _store(tmp_path)
+    done: list[tuple[str, str]] = []
+    real_replace, real_unlink = os.replace, Path.unlink
+
+    def replace(src, dst):
+        if Path(dst).parent == tmp_path:
+            done.append(("write", threading.current_thread().name))
+        real_replace(src, dst)
+
+    def unlink(path, missing_ok=False):
+        if path.parent == tmp_path:
+            done.append(("unlink", threading.current_thread().name))
+        real_unlink(path, missing_ok=missing_ok)
+
+    monkeypatch.setattr(os, "replace", replace)
+    monkeypatch.setattr(Path, "unlink", unlink)
+    record = _record(b"w" * 16)
+    store.add(record)
+    store.touch(record)
+    store.remove(record.session_id)
+    store.flush().result(timeout=10)
+    assert [what for what, _ in done] == ["write", "write", "unlink", "unlink"]
+    assert all(thread != threading.current_thread().name for _, thread in done)
+    assert not list(tmp_path.glob(f"{record.session_id.hex()}*"))
+    assert store.usage().disk_bytes == 0
+    store.save(record)  # a late save of a removed session must not bring its file back
+    store.close()
+    assert not list(tmp_path.glob(f"{record.session_id.hex()}*"))
+
+
 def test_kv_blobs_spill_lru_to_disk_with_checksums(tmp_path):
     kv = KVStore(tmp_path, memory_budget_bytes=250, disk_budget_bytes=10_000)
     kv.put(b"1" * 16, 3, b"x" * 100)
     kv.put(b"2" * 16, 4, b"y" * 100)
     kv.put(b"3" * 16, 5, b"z" * 100)  # over the memory budget: the oldest spills
+    kv.flush().result(timeout=10)
     usage = kv.usage()
     assert (usage.memory_blobs, usage.disk_blobs) == (2, 1)
     assert kv.get(b"1" * 16, 3) == b"x" * 100  # read back from disk, checksum verified
@@ -107,7 +144,34 @@ def test_the_kv_disk_budget_drops_the_oldest_blobs(tmp_path):
     kv = KVStore(tmp_path, memory_budget_bytes=0, disk_budget_bytes=400)
     for i in range(5):
         kv.put(bytes([i]) * 16, 1, b"k" * 100)
+    kv.flush().result(timeout=10)
     usage = kv.usage()
     assert usage.disk_bytes <= 400 and usage.disk_blobs < 5
     assert kv.get(bytes([4]) * 16, 1) == b"k" * 100
     assert kv.get(bytes([0]) * 16, 1) is None
+
+
+def test_a_kv_spill_runs_on_its_own_thread_and_the_blob_stays_readable_meanwhile(
+    tmp_path, monkeypatch
+):
+    kv = KVStore(tmp_path, memory_budget_bytes=0, disk_budget_bytes=10_000)
+    writing, release = threading.Event(), threading.Event()
+    writers: list[str] = []
+    real_replace = os.replace
+
+    def slow_replace(src, dst):
+        writers.append(threading.current_thread().name)
+        writing.set()
+        assert release.wait(10)
+        real_replace(src, dst)
+
+    monkeypatch.setattr(os, "replace", slow_replace)
+    kv.put(b"s" * 16, 7, b"v" * 100)  # returns while the spill waits on its thread
+    assert writing.wait(10)
+    assert kv.has(b"s" * 16, 7) and kv.get(b"s" * 16, 7) == b"v" * 100
+    kv.discard(b"s" * 16)  # discarded while being written: the file must not stay
+    release.set()
+    kv.close()
+    assert writers and writers[0] != threading.current_thread().name
+    assert kv.get(b"s" * 16, 7) is None
+    assert not list(tmp_path.glob("*.kv")) and kv.usage().disk_blobs == 0
