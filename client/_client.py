@@ -42,7 +42,7 @@ from ._generation import (
     collect,
     read_response,
 )
-from ._protocol import H3_REQUEST_CANCELLED, H3Protocol
+from ._protocol import DEFAULT_ACK_DELAY_S, H3_REQUEST_CANCELLED, H3Protocol
 from ._tickets import TicketCache, ticket_cache_key
 
 __all__ = [
@@ -112,6 +112,7 @@ class Client:
         insecure_skip_verify: bool = False,
         connect_timeout_s: float = 10.0,
         read_window_bytes: int = DEFAULT_READ_WINDOW_BYTES,
+        ack_delay_s: float = DEFAULT_ACK_DELAY_S,
         idle_timeout_s: float = 30.0,
         ticket_cache: TicketCache | str | Path | None = None,
         reconnect: ReconnectPolicy | None = None,
@@ -122,6 +123,8 @@ class Client:
         self.insecure_skip_verify = insecure_skip_verify
         self.connect_timeout_s = connect_timeout_s
         self.read_window_bytes = read_window_bytes
+        self.ack_delay_s = ack_delay_s
+        """Longest wait before acknowledging received packets (at most 25 ms)."""
         self.idle_timeout_s = idle_timeout_s
         """A connection with nothing received for this long is dead (keepalives while busy)."""
         self.reconnect_policy = reconnect
@@ -192,7 +195,12 @@ class Client:
         created: list[H3Protocol] = []
 
         def create_protocol(*args: Any, **kwargs: Any) -> H3Protocol:
-            protocol = H3Protocol(*args, read_window_bytes=self.read_window_bytes, **kwargs)
+            protocol = H3Protocol(
+                *args,
+                read_window_bytes=self.read_window_bytes,
+                ack_delay_s=self.ack_delay_s,
+                **kwargs,
+            )
             created.append(protocol)
             return protocol
 

@@ -26,6 +26,11 @@ from ._errors import NetworkError, TransportError
 
 __all__ = ["H3_REQUEST_CANCELLED", "StreamItem", "H3Protocol"]
 
+#: The ``max_ack_delay`` transport parameter aioquic advertises (25 ms), in seconds.
+MAX_ACK_DELAY_S = 0.025
+#: How long the client may sit on an acknowledgement (the default; ``Client(ack_delay_s=)``).
+DEFAULT_ACK_DELAY_S = 0.02
+
 #: HTTP/3 error code used when the consumer abandons a generation (RFC 9114 §8.1).
 H3_REQUEST_CANCELLED = 0x10C
 
@@ -41,7 +46,9 @@ class H3Protocol(QuicConnectionProtocol):
     that generation, while other streams on the connection go on at full speed.
     """
 
-    def __init__(self, *args: Any, read_window_bytes: int, **kwargs: Any) -> None:
+    def __init__(
+        self, *args: Any, read_window_bytes: int, ack_delay_s: float, **kwargs: Any
+    ) -> None:
         super().__init__(*args, **kwargs)
         self.h3 = H3Connection(self._quic)
         self.streams: dict[int, asyncio.Queue[StreamItem]] = {}
@@ -51,6 +58,7 @@ class H3Protocol(QuicConnectionProtocol):
         self._consumed: dict[int, int] = {}
         self._default_stream_limits = self._quic._write_stream_limits
         self._quic._write_stream_limits = self._write_stream_limits  # type: ignore[method-assign]
+        self._ack_delay_s = ack_delay_s
 
     def _write_stream_limits(
         self, builder: QuicPacketBuilder, space: QuicPacketSpace, stream: QuicStream
@@ -74,6 +82,20 @@ class H3Protocol(QuicConnectionProtocol):
             buf.push_uint_var(stream.stream_id)
             buf.push_uint_var(stream.max_stream_data_local)
             stream.max_stream_data_local_sent = stream.max_stream_data_local
+
+    def _delay_acks(self) -> None:
+        """Acknowledge streamed tokens every ``ack_delay_s`` rather than each packet.
+
+        aioquic acknowledges an ack-eliciting packet after 1 ms, so a generation streaming a
+        token per packet costs the server one received ACK datagram per token (decrypt, loss
+        recovery, a trip through its event loop), next to llama.cpp on the same cores. RFC 9000
+        §13.2.1 lets a receiver delay acknowledgements up to the ``max_ack_delay`` it advertised
+        (aioquic: 25 ms), which the sender's loss timers already allow for. Set once the
+        handshake is done: handshake packets are still acknowledged at once.
+        """
+        if not hasattr(self._quic, "_ack_delay"):  # aioquic changed: keep its default
+            return
+        self._quic._ack_delay = min(self._ack_delay_s, MAX_ACK_DELAY_S)
 
     def mark_consumed(self, stream_id: int, offset: int) -> None:
         """The application has read the stream up to ``offset``: maybe widen its window."""
@@ -132,6 +154,7 @@ class H3Protocol(QuicConnectionProtocol):
             )
         elif isinstance(event, HandshakeCompleted):
             self.handshake = event
+            self._delay_acks()
         elif isinstance(event, StreamReset):
             reset_queue = self.streams.get(event.stream_id)
             if reset_queue is not None:

@@ -342,3 +342,13 @@ async def test_prompts_are_tokenized_and_chat_rendered_off_the_event_loop(
             await c.generate_text(messages=[{"role": "user", "content": "Hi"}], max_tokens=2)
     assert {name for name, _ in seen} == {"tokenize", "render_chat"}
     assert all(thread is not loop_thread for _, thread in seen)
+
+
+async def test_the_client_delays_its_acknowledgements_after_the_handshake(engine, certs):
+    # The knob is aioquic's private ``_ack_delay``: this fails loudly if aioquic renames it.
+    async with running_server(engine, certs) as server:
+        async with Client("127.0.0.1", server.port, ca=certs.ca_cert, ack_delay_s=0.02) as c:
+            result = await c.generate_text(PROMPT, max_tokens=4, ignore_eos=True)
+            assert c._protocol is not None
+            assert c._protocol._quic._ack_delay == 0.02
+    assert len(result.token_ids) == 4
