@@ -55,6 +55,9 @@ class FakeEngine:
         self.submitted.set()
         return handle
 
+    def deliver_on(self, loop: asyncio.AbstractEventLoop) -> None:
+        pass
+
     def close(self) -> None:
         pass
 

@@ -6,6 +6,7 @@ worker thread; the sink is responsible for handing them to its event loop.
 
 from __future__ import annotations
 
+import asyncio
 from dataclasses import dataclass
 from enum import StrEnum
 from typing import Protocol
@@ -145,5 +146,10 @@ class Engine(Protocol):
     def model_digest(self) -> bytes: ...
 
     def submit(self, request: SequenceRequest, sink: TokenSink) -> SequenceHandle: ...
+
+    def deliver_on(self, loop: asyncio.AbstractEventLoop) -> None:
+        """Call sinks on ``loop``'s thread where that saves a thread hop (a worker engine reads
+        its worker's messages there); an engine with a decode thread of its own ignores it.
+        Sinks must accept calls on any thread either way."""
 
     def close(self) -> None: ...

@@ -8,6 +8,7 @@ cells at once. The event loop never touches llama.cpp.
 
 from __future__ import annotations
 
+import asyncio
 import ctypes
 import itertools
 import logging
@@ -282,6 +283,9 @@ class LlamaEngine(ModelFacts):
                 sequence.forced = deque(resume.generated)
         self._inbox.put(sequence)
         return sequence
+
+    def deliver_on(self, loop: asyncio.AbstractEventLoop) -> None:
+        pass  # sinks are called on the decode thread, as they happen
 
     def close(self) -> None:
         """Finish every sequence with SHUTDOWN and stop the worker."""

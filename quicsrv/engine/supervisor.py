@@ -7,9 +7,12 @@ Decoding happens in a worker process (:mod:`.worker`), so a native crash, an OOM
 
 Two threads of its own, neither of them the event loop's, and its callers:
 
-* the **supervisor** starts workers, reads their step messages and hands the events to each
-  sequence's sink (as the in-process engine thread did), and watches them: a worker that exits,
-  is killed, or makes no step progress for ``stall_timeout_s`` while it holds work is replaced;
+* the **supervisor** starts workers and watches them: a worker that exits, is killed, or makes
+  no step progress for ``stall_timeout_s`` while it holds work is replaced. Once the server
+  names its event loop (:meth:`WorkerEngine.deliver_on`), that loop reads the worker's step
+  messages itself and calls the sinks there: a step's tokens then reach the sessions with one
+  wake-up of the loop, not a wake-up of this thread plus a cross-thread hand-off. Without a
+  running loop (before one is named, after it closed) this thread reads and delivers;
 * the **sender** sends the commands gathered since its last send as one message, and writes the
   KV blobs of resumed sequences to the spool directory on the way;
 * the callers' ``submit``/``cancel``/``pause``/``allow`` (on the event loop) only append to that
@@ -29,6 +32,7 @@ buffers on is restarted without them, and so is one that dies of a fault signal 
 
 from __future__ import annotations
 
+import asyncio
 import dataclasses
 import itertools
 import logging
@@ -41,7 +45,7 @@ import tempfile
 import threading
 import time
 from collections import deque
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from enum import StrEnum
 from multiprocessing.connection import Connection
 from pathlib import Path
@@ -163,6 +167,10 @@ class _Link:
     conn: Connection
     phase_file: Path
     cpu_extra_buffers: bool
+    reader: asyncio.AbstractEventLoop | None = None
+    """The event loop reading this worker's messages; None: the supervisor thread reads."""
+    ended: threading.Event = field(default_factory=threading.Event)
+    """Set by the reading loop when the worker's end of the socket closed."""
 
     def kill(self) -> None:
         if self.process.poll() is None:
@@ -237,6 +245,7 @@ class WorkerEngine(ModelFacts):
         self._progress_at = time.monotonic()
         self._restart_times: deque[float] = deque()
         self._kernel_faults_in_a_row = 0
+        self._delivery_loop: asyncio.AbstractEventLoop | None = None
         self._extra_buffers = supervision.cpu_extra_buffers is not CpuExtraBuffers.OFF
         self._first_ready = threading.Event()
         self.restarts = 0
@@ -286,6 +295,11 @@ class WorkerEngine(ModelFacts):
             self._changed.notify_all()
         return sequence
 
+    def deliver_on(self, loop: asyncio.AbstractEventLoop) -> None:
+        """Read the worker's messages on ``loop`` from now on (the supervisor thread hands
+        over at its next wake-up)."""
+        self._delivery_loop = loop
+
     def close(self) -> None:
         """Stop the worker; sequences still running finish with SHUTDOWN."""
         with self._lock:
@@ -323,6 +337,12 @@ class WorkerEngine(ModelFacts):
     def cpu_extra_buffers(self) -> bool:
         """Whether the running worker uses llama.cpp's extra CPU buffers (False: safe mode)."""
         return self._extra_buffers
+
+    @property
+    def reading_loop(self) -> asyncio.AbstractEventLoop | None:
+        """The event loop that reads the running worker's messages (None: the supervisor)."""
+        link = self._link
+        return link.reader if link is not None else None
 
     @property
     def failure(self) -> str | None:
@@ -493,11 +513,23 @@ class WorkerEngine(ModelFacts):
                 return link
 
     def _watch(self, link: _Link) -> _Death:
-        """Deliver the worker's events until it dies, or hangs and is killed."""
+        """Deliver the worker's events (or let the event loop do it) until the worker dies,
+        or hangs and is killed."""
         stall = self.supervision.stall_timeout_s
+        tick = min(1.0, stall / 4)
         conn = link.conn
         while True:
-            if conn.poll(min(1.0, stall / 4)):
+            if link.reader is None:
+                self._hand_reading_to_loop(link)
+            if link.reader is not None:
+                if link.ended.wait(tick):
+                    return link.death()
+                if link.reader.is_closed():  # its selector went with it: read here again
+                    link.reader = None
+                    continue
+                if self._closing and link.process.poll() is not None:
+                    return link.death()  # the loop is busy closing us: nobody reads the EOF
+            elif conn.poll(tick):
                 try:
                     message = conn.recv()
                 except (EOFError, OSError):
@@ -516,9 +548,44 @@ class WorkerEngine(ModelFacts):
                     idle_for,
                 )
                 link.kill()
+                if link.reader is not None:
+                    link.ended.wait(10)  # the loop reads what came before the EOF
                 return link.death(f"no decode step in {idle_for:.1f}s (hung)")
 
-    def _deliver(self, step: Step) -> None:
+    def _hand_reading_to_loop(self, link: _Link) -> None:
+        loop = self._delivery_loop
+        if loop is None or loop.is_closed() or self._closing:
+            return
+        link.reader = loop
+        try:
+            loop.call_soon_threadsafe(self._start_reading, link, loop)
+        except RuntimeError:  # closed meanwhile
+            link.reader = None
+
+    # --- the event loop, once it reads the worker -----------------------------------------
+
+    def _start_reading(self, link: _Link, loop: asyncio.AbstractEventLoop) -> None:
+        if link.reader is not loop or link.ended.is_set():
+            return
+        try:
+            loop.add_reader(link.conn.fileno(), self._read_on_loop, link, link.conn.fileno())
+        except (OSError, ValueError):  # the worker is gone already
+            link.ended.set()
+
+    def _read_on_loop(self, link: _Link, fd: int) -> None:
+        # Steps are a few hundred bytes sent in one write: a readable socket holds whole ones.
+        conn = link.conn
+        try:
+            while conn.poll():
+                message = conn.recv()
+                self._progress_at = time.monotonic()
+                if isinstance(message, Step):
+                    self._deliver(message, on_loop=True)
+        except (EOFError, OSError):
+            asyncio.get_running_loop().remove_reader(fd)
+            link.ended.set()
+
+    def _deliver(self, step: Step, *, on_loop: bool = False) -> None:
         for event in step.events:
             with self._lock:
                 sequence = self._sequences.get(event.key)
@@ -526,10 +593,14 @@ class WorkerEngine(ModelFacts):
                     del self._sequences[event.key]
                     self._release(sequence)
             if isinstance(event, SequencePaused):
-                kv = _take_blob(event.kv_file)
-                if sequence is not None:
-                    state = PausedState(generated=event.generated, kv_state=kv)
-                    sequence.sink.sequence_paused(state)
+                if on_loop and event.kv_file is not None:
+                    # Reading MBs of KV blob is no work for the event loop. Nothing of this
+                    # sequence follows its pause, so the delivery may come later.
+                    asyncio.get_running_loop().run_in_executor(
+                        None, _deliver_pause, sequence, event
+                    )
+                else:
+                    _deliver_pause(sequence, event)
             elif sequence is None:
                 continue
             elif isinstance(event, TokenGenerated):
@@ -657,6 +728,12 @@ def probe_cpu_extra_buffers(model_path: Path) -> bool:
         return engine.cpu_extra_buffers
     finally:
         engine.close()
+
+
+def _deliver_pause(sequence: _RemoteSequence | None, event: SequencePaused) -> None:
+    kv = _take_blob(event.kv_file)
+    if sequence is not None:
+        sequence.sink.sequence_paused(PausedState(generated=event.generated, kv_state=kv))
 
 
 def _take_blob(kv_file: str | None) -> bytes | None:

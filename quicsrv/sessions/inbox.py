@@ -20,7 +20,9 @@ __all__ = ["LoopInbox"]
 
 class LoopInbox:
     def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
+        """Make it on ``loop``'s thread."""
         self.loop = loop
+        self._loop_thread = threading.get_ident()
         self._lock = threading.Lock()
         self._items: deque[tuple[Callable[..., None], tuple[object, ...]]] = deque()
         self._scheduled = False
@@ -36,6 +38,9 @@ class LoopInbox:
                 return
             self._scheduled = True
             self.wakeups += 1
+        if threading.get_ident() == self._loop_thread:
+            self.loop.call_soon(self._drain)  # already awake: no self-pipe write
+            return
         try:
             self.loop.call_soon_threadsafe(self._drain)
         except RuntimeError:  # the loop is closed: the server is gone, nobody to tell

@@ -253,6 +253,7 @@ class SessionManager:
         loop = asyncio.get_running_loop()
         if self._loop_inbox is None or self._loop_inbox.loop is not loop:
             self._loop_inbox = LoopInbox(loop)
+            self._engine.deliver_on(loop)
         return self._loop_inbox
 
     def _forget(self, session: Session) -> None:

@@ -333,8 +333,10 @@ async def test_a_stalled_reader_pauses_within_the_bound_while_its_neighbour_runs
 
 
 async def test_kv_blobs_spill_to_disk_and_resumes_still_restore_them(engine, certs, tmp_path):
-    settings = session_settings(tmp_path, kv_memory_budget_bytes=1)  # everything spills
-    params = dict(max_tokens=24, ignore_eos=True)
+    # Everything spills; the small allowance makes each cut pause well before the end, so
+    # the session keeps a blob however fast the engine runs.
+    settings = session_settings(tmp_path, kv_memory_budget_bytes=1, max_tokens_ahead=8)
+    params = dict(max_tokens=48, ignore_eos=True)
     async with running_server(engine, certs, sessions=settings) as server:
         port, ca = server.port, certs.ca_cert
         reference = await _uninterrupted(port, ca, **params)

@@ -111,6 +111,8 @@ async def test_kill_9_of_the_worker_while_4_streams_generate_is_only_a_delay(
     restarts_before = engine.restarts
     async with running_server(engine, certs) as server:
         reference = await _generate_all(server.port, certs.ca_cert, params)
+        # The server's loop reads the worker's steps itself (no supervisor-thread hop).
+        assert engine.reading_loop is asyncio.get_running_loop()
         killed: list[int] = []
 
         def kill_once(stream: int, index: int) -> None:
@@ -121,6 +123,7 @@ async def test_kill_9_of_the_worker_while_4_streams_generate_is_only_a_delay(
                 os.kill(pid, signal.SIGKILL)
 
         cut = await _generate_all(server.port, certs.ca_cert, params, on_token=kill_once)
+        assert engine.reading_loop is asyncio.get_running_loop()  # and so it does after a restart
     assert killed and engine.worker_pid not in killed
     assert engine.restarts == restarts_before + 1
     assert "died of SIGKILL" in engine.deaths[-1]
