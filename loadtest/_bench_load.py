@@ -30,10 +30,18 @@ def _prompt(i: int) -> str:
 
 
 async def run_quicsrv_load(
-    port: int, ca: Path, *, streams: int, max_tokens: int, timeout_s: float
+    port: int,
+    ca: Path,
+    *,
+    streams: int,
+    max_tokens: int,
+    timeout_s: float,
+    ack_delay_s: float | None = None,
 ) -> tuple[float, list[StreamResult]]:
-    """``streams`` concurrent greedy generations on one QUIC connection; (start time, results)."""
-    async with Client("127.0.0.1", port, ca=ca) as client:
+    """``streams`` concurrent greedy generations on one QUIC connection; (start time, results).
+    ``ack_delay_s``: the client's acknowledgement delay (None: the client's default)."""
+    options = {} if ack_delay_s is None else {"ack_delay_s": ack_delay_s}
+    async with Client("127.0.0.1", port, ca=ca, **options) as client:
         deadline = asyncio.get_running_loop().time() + timeout_s
         started = time.perf_counter()
         results = await asyncio.gather(

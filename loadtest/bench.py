@@ -118,6 +118,13 @@ def _parser() -> argparse.ArgumentParser:
         help="also run the quicsrv of another checkout (e.g. `git worktree add /tmp/base HEAD~3`)"
         ", its runs interleaved with this tree's, as a before/after comparison",
     )
+    parser.add_argument(
+        "--baseline-ack-delay-ms",
+        type=float,
+        metavar="MS",
+        help="the load client's ACK delay against the baseline tree (e.g. 1: aioquic's own, "
+        "as clients acknowledged before they delayed ACKs); default: the client's default",
+    )
     return parser
 
 
@@ -217,11 +224,17 @@ async def _measure_servers(
         _log(f"quicsrv over QUIC (log: {logs / 'quicsrv.log'})")
         async with contextlib.AsyncExitStack() as servers:
             targets: list[tuple[str, int, _Driver]] = []
-            trees = [(QUICSRV, None, "quicsrv.log")]
+            trees: list[tuple[str, Path | None, str, float | None]] = [
+                (QUICSRV, None, "quicsrv.log", None)
+            ]
             if args.baseline_tree is not None:
                 name = f"quicsrv @ {_commit(args.baseline_tree)}"
-                trees.append((name, args.baseline_tree.resolve(), "quicsrv-baseline.log"))
-            for target, tree, log_name in trees:
+                ack_ms = args.baseline_ack_delay_ms
+                if ack_ms is not None:
+                    name += f" (client ACK delay {ack_ms:g} ms)"
+                ack_s = None if ack_ms is None else ack_ms / 1000
+                trees.append((name, args.baseline_tree.resolve(), "quicsrv-baseline.log", ack_s))
+            for target, tree, log_name, ack_delay_s in trees:
                 quic = await servers.enter_async_context(
                     quicsrv_server(
                         settings,
@@ -234,7 +247,11 @@ async def _measure_servers(
                 )
 
                 async def drive_quic(
-                    streams: int, max_tokens: int, timeout_s: float, port: int = quic.port
+                    streams: int,
+                    max_tokens: int,
+                    timeout_s: float,
+                    port: int = quic.port,
+                    ack_delay_s: float | None = ack_delay_s,
                 ) -> tuple[float, list[StreamResult]]:
                     return await run_quicsrv_load(
                         port,
@@ -242,6 +259,7 @@ async def _measure_servers(
                         streams=streams,
                         max_tokens=max_tokens,
                         timeout_s=timeout_s,
+                        ack_delay_s=ack_delay_s,
                     )
 
                 targets.append((target, quic.pid, drive_quic))
