@@ -30,6 +30,7 @@ from ._errors import (
     NetworkError,
     ProtocolError,
     ServerError,
+    StallTimeout,
     TransportError,
 )
 from ._events import (
@@ -64,6 +65,7 @@ __all__ = [
     "ReconnectPolicy",
     "ResumePosition",
     "ServerError",
+    "StallTimeout",
     "SessionStarted",
     "TicketCache",
     "TokenReceived",

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import os
 import ssl
 import warnings
 from collections.abc import AsyncIterator, Iterable, Mapping, Sequence
@@ -59,6 +60,10 @@ GENERATE_PATH = "/v1/generate"
 CONTENT_TYPE = "application/vnd.quicsrv.frames"
 #: Stream receive window: how far the server may run ahead of what the application has read.
 DEFAULT_READ_WINDOW_BYTES = 16 * 1024
+#: Silence after a token (while the caller waits) that counts as a stalled stream: far above
+#: the gaps a busy server makes (a long prompt's prefill chunks, a replayed resume).
+DEFAULT_STALL_TIMEOUT_S = 30.0
+API_KEY_ENV = "QUICSRV_API_KEY"
 
 MessageLike = proto.ChatMessage | Mapping[str, str]
 
@@ -116,6 +121,8 @@ class Client:
         idle_timeout_s: float = 30.0,
         ticket_cache: TicketCache | str | Path | None = None,
         reconnect: ReconnectPolicy | None = None,
+        api_key: str | None = None,
+        stall_timeout_s: float | None = DEFAULT_STALL_TIMEOUT_S,
     ) -> None:
         self.host = host
         self.port = port
@@ -128,6 +135,11 @@ class Client:
         self.idle_timeout_s = idle_timeout_s
         """A connection with nothing received for this long is dead (keepalives while busy)."""
         self.reconnect_policy = reconnect
+        self.api_key = api_key if api_key is not None else os.environ.get(API_KEY_ENV) or None
+        """Sent as ``authorization: Bearer``; default: the QUICSRV_API_KEY variable."""
+        self.stall_timeout_s = stall_timeout_s
+        """A stream silent this long after a token, on a live connection, is treated as lost
+        (auto-resume, else StallTimeout); None: wait forever."""
         self.stats = ClientStats()
         self._tickets: TicketCache | _MemoryTickets = (
             _MemoryTickets()
@@ -333,6 +345,7 @@ class Client:
         seed: int | None = None,
         stop: Iterable[str] = (),
         ignore_eos: bool = False,
+        deadline_ms: int | None = None,
     ) -> Generation:
         """Stream one generation's events; the last one is :class:`GenerationEnded`.
 
@@ -340,6 +353,8 @@ class Client:
         bytes, and :class:`NetworkError` if the stream ends without END. Leaving the loop
         early cancels the request on the server (RESET_STREAM + STOP_SENDING). Whatever
         happens, :attr:`Generation.position` says where :meth:`resume_from` can continue.
+        ``deadline_ms``: the server gives up (``deadline_exceeded``) unless generation starts
+        within that long.
         """
         if (prompt is None) == (messages is None):
             raise ValueError("pass exactly one of prompt and messages")
@@ -355,6 +370,7 @@ class Client:
             seed=seed,
             stop=tuple(stop),
             ignore_eos=ignore_eos,
+            deadline_ms=deadline_ms,
         )
         return Generation(self, GENERATE_PATH, frame, session_id=None, last_index=-1)
 
@@ -411,6 +427,7 @@ class Client:
         seed: int | None = None,
         stop: Iterable[str] = (),
         ignore_eos: bool = False,
+        deadline_ms: int | None = None,
     ) -> GenerationResult:
         """Run a whole generation and return its text, token ids and END."""
         return await collect(
@@ -426,6 +443,7 @@ class Client:
                 seed=seed,
                 stop=stop,
                 ignore_eos=ignore_eos,
+                deadline_ms=deadline_ms,
             )
         )
 
@@ -456,6 +474,8 @@ class Client:
         ]
         if session_id is not None:
             headers.append((SESSION_HEADER.encode(), session_id.encode()))
+        if self.api_key:
+            headers.append((b"authorization", f"Bearer {self.api_key}".encode()))
         try:
             protocol.h3.send_headers(stream_id, headers)
             protocol.h3.send_data(stream_id, proto.encode_frame(frame), end_stream=True)

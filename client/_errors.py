@@ -5,7 +5,8 @@ Every exception the client raises on purpose is a :class:`ClientError`::
     ClientError                 base of everything below
     ├── TransportError          the connection could not be made or was lost
     │   ├── ConnectTimeout      the QUIC/TLS handshake did not finish in time
-    │   └── NetworkError        the connection or stream died before the response was complete
+    │   ├── NetworkError        the connection or stream died before the response was complete
+    │   └── StallTimeout        the stream produced nothing for stall_timeout_s on a live connection
     ├── ProtocolError           the server sent bytes that violate the wire format (.error_code)
     └── ServerError             the server answered with an ERROR frame (.code, .slug, ...)
 """
@@ -20,6 +21,7 @@ __all__ = [
     "NetworkError",
     "ProtocolError",
     "ServerError",
+    "StallTimeout",
     "TransportError",
 ]
 
@@ -38,6 +40,11 @@ class ConnectTimeout(TransportError):
 
 class NetworkError(TransportError):
     """The connection or the stream ended before the response was complete."""
+
+
+class StallTimeout(TransportError):
+    """A generation's stream produced nothing for ``stall_timeout_s`` while its connection
+    was alive: handled like a lost connection (auto-resume), raised when that is not possible."""
 
 
 class ProtocolError(ClientError):

@@ -20,7 +20,7 @@ from aioquic.h3.events import DataReceived, HeadersReceived
 
 import proto
 
-from ._errors import NetworkError, ProtocolError, ServerError, TransportError
+from ._errors import NetworkError, ProtocolError, ServerError, StallTimeout, TransportError
 from ._events import (
     CheckpointReceived,
     Event,
@@ -95,6 +95,7 @@ class Generation:
         self._checkpoint: CheckpointReceived | None = None
         self._ended = False
         self._failures = 0  # reconnect attempts since the last token
+        self._streaming = False  # a token arrived: from now on, silence is a stall
         self._pending: deque[Event] = deque()
         self._events = self._open(path, frame)
 
@@ -121,12 +122,33 @@ class Generation:
     async def __anext__(self) -> Event:
         while not self._pending:
             try:
-                event = await self._events.__anext__()
+                event = await self._next_event()
             except TransportError as exc:
                 await self._resume_after(exc)
                 continue
             self._pending.append(self._track(event))
         return self._pending.popleft()
+
+    async def _next_event(self) -> Event:
+        """The stream's next event; StallTimeout after ``stall_timeout_s`` of silence.
+
+        The clock runs only while the caller waits for an event: a caller that stops reading
+        pauses the generation by design, and that is no stall. Before the first token the
+        server may be queueing or prefilling, which the request's deadline bounds instead.
+        """
+        stall_s = self._client.stall_timeout_s
+        if stall_s is None or not self._streaming or self._ended:
+            return await self._events.__anext__()
+        try:
+            async with asyncio.timeout(stall_s):
+                return await self._events.__anext__()
+        except TimeoutError:
+            # The stream was cancelled as the wait was (the server pauses the session).
+            await self._events.aclose()
+            raise StallTimeout(
+                f"no event for {stall_s:g} s after token {self.last_index} while the "
+                "connection is alive"
+            ) from None
 
     def _track(self, event: Event) -> Event:
         if isinstance(event, SessionStarted):
@@ -144,6 +166,7 @@ class Generation:
                 )
             self.last_index = event.index
             self._failures = 0
+            self._streaming = True
         elif isinstance(event, CheckpointReceived) and event.index <= self.last_index:
             self._checkpoint = event
         elif isinstance(event, GenerationEnded):

@@ -19,7 +19,7 @@ from typing import TextIO
 
 import proto
 
-from ._client import DEFAULT_CA, Client
+from ._client import DEFAULT_CA, DEFAULT_STALL_TIMEOUT_S, Client
 from ._errors import ClientError, ProtocolError, ServerError, TransportError
 from ._events import (
     CheckpointReceived,
@@ -119,6 +119,18 @@ def _add_connection_args(parser: argparse.ArgumentParser) -> None:
         "--reconnect-attempts", type=int, default=8, help="consecutive reconnects before giving up"
     )
     parser.add_argument(
+        "--api-key",
+        default=None,
+        help="sent as `authorization: Bearer` (default: the QUICSRV_API_KEY variable)",
+    )
+    parser.add_argument(
+        "--stall-timeout",
+        type=float,
+        default=DEFAULT_STALL_TIMEOUT_S,
+        metavar="SECONDS",
+        help="silence after a token that counts as a lost stream (0 = wait forever)",
+    )
+    parser.add_argument(
         "--ticket-cache",
         default=None,
         help="TLS session tickets for 0-RTT (default: ~/.cache/quicsrv/tickets.json; '' = none)",
@@ -142,6 +154,12 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--seed", type=int, default=None)
     gen.add_argument("--stop", action="append", default=[], help="stop sequence (repeatable)")
     gen.add_argument("--ignore-eos", action="store_true")
+    gen.add_argument(
+        "--deadline-ms",
+        type=int,
+        default=None,
+        help="give up unless generation starts within this many milliseconds",
+    )
     gen.add_argument("--chat", action="store_true", help="send PROMPT as a chat user turn")
     gen.add_argument("--system", default=None, help="system turn (implies --chat)")
     gen.add_argument("--json", action="store_true", help="one JSON object per event per line")
@@ -186,6 +204,8 @@ def _client(args: argparse.Namespace) -> Client:
         reconnect=ReconnectPolicy(max_attempts=args.reconnect_attempts)
         if args.auto_resume
         else None,
+        api_key=args.api_key,
+        stall_timeout_s=args.stall_timeout or None,
     )
 
 
@@ -221,6 +241,7 @@ def _open(args: argparse.Namespace, client: Client) -> Generation:
         seed=args.seed,
         stop=tuple(args.stop),
         ignore_eos=args.ignore_eos,
+        deadline_ms=args.deadline_ms,
     )
 
 

@@ -60,6 +60,8 @@ class ErrorCode(IntEnum):
     OVERLOADED = 30
     SHUTTING_DOWN = 31
     TOO_EARLY = 32
+    CLIENT_LIMIT = 33  # this client's own cap on active or queued generations, not the server's
+    DEADLINE_EXCEEDED = 34  # the request could not start before its deadline
     # Resumable sessions.
     UNKNOWN_SESSION = 40
     SESSION_EXPIRED = 41
@@ -67,9 +69,12 @@ class ErrorCode(IntEnum):
     INDEX_BEYOND_SNAPSHOT = 43
     MODEL_CHANGED = 44
     SESSION_BUSY = 45
+    SESSION_KEY_MISMATCH = 46  # the session was started with another API key
     # Our fault, not the peer's.
     INTERNAL_ERROR = 50
     ENGINE_UNAVAILABLE = 51  # the engine worker crashes in a loop; sessions stay resumable
+    # Access.
+    UNAUTHORIZED = 60  # no API key, or one the server does not know
 
     @property
     def slug(self) -> str:
@@ -138,14 +143,18 @@ _HTTP_STATUS: dict[ErrorCode, int] = {
     ErrorCode.OVERLOADED: 503,
     ErrorCode.SHUTTING_DOWN: 503,
     ErrorCode.TOO_EARLY: 425,  # RFC 8470 §5.2
+    ErrorCode.CLIENT_LIMIT: 429,
+    ErrorCode.DEADLINE_EXCEEDED: 504,
     ErrorCode.UNKNOWN_SESSION: 404,
     ErrorCode.SESSION_EXPIRED: 410,
     ErrorCode.HASH_MISMATCH: 403,
     ErrorCode.INDEX_BEYOND_SNAPSHOT: 416,
     ErrorCode.MODEL_CHANGED: 409,
     ErrorCode.SESSION_BUSY: 409,
+    ErrorCode.SESSION_KEY_MISMATCH: 403,
     ErrorCode.INTERNAL_ERROR: 500,
     ErrorCode.ENGINE_UNAVAILABLE: 503,
+    ErrorCode.UNAUTHORIZED: 401,
 }
 
 

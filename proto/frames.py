@@ -39,6 +39,7 @@ MAX_STOP_CHARS = 128
 MAX_TOKEN_TEXT_CHARS = 4096
 MAX_ERROR_MESSAGE_CHARS = 1024
 MAX_SEED = (1 << 64) - 1
+MAX_DEADLINE_MS = 24 * 3600 * 1000
 MAX_TOKEN_ID = (1 << 31) - 1
 MAX_TOKEN_INDEX = (1 << 31) - 1
 SESSION_ID_BYTES = 16
@@ -122,6 +123,9 @@ class Generate(Frame):
     """Stop sequences; the match itself is not emitted."""
     ignore_eos: bool = False
     """Keep generating past end-of-generation tokens (benchmarks)."""
+    deadline_ms: int | None = None
+    """Give up (``deadline_exceeded``) unless generation starts within this many milliseconds
+    of the request's arrival; None: the server's own queue-wait bound."""
 
     def to_payload(self) -> dict[str, Any]:
         payload: dict[str, Any] = {"max_tokens": self.max_tokens}
@@ -138,6 +142,8 @@ class Generate(Frame):
             payload["seed"] = self.seed
         if self.stop:
             payload["stop"] = list(self.stop)
+        if self.deadline_ms is not None:
+            payload["deadline_ms"] = self.deadline_ms
         return payload
 
     @classmethod
@@ -166,6 +172,7 @@ class Generate(Frame):
             seed=r.optional_integer("seed", lo=0, hi=MAX_SEED),
             stop=stop,
             ignore_eos=r.flag("ignore_eos", default=False),
+            deadline_ms=r.optional_integer("deadline_ms", lo=1, hi=MAX_DEADLINE_MS),
         )
         r.finish()
         if frame.top_p <= 0.0:

@@ -73,6 +73,45 @@ def _parser() -> argparse.ArgumentParser:
         dest="max_tokens_ahead",
         help="tokens generated past what a reader acknowledged before its generation pauses",
     )
+    serve.add_argument(
+        "--api-key",
+        dest="api_key",
+        help="accept this API key (prefer QUICSRV_API_KEY: arguments show in `ps`)",
+    )
+    serve.add_argument(
+        "--api-keys-file",
+        type=Path,
+        dest="api_keys_file",
+        help="hashed API keys, one per line (`quicsrv api-key new`); reread when it changes",
+    )
+    serve.add_argument(
+        "--max-active-per-client",
+        type=int,
+        dest="max_active_per_client",
+        help="generations one client (API key, or connection) runs at once",
+    )
+    serve.add_argument(
+        "--max-queued-per-client",
+        type=int,
+        dest="max_queued_per_client",
+        help="generations one client may have waiting for a slot",
+    )
+    serve.add_argument(
+        "--max-queue-wait",
+        type=float,
+        dest="max_queue_wait_s",
+        help="seconds a new generation may wait for a slot before deadline_exceeded",
+    )
+    api_key = commands.add_parser("api-key", help="make API keys and their stored hashes")
+    api_key_actions = api_key.add_subparsers(dest="action", required=True)
+    new = api_key_actions.add_parser(
+        "new", help="print a new key; its hash line goes to --append FILE (or is printed)"
+    )
+    new.add_argument("--name", default="", help="a label stored next to the hash")
+    new.add_argument("--append", type=Path, help="keys file to append the hash line to")
+    hash_ = api_key_actions.add_parser("hash", help="print the keys-file line for a key")
+    hash_.add_argument("key", nargs="?", help="the key (default: read one line from stdin)")
+    hash_.add_argument("--name", default="", help="a label stored next to the hash")
     keys = commands.add_parser("keys", help="manage the snapshot MAC keys")
     keys.add_argument("action", choices=["rotate"], help="make a new current key")
     keys.add_argument("--data-dir", type=Path, default=Path(".quicsrv"))
@@ -96,6 +135,8 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     if args.command == "keys":
         return _rotate_keys(args.data_dir, args.previous_key_ttl)
+    if args.command == "api-key":
+        return _api_key(args)
     overrides = {
         k: getattr(args, k)
         for k in (
@@ -115,6 +156,11 @@ def main(argv: list[str] | None = None) -> int:
             "resume_conflict",
             "inexact_reprefill",
             "max_tokens_ahead",
+            "api_key",
+            "api_keys_file",
+            "max_active_per_client",
+            "max_queued_per_client",
+            "max_queue_wait_s",
         )
     }
     config = ServerConfig.load(args.config, **overrides)
@@ -125,6 +171,30 @@ def main(argv: list[str] | None = None) -> int:
     except EngineUnavailable as exc:
         log.error("cannot serve: %s", exc)
         return 1
+    return 0
+
+
+def _api_key(args: argparse.Namespace) -> int:
+    from .apikeys import hash_key, new_key
+
+    if args.action == "new":
+        key = new_key()
+        line = f"{hash_key(key)} {args.name}".rstrip()
+        if args.append is not None:
+            with args.append.open("a") as out:
+                out.write(line + "\n")
+            args.append.chmod(0o600)
+            print(key)
+            print(f"# its hash was appended to {args.append}", file=sys.stderr)
+        else:
+            print(key)
+            print(f"# keys-file line: {line}", file=sys.stderr)
+        return 0
+    key = args.key if args.key is not None else sys.stdin.readline().strip()
+    if not key:
+        print("no key given", file=sys.stderr)
+        return 2
+    print(f"{hash_key(key)} {args.name}".rstrip())
     return 0
 
 

@@ -30,6 +30,12 @@ class ServerConfig:
     prefill_chunk_tokens: int = 64
     n_threads: int = 2
     max_queued_requests: int = 64
+    # Access and fair shares.
+    api_key: str = ""  # one accepted key (QUICSRV_API_KEY); empty and no file: open server
+    api_keys_file: Path | None = None  # hashed keys, one per line; reread when it changes
+    max_active_per_client: int = 0  # 0: three quarters of n_seq_max (at least 1)
+    max_queued_per_client: int = 0  # 0: a quarter of max_queued_requests (at least 1)
+    max_queue_wait_s: float = 120.0  # a GENERATE that cannot start by then: deadline_exceeded
     batch_invariant: bool = False
     flash_attn: bool = True  # fastest exact setting: loadtest/settings_sweep.py
     kv_unified: bool = False  # faster at 8 streams, but resumes are no longer exact
@@ -87,7 +93,7 @@ class ServerConfig:
 
     def describe(self) -> str:
         shown = {
-            k: ("<set>" if k == "mac_key_hex" and v else v)
+            k: ("<set>" if k in ("mac_key_hex", "api_key") and v else v)
             for k, v in dataclasses.asdict(self).items()
         }
         return " ".join(f"{k}={v}" for k, v in shown.items())
@@ -134,6 +140,9 @@ class ServerConfig:
             max_tokens_limit=self.max_tokens_limit,
             on_conflict=ResumeConflict(self.resume_conflict),
             mac_key=bytes.fromhex(self.mac_key_hex) if self.mac_key_hex else None,
+            max_active_per_client=self.max_active_per_client,
+            max_queued_per_client=self.max_queued_per_client,
+            max_queue_wait_s=self.max_queue_wait_s,
             flow=FlowSettings(
                 max_tokens_ahead=self.max_tokens_ahead,
                 high_watermark_bytes=self.send_high_watermark_bytes,
@@ -146,7 +155,7 @@ class ServerConfig:
 
 def _coerce(name: str, value: Any) -> Any:
     default = next(f.default for f in fields(ServerConfig) if f.name == name)
-    if name in ("cert_path", "key_path", "model_path", "data_dir"):
+    if name in ("cert_path", "key_path", "model_path", "data_dir", "api_keys_file"):
         return Path(value)
     if isinstance(default, bool):
         return value if isinstance(value, bool) else str(value).lower() in ("1", "true", "yes")

@@ -33,6 +33,8 @@ class FakeEngine:
 
     context_per_sequence: int = 64
     prefill_chunk: int = 16
+    n_seq_max: int = 8
+    max_queued: int = 8
     model_digest: bytes = b"m" * 32
     sinks: list[TokenSink] = field(default_factory=list)
     handles: list[FakeHandle] = field(default_factory=list)

@@ -136,6 +136,14 @@ class Engine(Protocol):
     @property
     def prefill_chunk(self) -> int: ...
 
+    @property
+    def n_seq_max(self) -> int:
+        """Sequences decoded at once: the slots the server hands out."""
+
+    @property
+    def max_queued(self) -> int:
+        """Requests that may wait for a slot, all clients together."""
+
     def tokenize(self, text: str, *, add_special: bool) -> list[int]: ...
 
     def render_chat(self, messages: list[dict[str, str]]) -> str: ...

@@ -182,6 +182,14 @@ class ModelFacts:
         return self.settings.prefill_chunk
 
     @property
+    def n_seq_max(self) -> int:
+        return self.settings.n_seq_max
+
+    @property
+    def max_queued(self) -> int:
+        return self.settings.max_queued
+
+    @property
     def model_digest(self) -> bytes:
         return self.vocabulary.model_digest
 

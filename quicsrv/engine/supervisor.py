@@ -299,6 +299,14 @@ class WorkerEngine(ModelFacts):
         """Read the worker's messages on ``loop`` from now on (the supervisor thread hands
         over at its next wake-up)."""
         self._delivery_loop = loop
+        link = self._link
+        reader = link.reader if link is not None else None
+        if link is not None and reader is not None and reader is not loop and reader.is_closed():
+            # The loop that read the worker is gone (and its selector with it): nobody reads
+            # until the supervisor thread's next tick, so the new loop takes over now. This is
+            # the new loop's thread; the supervisor only reads when ``reader`` is None.
+            link.reader = loop
+            loop.call_soon(self._start_reading, link, loop)
 
     def close(self) -> None:
         """Stop the worker; sequences still running finish with SHUTDOWN."""

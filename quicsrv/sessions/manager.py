@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import hmac
 import logging
 import secrets
 import time
@@ -22,6 +23,7 @@ import proto
 from proto import ErrorCode
 
 from ..engine import Engine, EngineError, EngineUnavailable, PromptTooLong, SequenceRequest
+from .admission import AdmissionLimits, FairGate, Slot
 from .generation import RequestRejected, build_request
 from .inbox import LoopInbox
 from .keys import KeyRing
@@ -54,6 +56,21 @@ class SessionSettings:
     mac_key: bytes | None = None
     previous_key_ttl_s: float = 86400.0
     flow: FlowSettings = FlowSettings()
+    max_active_per_client: int = 0
+    """0: three quarters of the engine's slots (at least 1), so one client never takes all."""
+    max_queued_per_client: int = 0
+    """0: a quarter of the engine's queue (at least 1)."""
+    max_queue_wait_s: float = 120.0
+    """A new request that cannot start within this long ends with ``deadline_exceeded``."""
+
+    def admission_limits(self, engine: Engine) -> AdmissionLimits:
+        slots, queue = engine.n_seq_max, engine.max_queued
+        return AdmissionLimits(
+            slots=slots,
+            max_queued=queue,
+            max_active_per_client=self.max_active_per_client or max(1, slots * 3 // 4),
+            max_queued_per_client=self.max_queued_per_client or max(1, queue // 4),
+        )
 
 
 class SessionManager:
@@ -88,6 +105,7 @@ class SessionManager:
         )
         self._live: dict[bytes, Session] = {}
         self._loop_inbox: LoopInbox | None = None
+        self.gate = FairGate(settings.admission_limits(engine))
 
     def live(self, session_id: bytes) -> Session | None:
         """The session's live object, if it runs or is attached (tests and stats)."""
@@ -105,14 +123,45 @@ class SessionManager:
         template first): the slow, pure part of a start, safe to run on any thread."""
         return build_request(self._engine, frame, max_tokens_limit=self.settings.max_tokens_limit)
 
-    def start(self, frame: proto.Generate, request: SequenceRequest | None = None) -> Session:
-        """Validate, record and submit a GENERATE (``request``: its :meth:`prepare` result,
-        made here when not given); raises RequestRejected."""
+    async def admit(self, client: str, *, waited_s: float, deadline_ms: int | None) -> Slot:
+        """An engine slot for a new generation of ``client``, in its fair turn; raises
+        RequestRejected (``client_limit``, ``overloaded``, ``deadline_exceeded``).
+
+        The wait is bounded by the request's ``deadline_ms`` and the server's
+        ``max_queue_wait_s``, both counted from the request's arrival (``waited_s`` ago).
+        """
+        bound_s = self.settings.max_queue_wait_s
+        if deadline_ms is not None:
+            bound_s = min(bound_s, deadline_ms / 1000)
+        return await self.gate.acquire(client, timeout_s=max(0.0, bound_s - waited_s))
+
+    def start(
+        self,
+        frame: proto.Generate,
+        request: SequenceRequest | None = None,
+        *,
+        slot: Slot,
+        owner: str = "",
+    ) -> Session:
+        """Validate, record and submit a GENERATE under ``slot`` (``request``: its
+        :meth:`prepare` result, made here when not given; ``owner``: the API key id that
+        started it); raises RequestRejected, the slot then given back."""
+        try:
+            return self._start(frame, request, slot, owner)
+        except BaseException:
+            slot.release()
+            raise
+
+    def _start(
+        self, frame: proto.Generate, request: SequenceRequest | None, slot: Slot, owner: str
+    ) -> Session:
         if request is None:
             request = self.prepare(frame)
         if not self.store.has_room(lambda r: r.session_id not in self._live):
             raise RequestRejected(
-                ErrorCode.OVERLOADED, "the session store is full of live sessions", 1.0
+                ErrorCode.OVERLOADED,
+                "the session store is full of live sessions",
+                self.gate.retry_after_s(self.gate.active, self.gate.limits.slots),
             )
         now = self._clock()
         record = SessionRecord(
@@ -127,10 +176,11 @@ class SessionManager:
             prefill_chunk=self._engine.prefill_chunk,
             created_at_s=now,
             expires_at_s=now + self.settings.ttl_s,
+            owner=owner,
         )
         session = self._session(record)
         try:
-            session.start()
+            session.start(slot)
         except PromptTooLong as exc:
             raise RequestRejected(ErrorCode.PROMPT_TOO_LONG, str(exc)) from None
         except EngineUnavailable as exc:
@@ -149,8 +199,18 @@ class SessionManager:
 
     # --- resumes ------------------------------------------------------------------------
 
-    def resume(self, frame: proto.ResumeStream, header_session: bytes | None) -> Session:
-        """Check a RESUME_STREAM; the caller then attaches at ``frame.last_index + 1``."""
+    def resume(
+        self,
+        frame: proto.ResumeStream,
+        header_session: bytes | None,
+        *,
+        key_id: str | None = None,
+    ) -> Session:
+        """Check a RESUME_STREAM; the caller then attaches at ``frame.last_index + 1``.
+
+        ``key_id``: the API key the request presented (None on an open server); a session
+        started with a key resumes only with that key.
+        """
         if header_session is not None and header_session != frame.session_id:
             raise RequestRejected(
                 ErrorCode.INVALID_FIELD, "the quicsrv-session header and RESUME_STREAM disagree"
@@ -174,6 +234,10 @@ class SessionManager:
         if not valid:
             raise RequestRejected(
                 ErrorCode.HASH_MISMATCH, "the snapshot hash does not verify for this session"
+            )
+        if key_id is not None and record.owner and not _same(key_id, record.owner):
+            raise RequestRejected(
+                ErrorCode.SESSION_KEY_MISMATCH, "the session was started with another API key"
             )
         if record.model_digest != self._engine.model_digest:
             raise RequestRejected(
@@ -245,6 +309,7 @@ class SessionManager:
             flow=self.settings.flow,
             loop=asyncio.get_running_loop(),
             inbox=self._inbox(),
+            gate=self.gate,
             on_idle=self._forget,
         )
 
@@ -259,3 +324,7 @@ class SessionManager:
     def _forget(self, session: Session) -> None:
         if self._live.get(session.session_id) is session:
             del self._live[session.session_id]
+
+
+def _same(a: str, b: str) -> bool:
+    return hmac.compare_digest(a.encode(), b.encode())

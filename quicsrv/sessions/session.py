@@ -32,6 +32,7 @@ from ..engine import (
     SequenceHandle,
     SequenceRequest,
 )
+from .admission import FairGate, Slot
 from .inbox import LoopInbox
 from .keys import KeyRing
 from .kvstore import KVStore
@@ -99,6 +100,7 @@ class Session:
         flow: FlowSettings,
         loop: asyncio.AbstractEventLoop,
         inbox: LoopInbox,
+        gate: FairGate,
         on_idle: Callable[[Session], None],
     ) -> None:
         self.record = record
@@ -109,6 +111,7 @@ class Session:
         self._flow = flow
         self._loop = loop
         self._inbox = inbox
+        self._gate = gate
         self._on_idle = on_idle
         self._signer = PrefixSigner(
             record.snapshot(upto=0).header(), record.generated, flow.checkpoint_every_tokens
@@ -120,6 +123,10 @@ class Session:
         self._handle: SequenceHandle | None = None
         self._attachment: _Attachment | None = None
         self._retry: asyncio.TimerHandle | None = None
+        self._slot: Slot | None = None  # held while the engine runs (or is about to)
+        self._restarting: asyncio.Task[None] | None = None
+        self.client = ""
+        """Who reads it now (an API key id, or a connection): its slots count against them."""
         self.resume_paths: list[ResumePath] = []
         self.pauses = 0
         self.paused = asyncio.Event()  # set while the engine sequence is paused (tests, stats)
@@ -148,9 +155,16 @@ class Session:
 
     # --- lifecycle, on the event loop ---------------------------------------------------
 
-    def start(self) -> None:
-        """Submit a new generation; raises EngineError (e.g. Overloaded) at once."""
-        self._submit(None)
+    def start(self, slot: Slot) -> None:
+        """Submit a new generation under ``slot``; raises EngineError (e.g. Overloaded) at
+        once, the slot then given back."""
+        self.client = slot.client
+        self._slot = slot
+        try:
+            self._submit(None)
+        except BaseException:
+            self._release_slot()
+            raise
 
     def planned_resume_path(self) -> ResumePath | None:
         """How the next engine start will rebuild the KV cells (None: nothing to rebuild)."""
@@ -160,8 +174,10 @@ class Session:
             return ResumePath.KV_RESTORE
         return ResumePath.REPREFILL if self._flow.inexact_reprefill else ResumePath.REPLAY
 
-    def attach(self, port: StreamPort, from_index: int) -> None:
-        """A stream reads this session's frames from token ``from_index`` on."""
+    def attach(self, port: StreamPort, from_index: int, client: str = "") -> None:
+        """A stream of ``client`` reads this session's frames from token ``from_index`` on."""
+        if client:
+            self.client = client
         old = self._attachment
         if old is not None:
             # The newest attach wins; the old reader is told why its stream ends here.
@@ -183,6 +199,7 @@ class Session:
         self._store.touch(self.record)
         if self._handle is not None and self._state is _EngineState.RUNNING:
             self._handle.pause(capture_kv=capture_kv)
+        self._stop_restarting()
         self._check_idle()
 
     def abandon(self) -> None:
@@ -203,6 +220,7 @@ class Session:
             attachment.port.send(proto.encode_frame(end), True)
         if self._handle is not None and self._state is _EngineState.RUNNING:
             self._handle.pause(capture_kv=False)
+        self._stop_restarting()
         self._check_idle()
 
     def on_transport_progress(self) -> None:
@@ -260,6 +278,7 @@ class Session:
     def _on_finished(self, reason: FinishReason, completion_tokens: int) -> None:
         self._state = _EngineState.IDLE
         self._handle = None
+        self._release_slot()
         if reason is FinishReason.FAILED:
             self._fail_reader("the engine failed and could not be restarted; resume later")
             return
@@ -275,6 +294,7 @@ class Session:
     def _on_paused(self, n_generated: int) -> None:
         self._state = _EngineState.IDLE
         self._handle = None
+        self._release_slot()
         self.pauses += 1
         self.paused.set()
         log.debug("session %s paused at %d tokens", self.session_id.hex(), n_generated)
@@ -323,15 +343,27 @@ class Session:
         if room < max(1, self._flow.max_tokens_ahead // 2):
             return
         self._state = _EngineState.STARTING
-        self._loop.create_task(self._restart())
+        self._restarting = self._loop.create_task(self._restart())
+
+    def _stop_restarting(self) -> None:
+        """The reader left while the restart waited for a slot or the KV blob: give up."""
+        task, self._restarting = self._restarting, None
+        if task is not None and not task.done():
+            task.cancel()
+            self._state = _EngineState.IDLE
 
     async def _restart(self) -> None:
+        # A session coming back goes ahead of new requests, but waits its turn among the
+        # other returning sessions (and under its reader's per-client cap).
+        self._slot = await self._gate.acquire(self.client, resume=True)
         n_generated = len(self.record.generated)
         kv = None
         if n_generated:
             kv = await asyncio.to_thread(self._kv.get, self.session_id, n_generated)
+        self._restarting = None
         if self._attachment is None or self.finished:
             self._state = _EngineState.IDLE  # the reader left meanwhile
+            self._release_slot()
             self._check_idle()
             return
         try:
@@ -344,10 +376,12 @@ class Session:
             )
         except EngineUnavailable as exc:
             self._state = _EngineState.IDLE
+            self._release_slot()
             self._fail_reader(str(exc))
             return
         except EngineError as exc:
             self._state = _EngineState.IDLE
+            self._release_slot()
             retry = getattr(exc, "retry_after_s", 1.0)
             log.info("session %s waits to resume: %s", self.session_id.hex(), exc)
             self._retry = self._loop.call_later(retry, self._maybe_run)
@@ -374,6 +408,11 @@ class Session:
             if attachment is not None
             else len(record.generated) + self._flow.max_tokens_ahead
         )
+
+    def _release_slot(self) -> None:
+        slot, self._slot = self._slot, None
+        if slot is not None:
+            slot.release()
 
     def _pump(self) -> None:
         """Write every frame the attached reader has not been sent yet."""
@@ -423,6 +462,7 @@ class Session:
 
     def _check_idle(self) -> None:
         if self._attachment is None and self._state is _EngineState.IDLE:
+            self._release_slot()
             if self._retry is not None:
                 self._retry.cancel()
                 self._retry = None

@@ -63,6 +63,9 @@ class SessionRecord:
     # 4 bytes a token (a list of ints costs ~36): thousands of idle sessions stay in memory.
     generated: array[int] = field(default_factory=lambda: array("I"))
     end: SessionEnd | None = None
+    owner: str = ""
+    """The id of the API key that started the session ("" on an open server): a resume
+    must present the same key."""
 
     def snapshot(self, upto: int | None = None) -> Snapshot:
         """The snapshot of the first ``upto`` generated tokens (all by default)."""
@@ -98,6 +101,8 @@ class SessionRecord:
         }
         if self.end is not None:
             meta["end"] = [self.end.reason.value, self.end.completion_tokens]
+        if self.owner:
+            meta["owner"] = self.owner
         return meta
 
     @classmethod
@@ -118,6 +123,7 @@ class SessionRecord:
             created_at_s=float(meta["created"]),
             expires_at_s=float(meta["expires"]),
             generated=tokens,
+            owner=str(meta.get("owner", "")),
             end=None if end is None else SessionEnd(EndReason(end[0]), int(end[1])),
         )
 

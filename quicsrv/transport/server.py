@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import itertools
 import logging
 from dataclasses import dataclass, field
 from typing import Any
@@ -43,6 +44,7 @@ from aioquic.quic.events import (
 import proto
 from proto import ErrorCode
 
+from ..apikeys import ApiKeys
 from ..config import ServerConfig
 from ..engine import Engine
 from ..sessions import RequestRejected, Session, SessionManager
@@ -59,6 +61,7 @@ RESUME_PATH = b"/v1/resume"
 SESSION_HEADER = b"quicsrv-session"
 RESUME_PATH_HEADER = b"quicsrv-resume-path"
 EARLY_DATA_HEADER = b"quicsrv-early-data"
+AUTHORIZATION_HEADER = b"authorization"
 #: The client abandoned the request on purpose (RFC 9114 §8.1): no KV snapshot is worth keeping.
 H3_REQUEST_CANCELLED = 0x10C
 
@@ -69,11 +72,16 @@ class _Request:
     path: bytes
     session_header: bytes | None
     decoder: proto.FrameDecoder
+    arrived_at: float
+    client: str
+    """Whose request it is, for per-client limits: its API key id, else its connection."""
+    key_id: str | None = None
+    """The API key it presented (None on an open server)."""
     frames: list[proto.Frame] = field(default_factory=list)
     rejected: bool = False
     session: Session | None = None
     port: _StreamPort | None = None
-    starting: asyncio.Task[None] | None = None  # a GENERATE being tokenized
+    starting: asyncio.Task[None] | None = None  # a GENERATE being tokenized or queued
 
 
 class _StreamPort:
@@ -98,10 +106,18 @@ class _StreamPort:
 class QuicServerApp:
     """What every connection shares: the sessions, the config, and the live connections."""
 
-    def __init__(self, engine: Engine, config: ServerConfig, sessions: SessionManager) -> None:
+    def __init__(
+        self,
+        engine: Engine,
+        config: ServerConfig,
+        sessions: SessionManager,
+        api_keys: ApiKeys | None = None,
+    ) -> None:
         self.engine = engine
         self.config = config
         self.sessions = sessions
+        self.api_keys = api_keys if api_keys is not None else ApiKeys()
+        self.connection_ids = itertools.count(1)
         self.connections: set[_H3ServerProtocol] = set()
         self.accepting = True
         self.early_resumes = 0  # RESUME_STREAMs answered from 0-RTT data (stats, tests)
@@ -123,6 +139,8 @@ class _H3ServerProtocol(QuicConnectionProtocol):
         self._requests: dict[int, _Request] = {}
         self._transmit_scheduled = False
         self._handshake_done = False
+        # Without API keys, a client is its connection (a number never reused by this process).
+        self._connection_client = f"conn:{next(app.connection_ids)}"
         app.connections.add(self)
 
     @property
@@ -182,14 +200,30 @@ class _H3ServerProtocol(QuicConnectionProtocol):
     def _headers_received(self, event: HeadersReceived) -> None:
         headers = dict(event.headers)
         method, path = headers.get(b":method"), headers.get(b":path")
+        keys = self._app.api_keys
+        key_id = keys.identify(headers.get(AUTHORIZATION_HEADER)) if keys.enabled else None
         request = _Request(
             stream_id=event.stream_id,
             path=path or b"",
             session_header=headers.get(SESSION_HEADER),
             decoder=proto.FrameDecoder(max_payload_bytes=self._app.config.max_request_bytes),
+            arrived_at=asyncio.get_running_loop().time(),
+            client=key_id or self._connection_client,
+            key_id=key_id,
         )
         self._requests[event.stream_id] = request
-        if path not in (GENERATE_PATH, RESUME_PATH):
+        if keys.enabled and key_id is None:
+            # Before anything else: an unauthenticated peer learns nothing about paths.
+            given = AUTHORIZATION_HEADER in headers
+            self._reject(
+                request,
+                ErrorCode.UNAUTHORIZED,
+                "the API key is not valid"
+                if given
+                else "an API key is required (authorization: Bearer <key>)",
+                extra_headers=[(b"www-authenticate", b'Bearer realm="quicsrv"')],
+            )
+        elif path not in (GENERATE_PATH, RESUME_PATH):
             self._reject(request, ErrorCode.NOT_FOUND, f"no such path: {path!r}")
         elif method != b"POST":
             self._reject(request, ErrorCode.METHOD_NOT_ALLOWED, f"{path!r} takes POST")
@@ -223,7 +257,9 @@ class _H3ServerProtocol(QuicConnectionProtocol):
             return
         if not isinstance(frame, proto.ResumeStream):
             raise proto.UnexpectedFrame(f"expected RESUME_STREAM, got {frame.frame_type.name}")
-        session = sessions.resume(frame, _parse_session_header(request.session_header))
+        session = sessions.resume(
+            frame, _parse_session_header(request.session_header), key_id=request.key_id
+        )
         if early:
             self._app.early_resumes += 1
             extra.append((EARLY_DATA_HEADER, b"1"))
@@ -237,12 +273,25 @@ class _H3ServerProtocol(QuicConnectionProtocol):
             prepared = await asyncio.to_thread(sessions.prepare, frame)
             if self._requests.get(request.stream_id) is not request:
                 return  # the stream went away meanwhile: nothing was started
-            if not self._app.accepting:
-                raise RequestRejected(ErrorCode.SHUTTING_DOWN, "the server is shutting down")
-            session = sessions.start(frame, prepared)
+            loop = asyncio.get_running_loop()
+            slot = await sessions.admit(
+                request.client,
+                waited_s=loop.time() - request.arrived_at,
+                deadline_ms=frame.deadline_ms,
+            )
+            if self._requests.get(request.stream_id) is not request or not self._app.accepting:
+                slot.release()
+                if not self._app.accepting:
+                    raise RequestRejected(ErrorCode.SHUTTING_DOWN, "the server is shutting down")
+                return
+            session = sessions.start(frame, prepared, slot=slot, owner=request.key_id or "")
             # The session id goes out once its record is on disk: whoever learns it can
             # resume it, even after a kill -9 of this process.
-            await sessions.persisted()
+            try:
+                await sessions.persisted()
+            except asyncio.CancelledError:  # the stream went away meanwhile
+                session.abandon()
+                raise
             if self._requests.get(request.stream_id) is not request:
                 session.abandon()
                 return
@@ -270,7 +319,7 @@ class _H3ServerProtocol(QuicConnectionProtocol):
         self._send_headers(
             request.stream_id, 200, [(SESSION_HEADER, session.session_id.hex().encode()), *extra]
         )
-        session.attach(request.port, from_index)
+        session.attach(request.port, from_index, request.client)
 
     def _send_headers(
         self, stream_id: int, status: int, extra: list[tuple[bytes, bytes]] | None = None
@@ -307,6 +356,8 @@ class _H3ServerProtocol(QuicConnectionProtocol):
         code: ErrorCode,
         message: str,
         retry_after_s: float | None = None,
+        *,
+        extra_headers: list[tuple[bytes, bytes]] | None = None,
     ) -> None:
         """The one place a peer error becomes a response: status + ERROR frame, stream ended."""
         log.info("peer %s stream %d: %s: %s", self._peer, request.stream_id, code.slug, message)
@@ -314,7 +365,7 @@ class _H3ServerProtocol(QuicConnectionProtocol):
         self._requests.pop(request.stream_id, None)
         frame = proto.Error(code=code, message=message, retry_after_s=retry_after_s)
         try:
-            self._send_headers(request.stream_id, proto.http_status_for(code))
+            self._send_headers(request.stream_id, proto.http_status_for(code), extra_headers)
             assert self._h3 is not None
             self._h3.send_data(request.stream_id, proto.encode_frame(frame), end_stream=True)
         except Exception:  # the stream is already gone; nothing to answer
@@ -323,7 +374,11 @@ class _H3ServerProtocol(QuicConnectionProtocol):
 
     def _detach(self, stream_id: int, *, capture_kv: bool) -> None:
         request = self._requests.pop(stream_id, None)
-        if request is not None and request.session is not None and request.port is not None:
+        if request is None:
+            return
+        if request.starting is not None and not request.starting.done():
+            request.starting.cancel()  # gives its place in the queue (or its slot) back
+        if request.session is not None and request.port is not None:
             request.session.detach(request.port, capture_kv=capture_kv)
 
     def _detach_all(self) -> None:
@@ -431,7 +486,17 @@ async def start_server(
         config.ticket_ttl_s,
         config.max_tickets,
     )
-    app = QuicServerApp(engine, config, sessions)
+    api_keys = ApiKeys([config.api_key] if config.api_key else [], keys_file=config.api_keys_file)
+    if api_keys.enabled:
+        log.info("API keys: %d accepted; requests without one get 401", len(api_keys))
+    else:
+        log.warning(
+            "NO API KEY CONFIGURED: anyone who reaches %s:%d can generate "
+            "(set --api-key, QUICSRV_API_KEY or api_keys_file)",
+            config.host,
+            config.port,
+        )
+    app = QuicServerApp(engine, config, sessions, api_keys)
     server = await serve_on_socket(
         sock,
         configuration=configuration,

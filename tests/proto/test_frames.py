@@ -443,6 +443,10 @@ def test_each_protocol_error_class_has_its_own_code() -> None:
         (ErrorCode.SESSION_BUSY, 409),
         (ErrorCode.INTERNAL_ERROR, 500),
         (ErrorCode.ENGINE_UNAVAILABLE, 503),
+        (ErrorCode.CLIENT_LIMIT, 429),
+        (ErrorCode.DEADLINE_EXCEEDED, 504),
+        (ErrorCode.SESSION_KEY_MISMATCH, 403),
+        (ErrorCode.UNAUTHORIZED, 401),
     ],
 )
 def test_http_status_for_each_code(code: ErrorCode, status: int) -> None:
@@ -459,12 +463,14 @@ def test_http_status_is_an_error_status_for_every_code() -> None:
     for code in ErrorCode:
         status = http_status_for(code)
         assert 400 <= status <= 599
-        # Our own faults are the only 5xx besides capacity and shutdown.
+        # Our own faults are the only 5xx besides capacity (a full queue, or one too slow for
+        # the request's deadline) and shutdown.
         if status >= 500:
             assert code in {
                 ErrorCode.INTERNAL_ERROR,
                 ErrorCode.ENGINE_UNAVAILABLE,
                 ErrorCode.OVERLOADED,
+                ErrorCode.DEADLINE_EXCEEDED,
                 ErrorCode.SHUTTING_DOWN,
             }
 

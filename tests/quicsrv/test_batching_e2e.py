@@ -59,19 +59,27 @@ async def test_overloaded_error_and_the_server_stays_healthy(model_path, certs, 
     )
     try:
         async with running_server(engine, certs) as server:
-            async with Client("127.0.0.1", server.port, ca=certs.ca_cert) as c:
+            gate = server.sessions.gate
+            async with (
+                Client("127.0.0.1", server.port, ca=certs.ca_cert) as c,
+                Client("127.0.0.1", server.port, ca=certs.ca_cert) as other,
+            ):
                 first = c.generate(PROMPTS[0], max_tokens=1000, ignore_eos=True)
-                second = c.generate(PROMPTS[1], max_tokens=1000, ignore_eos=True)
                 # The response headers (SessionStarted) come once a request is admitted.
                 assert isinstance(await first.__anext__(), SessionStarted)
-                assert isinstance(await second.__anext__(), SessionStarted)
-                with pytest.raises(ServerError) as info:
-                    await c.generate_text(PROMPTS[2], max_tokens=8)
+                second = asyncio.create_task(
+                    other.generate_text(PROMPTS[1], max_tokens=8, ignore_eos=True)
+                )
+                await gate.wait_until(lambda: gate.queued == 1)
+                # One slot busy, the one queue place taken: a third client is refused.
+                async with Client("127.0.0.1", server.port, ca=certs.ca_cert) as third:
+                    with pytest.raises(ServerError) as info:
+                        await third.generate_text(PROMPTS[2], max_tokens=8)
                 assert info.value.code == ErrorCode.OVERLOADED
                 assert info.value.http_status == 503
-                assert info.value.retry_after_s is not None
+                assert info.value.retry_after_s is not None and info.value.retry_after_s > 0
                 await first.aclose()
-                await second.aclose()
+                assert len((await second).token_ids) == 8  # the queued one ran once freed
                 ok = await c.generate_text(PROMPTS[3], max_tokens=8, ignore_eos=True)
         assert len(ok.token_ids) == 8
     finally:

@@ -15,6 +15,7 @@ from quicsrv.sessions import (
     SessionSettings,
     build_request,
 )
+from quicsrv.sessions.admission import Slot
 from tests.fakes import FakeEngine
 
 
@@ -54,10 +55,15 @@ async def _drain_callbacks() -> None:
     await asyncio.sleep(0)
 
 
+async def _slot(manager: SessionManager) -> Slot:
+    return await manager.admit("test-client", waited_s=0.0, deadline_ms=None)
+
+
 async def _stream(tmp_path, pieces: list[bytes], *, stop=(), finish=FinishReason.LENGTH):
     engine = FakeEngine()
     manager = _manager(tmp_path, engine)
-    session = manager.start(proto.Generate(prompt="hi", max_tokens=len(pieces) or 1, stop=stop))
+    frame = proto.Generate(prompt="hi", max_tokens=len(pieces) or 1, stop=stop)
+    session = manager.start(frame, slot=await _slot(manager))
     port = FakePort()
     session.attach(port, 0)
     engine.emit(pieces, finish)
@@ -142,7 +148,7 @@ async def test_a_resume_replays_exactly_the_frames_after_last_index(tmp_path):
 async def test_a_reader_that_stops_acknowledging_pauses_the_engine(tmp_path):
     engine = FakeEngine()
     manager = _manager(tmp_path, engine, max_tokens_ahead=4)
-    session = manager.start(proto.Generate(prompt="hi", max_tokens=60))
+    session = manager.start(proto.Generate(prompt="hi", max_tokens=60), slot=await _slot(manager))
     port = FakePort()
     session.attach(port, 0)
     handle = engine.handles[-1]

@@ -1,0 +1,160 @@
+"""API keys: who may use the server, and which key a request (and so a session) belongs to.
+
+Keys are stored hashed (BLAKE3 of the key): a leaked keys file lets nobody in. A key is 32
+random bytes, so a fast hash is enough; a presented key is hashed and compared with every known
+hash in constant time, all of them, so the time taken says nothing about which one matched.
+
+The keys file holds one ``<hash hex> [name]`` per line (``#`` starts a comment) and is read
+again when it changes on disk (its mtime, size or inode), at most once per ``recheck_s``: adding
+or revoking a key needs no restart.
+"""
+
+from __future__ import annotations
+
+import hmac
+import logging
+import os
+import secrets
+import time
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
+from pathlib import Path
+
+from blake3 import blake3
+
+__all__ = ["ApiKeys", "KeyFileError", "hash_key", "key_id", "new_key"]
+
+log = logging.getLogger(__name__)
+
+KEY_PREFIX = "qs_"
+_HASH_HEX_CHARS = 64
+MAX_KEYS = 10_000
+MAX_PRESENTED_KEY_CHARS = 512
+
+
+class KeyFileError(ValueError):
+    """The API keys file cannot be read or holds a malformed line."""
+
+
+def new_key() -> str:
+    """A fresh API key: 256 random bits, URL-safe."""
+    return KEY_PREFIX + secrets.token_urlsafe(32)
+
+
+def hash_key(key: str) -> str:
+    """What the keys file stores for ``key``."""
+    return blake3(key.encode()).hexdigest()
+
+
+def key_id(key_hash: str) -> str:
+    """A short, non-secret name for a key (logs, session records, per-client limits)."""
+    return "key:" + key_hash[:16]
+
+
+@dataclass(frozen=True, slots=True)
+class _FileState:
+    mtime_ns: int
+    size: int
+    inode: int
+
+
+class ApiKeys:
+    """The keys the server accepts: plain keys given at start plus a hashed keys file."""
+
+    def __init__(
+        self,
+        keys: Iterable[str] = (),
+        *,
+        keys_file: Path | None = None,
+        recheck_s: float = 1.0,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self._fixed = tuple(bytes.fromhex(hash_key(k)) for k in keys if k)
+        self._file = keys_file
+        self._recheck_s = recheck_s
+        self._clock = clock
+        self._file_hashes: tuple[bytes, ...] = ()
+        self._file_state: _FileState | None = None
+        self._checked_at = float("-inf")
+        if keys_file is not None:
+            self._reload(force=True)
+
+    @property
+    def enabled(self) -> bool:
+        """False: no key configured, the server is open to anyone who reaches it."""
+        return bool(self._fixed) or self._file is not None
+
+    def __len__(self) -> int:
+        self._maybe_reload()
+        return len(self._fixed) + len(self._file_hashes)
+
+    def identify(self, authorization: bytes | None) -> str | None:
+        """The key id of a valid ``Bearer`` credential, else None (constant time per key)."""
+        if authorization is None:
+            return None
+        scheme, _, credential = authorization.partition(b" ")
+        credential = credential.strip()
+        if scheme.lower() != b"bearer" or not credential:
+            return None
+        if len(credential) > MAX_PRESENTED_KEY_CHARS:
+            return None
+        try:
+            presented = bytes.fromhex(hash_key(credential.decode("ascii")))
+        except UnicodeDecodeError:
+            return None
+        self._maybe_reload()
+        matched: bytes | None = None
+        for known in (*self._fixed, *self._file_hashes):
+            # Every known hash is compared, whatever matched earlier.
+            if hmac.compare_digest(presented, known):
+                matched = known
+        return None if matched is None else key_id(matched.hex())
+
+    def _maybe_reload(self) -> None:
+        if self._file is None:
+            return
+        now = self._clock()
+        if now - self._checked_at < self._recheck_s:
+            return
+        self._checked_at = now
+        try:
+            self._reload(force=False)
+        except KeyFileError as exc:
+            # A half-written or broken file must not lock everyone out: keep the last good keys.
+            log.error("API keys file %s not reloaded, the previous keys stay: %s", self._file, exc)
+
+    def _reload(self, *, force: bool) -> None:
+        assert self._file is not None
+        try:
+            st = os.stat(self._file)
+        except OSError as exc:
+            raise KeyFileError(f"cannot read {self._file}: {exc.strerror}") from None
+        state = _FileState(st.st_mtime_ns, st.st_size, st.st_ino)
+        if not force and state == self._file_state:
+            return
+        try:
+            text = self._file.read_text()
+        except (OSError, UnicodeDecodeError) as exc:
+            raise KeyFileError(f"cannot read {self._file}: {exc}") from None
+        hashes = _parse_keys_file(text, self._file)
+        self._file_hashes = hashes
+        self._file_state = state
+        log.info("API keys: %d from %s", len(hashes), self._file)
+
+
+def _parse_keys_file(text: str, path: Path) -> tuple[bytes, ...]:
+    hashes: list[bytes] = []
+    for number, raw in enumerate(text.splitlines(), 1):
+        line = raw.split("#", 1)[0].strip()
+        if not line:
+            continue
+        digest = line.split()[0].lower()
+        if len(digest) != _HASH_HEX_CHARS or any(c not in "0123456789abcdef" for c in digest):
+            raise KeyFileError(
+                f"{path}:{number}: expected a {_HASH_HEX_CHARS}-hex-digit key hash "
+                "(`quicsrv api-key hash KEY` prints one), not a plain key"
+            )
+        hashes.append(bytes.fromhex(digest))
+        if len(hashes) > MAX_KEYS:
+            raise KeyFileError(f"{path}: more than {MAX_KEYS} keys")
+    return tuple(hashes)

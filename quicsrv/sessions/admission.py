@@ -1,0 +1,254 @@
+"""Who gets the engine's sequence slots next: fair shares per client, resumes first.
+
+Every engine sequence runs under a :class:`Slot` from the :class:`FairGate`, which hands out
+at most ``slots`` at once (the engine's ``n_seq_max``), so the engine's own first-come queue
+never decides the order. A client is its API key, or its connection when the server has no
+keys. Waiting requests are served round-robin across clients (a client's 50th request does not
+run before another client's 1st), and a session coming back (a resume, or a paused sequence
+whose reader caught up) goes before every new request: it already holds a reader.
+
+Caps: a client runs at most ``max_active_per_client`` sequences and queues at most
+``max_queued_per_client`` new requests (``client_limit``, 429); the whole queue holds at most
+``max_queued`` new requests (``overloaded``, 503). Resumes are never refused here: each is one
+session's only reader, and sessions are bounded by the session store. Refusals carry a
+``retry_after_s`` estimated from the queue ahead and the mean time a slot is held.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import math
+import time
+from collections import Counter, deque
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+from proto import ErrorCode
+
+from .generation import RequestRejected
+
+__all__ = ["AdmissionLimits", "FairGate", "Slot"]
+
+_INITIAL_HOLD_S = 2.0
+_HOLD_SMOOTHING = 0.2  # weight of the newest slot hold in the running mean
+_MIN_RETRY_S = 0.1
+_MAX_RETRY_S = 600.0
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class AdmissionLimits:
+    slots: int
+    """Engine sequences at once (the engine's ``n_seq_max``)."""
+    max_queued: int
+    """New requests waiting, all clients together."""
+    max_active_per_client: int
+    max_queued_per_client: int
+
+    def __post_init__(self) -> None:
+        if min(self.slots, self.max_active_per_client, self.max_queued_per_client) < 1:
+            raise ValueError("admission limits must be at least 1 (max_queued at least 0)")
+        if self.max_queued < 0:
+            raise ValueError("max_queued must be at least 0")
+
+
+class Slot:
+    """The right to run one engine sequence; :meth:`release` gives it back (once)."""
+
+    __slots__ = ("_gate", "client", "granted_at", "released")
+
+    def __init__(self, gate: FairGate, client: str, granted_at: float) -> None:
+        self._gate = gate
+        self.client = client
+        self.granted_at = granted_at
+        self.released = False
+
+    def release(self) -> None:
+        if not self.released:
+            self.released = True
+            self._gate._release(self)
+
+
+@dataclass(eq=False)
+class _Waiter:
+    client: str
+    resume: bool
+    future: asyncio.Future[Slot] = field(repr=False)
+
+
+class FairGate:
+    """See the module docstring. Runs on one event loop; nothing here blocks."""
+
+    def __init__(
+        self, limits: AdmissionLimits, *, clock: Callable[[], float] = time.monotonic
+    ) -> None:
+        self.limits = limits
+        self._clock = clock
+        self._active: Counter[str] = Counter()
+        self._active_total = 0
+        # Per class (resumes, new requests): each client's waiters in order, and the clients
+        # in round-robin order (a client moves to the back when one of its waiters is served).
+        self._waiting: dict[bool, dict[str, deque[_Waiter]]] = {True: {}, False: {}}
+        self._queued_new = 0
+        self._mean_hold_s = _INITIAL_HOLD_S
+        self.refusals: Counter[tuple[ErrorCode, str]] = Counter()
+        """Refusals by (code, client): per-client vs server-wide, for logs and metrics."""
+        self.granted = 0
+        self._observers: list[asyncio.Future[None]] = []
+
+    # --- what others read ---------------------------------------------------------------
+
+    @property
+    def active(self) -> int:
+        return self._active_total
+
+    @property
+    def queued(self) -> int:
+        """Waiters of both kinds."""
+        return sum(len(q) for by_client in self._waiting.values() for q in by_client.values())
+
+    def active_for(self, client: str) -> int:
+        return self._active[client]
+
+    def queued_for(self, client: str) -> int:
+        return sum(len(by_client.get(client, ())) for by_client in self._waiting.values())
+
+    async def wait_until(self, predicate: Callable[[], bool]) -> None:
+        """Until ``predicate()`` holds, checked after every change of the gate (tests, stats)."""
+        while not predicate():
+            observer = asyncio.get_running_loop().create_future()
+            self._observers.append(observer)
+            await observer
+
+    def _changed(self) -> None:
+        observers, self._observers = self._observers, []
+        for observer in observers:
+            if not observer.done():
+                observer.set_result(None)
+
+    # --- acquiring ----------------------------------------------------------------------
+
+    async def acquire(
+        self, client: str, *, resume: bool = False, timeout_s: float | None = None
+    ) -> Slot:
+        """A slot for ``client``: at once, or after waiting its fair turn.
+
+        Raises RequestRejected: ``client_limit`` or ``overloaded`` (new requests only) when
+        the queue is full, ``deadline_exceeded`` when ``timeout_s`` passes first (the place
+        in the queue is given up). Cancelling the caller gives the place (or slot) back.
+        """
+        # After every dispatch either no slot is free or no waiter may take one, so a client
+        # that may run now passes nobody who could.
+        if self._can_run(client):
+            return self._grant(client)
+        if not resume:
+            self._check_room(client)
+        loop = asyncio.get_running_loop()
+        waiter = _Waiter(client=client, resume=resume, future=loop.create_future())
+        self._waiting[resume].setdefault(client, deque()).append(waiter)
+        if not resume:
+            self._queued_new += 1
+        self._dispatch()
+        self._changed()
+        try:
+            async with asyncio.timeout(timeout_s):
+                return await asyncio.shield(waiter.future)
+        except TimeoutError:
+            if self._withdraw(waiter):
+                raise RequestRejected(
+                    ErrorCode.DEADLINE_EXCEEDED,
+                    f"could not start within {timeout_s:.3f} s: {self.queued} requests waiting, "
+                    f"{self._active_total} running",
+                ) from None
+            return waiter.future.result()  # granted just as the deadline passed: use it
+        except asyncio.CancelledError:
+            if not self._withdraw(waiter) and not waiter.future.cancelled():
+                waiter.future.result().release()
+            raise
+
+    def retry_after_s(self, ahead: int, servers: int) -> float:
+        """Seconds until ``ahead`` queued requests have each run once on ``servers`` slots."""
+        rounds = math.ceil((ahead + 1) / max(1, servers))
+        return round(min(_MAX_RETRY_S, max(_MIN_RETRY_S, rounds * self._mean_hold_s)), 3)
+
+    # --- internals ----------------------------------------------------------------------
+
+    def _check_room(self, client: str) -> None:
+        limits = self.limits
+        mine = len(self._waiting[False].get(client, ()))
+        if mine >= limits.max_queued_per_client:
+            self.refusals[ErrorCode.CLIENT_LIMIT, client] += 1
+            raise RequestRejected(
+                ErrorCode.CLIENT_LIMIT,
+                f"this client already has {self._active[client]} generations running and "
+                f"{mine} waiting (limits {limits.max_active_per_client} and "
+                f"{limits.max_queued_per_client})",
+                self.retry_after_s(mine, limits.max_active_per_client),
+            )
+        if self._queued_new >= limits.max_queued:
+            self.refusals[ErrorCode.OVERLOADED, client] += 1
+            raise RequestRejected(
+                ErrorCode.OVERLOADED,
+                f"{self._active_total} generations running and {self._queued_new} waiting "
+                f"(server limits {limits.slots} and {limits.max_queued})",
+                self.retry_after_s(self._queued_new, limits.slots),
+            )
+
+    def _can_run(self, client: str) -> bool:
+        return (
+            self._active_total < self.limits.slots
+            and self._active[client] < self.limits.max_active_per_client
+        )
+
+    def _grant(self, client: str) -> Slot:
+        self._active[client] += 1
+        self._active_total += 1
+        self.granted += 1
+        self._changed()
+        return Slot(self, client, self._clock())
+
+    def _release(self, slot: Slot) -> None:
+        held = self._clock() - slot.granted_at
+        self._mean_hold_s += _HOLD_SMOOTHING * (held - self._mean_hold_s)
+        self._active[slot.client] -= 1
+        if self._active[slot.client] <= 0:
+            del self._active[slot.client]
+        self._active_total -= 1
+        self._dispatch()
+        self._changed()
+
+    def _dispatch(self) -> None:
+        """Hand free slots to waiters: resumes first, round-robin over clients in each class."""
+        while self._active_total < self.limits.slots:
+            waiter = self._next_waiter(True) or self._next_waiter(False)
+            if waiter is None:
+                return
+            waiter.future.set_result(self._grant(waiter.client))
+
+    def _next_waiter(self, resume: bool) -> _Waiter | None:
+        by_client = self._waiting[resume]
+        for client in list(by_client):
+            queue = by_client[client]
+            if self._active[client] >= self.limits.max_active_per_client:
+                continue
+            waiter = queue.popleft()
+            del by_client[client]  # back of the round-robin order, if it still waits
+            if queue:
+                by_client[client] = queue
+            if not resume:
+                self._queued_new -= 1
+            return waiter
+        return None
+
+    def _withdraw(self, waiter: _Waiter) -> bool:
+        """Take a waiter out of its queue; False if it was served already."""
+        queue = self._waiting[waiter.resume].get(waiter.client)
+        if queue is None or waiter not in queue:
+            return False
+        queue.remove(waiter)
+        if not queue:
+            del self._waiting[waiter.resume][waiter.client]
+        if not waiter.resume:
+            self._queued_new -= 1
+        waiter.future.cancel()
+        self._changed()
+        return True

@@ -1,0 +1,204 @@
+"""Access and fair shares end to end: API keys, per-client limits, deadlines, stalled streams.
+
+The real model, the real server, real QUIC on loopback.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from pathlib import Path
+
+import pytest
+
+from client import (
+    Client,
+    GenerationEnded,
+    Reconnected,
+    ReconnectPolicy,
+    ServerError,
+    SessionStarted,
+    StallTimeout,
+    TokenReceived,
+)
+from proto import ErrorCode
+from quicsrv.apikeys import hash_key, new_key
+from quicsrv.transport import RunningServer
+from tests.helpers import running_server, session_settings
+
+pytestmark = [pytest.mark.model, pytest.mark.asyncio]
+
+PROMPT = "Write a long story about a lighthouse keeper."
+
+
+async def test_a_missing_or_wrong_key_gets_401_and_the_connection_goes_on(engine, certs):
+    key = new_key()
+    async with running_server(engine, certs, api_key=key) as server:
+        async with Client("127.0.0.1", server.port, ca=certs.ca_cert, api_key="") as c:
+            for presented in (None, "qs_not-a-key", key[:-1]):
+                c.api_key = presented
+                with pytest.raises(ServerError) as info:
+                    await c.generate_text("Hi", max_tokens=4)
+                assert info.value.code == ErrorCode.UNAUTHORIZED
+                assert info.value.http_status == 401
+            c.api_key = key  # same connection: it survived the refusals
+            result = await c.generate_text("Hi", max_tokens=4, ignore_eos=True)
+    assert result.end.completion_tokens == 4
+
+
+async def test_a_resume_needs_the_key_that_started_the_session(engine, certs, tmp_path: Path):
+    alice, bob = new_key(), new_key()
+    keys_file = tmp_path / "keys"
+    keys_file.write_text(f"{hash_key(alice)} alice\n{hash_key(bob)} bob\n")
+    async with running_server(engine, certs, api_keys_file=keys_file) as server:
+        ca = certs.ca_cert
+        async with Client("127.0.0.1", server.port, ca=ca, api_key=alice) as a:
+            generation = a.generate(PROMPT, max_tokens=24, ignore_eos=True)
+            async for event in generation:
+                if isinstance(event, TokenReceived) and event.index == 7:
+                    break
+            await generation.aclose()
+            position = generation.position
+            assert position is not None
+            async with Client("127.0.0.1", server.port, ca=ca, api_key=bob) as b:
+                with pytest.raises(ServerError) as info:
+                    async for _ in b.resume_from(position):
+                        pass
+                assert info.value.code == ErrorCode.SESSION_KEY_MISMATCH
+                assert info.value.http_status == 403
+            # The refusal cost the session nothing: its owner resumes it to the end.
+            indices = []
+            end = None
+            async for event in a.resume_from(position):
+                if isinstance(event, TokenReceived):
+                    indices.append(event.index)
+                elif isinstance(event, GenerationEnded):
+                    end = event
+    assert indices == list(range(position.last_index + 1, 24))
+    assert end is not None and end.completion_tokens == 24
+
+
+async def test_a_hog_connection_does_not_starve_another_client(engine, certs, tmp_path: Path):
+    sessions = session_settings(tmp_path, max_active_per_client=2, max_queued_per_client=3)
+    async with running_server(engine, certs, sessions=sessions) as server:
+        ca = certs.ca_cert
+        async with Client("127.0.0.1", server.port, ca=ca) as hog:
+            started: asyncio.Queue[str] = asyncio.Queue()
+            refused: list[ServerError] = []
+
+            async def hog_one() -> None:
+                try:
+                    async for event in hog.generate(PROMPT, max_tokens=400, ignore_eos=True):
+                        if isinstance(event, SessionStarted):
+                            await started.put(event.session_id)
+                except ServerError as exc:
+                    refused.append(exc)
+                    await started.put("refused")
+
+            tasks = [asyncio.create_task(hog_one()) for _ in range(10)]
+            # 2 run and 3 queue under the hog's caps; the other 5 are refused at once.
+            outcomes = [await started.get() for _ in range(7)]
+            assert outcomes.count("refused") == 5
+            assert {e.code for e in refused} == {ErrorCode.CLIENT_LIMIT}
+            assert {e.http_status for e in refused} == {429}
+            assert all(e.retry_after_s is not None and e.retry_after_s > 0 for e in refused)
+            gate = server.sessions.gate
+            assert gate.active == 2 and gate.queued == 3
+            # A well-behaved client on another connection is served while the hog runs.
+            async with Client("127.0.0.1", server.port, ca=ca) as polite:
+                result = await polite.generate_text("Hi", max_tokens=8, ignore_eos=True)
+            assert result.end.completion_tokens == 8
+            assert gate.queued == 3  # the hog's queued requests are still waiting
+            assert sum(not t.done() for t in tasks) == 5
+            for task in tasks:
+                task.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
+        # Cancelled streams give their slots and places back.
+        await gate.wait_until(lambda: gate.active == 0 and gate.queued == 0)
+
+
+async def test_a_request_that_cannot_start_in_time_gets_deadline_exceeded(
+    engine, certs, tmp_path: Path
+):
+    sessions = session_settings(tmp_path, max_active_per_client=1, max_queue_wait_s=0.2)
+    async with running_server(engine, certs, sessions=sessions) as server:
+        async with Client("127.0.0.1", server.port, ca=certs.ca_cert) as c:
+            long = c.generate(PROMPT, max_tokens=400, ignore_eos=True)
+            async for event in long:
+                if isinstance(event, TokenReceived):
+                    break  # it runs and holds this client's only slot
+            # Its own deadline, then the server's queue-wait bound.
+            for deadline_ms in (50, None):
+                with pytest.raises(ServerError) as info:
+                    await c.generate_text("Hi", max_tokens=4, deadline_ms=deadline_ms)
+                assert info.value.code == ErrorCode.DEADLINE_EXCEEDED
+                assert info.value.http_status == 504
+            gate = server.sessions.gate
+            assert gate.queued == 0  # the places were given up
+            await long.aclose()
+            # The slot comes back and the next request starts.
+            result = await c.generate_text("Hi", max_tokens=4, ignore_eos=True, deadline_ms=60_000)
+    assert result.end.completion_tokens == 4
+
+
+def _stall_stream_of(server: RunningServer, session_id: str) -> None:
+    """Make the server stop writing this session's frames to its current stream, while the
+    connection stays up (PINGs and ACKs flow): a stalled stream, as seen by the client."""
+    session = server.sessions.live(bytes.fromhex(session_id))
+    assert session is not None and session._attachment is not None
+    session._attachment.port.send = lambda data, end_stream: None  # type: ignore[method-assign]
+
+
+async def test_a_stalled_stream_is_resumed_and_the_output_is_exact(engine, certs):
+    async with running_server(engine, certs) as server:
+        ca = certs.ca_cert
+        async with Client("127.0.0.1", server.port, ca=ca) as c:
+            reference = await c.generate_text(PROMPT, max_tokens=40, ignore_eos=True)
+        client = Client(
+            "127.0.0.1",
+            server.port,
+            ca=ca,
+            stall_timeout_s=0.5,
+            reconnect=ReconnectPolicy(initial_delay_s=0.01),
+        )
+        texts: list[str] = []
+        reconnects: list[Reconnected] = []
+        async with client as c:
+            generation = c.generate(PROMPT, max_tokens=40, ignore_eos=True)
+            async for event in generation:
+                if isinstance(event, TokenReceived):
+                    texts.append(event.text)
+                    if event.index == 5 and not reconnects:
+                        assert generation.session_id is not None
+                        _stall_stream_of(server, generation.session_id)
+                elif isinstance(event, Reconnected):
+                    reconnects.append(event)
+                elif isinstance(event, GenerationEnded):
+                    texts.append(event.text)
+    assert len(reconnects) == 1
+    assert "no event for 0.5 s" in reconnects[0].error
+    assert "".join(texts) == reference.text
+
+
+async def test_a_stall_without_auto_resume_is_a_clear_error(engine, certs):
+    async with running_server(engine, certs) as server:
+        async with Client(
+            "127.0.0.1", server.port, ca=certs.ca_cert, stall_timeout_s=0.3, reconnect=None
+        ) as c:
+            generation = c.generate(PROMPT, max_tokens=200, ignore_eos=True)
+            with pytest.raises(StallTimeout, match="connection is alive"):
+                async for event in generation:
+                    if isinstance(event, TokenReceived) and event.index == 3:
+                        assert generation.session_id is not None
+                        _stall_stream_of(server, generation.session_id)
+            position = generation.position
+        assert position is not None and position.last_index >= 3
+        # Nothing was lost: the session resumes from where the client stopped.
+        async with Client("127.0.0.1", server.port, ca=certs.ca_cert) as c:
+            resumed = c.resume_from(position)
+            first = None
+            async for event in resumed:
+                if isinstance(event, TokenReceived):
+                    first = event.index
+                    break
+            await resumed.aclose()
+    assert first == position.last_index + 1
