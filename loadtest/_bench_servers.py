@@ -109,9 +109,11 @@ async def quicsrv_server(
     *,
     prefill_chunk: int | None = None,
     tree: Path | None = None,
+    per_client_caps: bool = False,
 ) -> AsyncIterator[Child]:
     """``quicsrv serve`` on 127.0.0.1 with an ephemeral UDP port; with ``tree``, the quicsrv of
-    that checkout (``python -m`` imports from the working directory first)."""
+    that checkout (``python -m`` imports from the working directory first). Without
+    ``per_client_caps`` the one client of a load run may take every slot and queue place."""
     argv = [
         sys.executable,
         "-m",
@@ -131,6 +133,13 @@ async def quicsrv_server(
         f"QUICSRV_FLASH_ATTN={str(settings.flash_attn).lower()}",
         f"QUICSRV_CPU_EXTRA_BUFFERS={'on' if settings.cpu_extra_buffers else 'off'}",
     ]
+    if not per_client_caps:
+        # A load run puts every stream on one connection, which is one client: let it have
+        # every slot and queue place, as the engine-only rows do.
+        env += [
+            f"QUICSRV_MAX_ACTIVE_PER_CLIENT={settings.parallel}",
+            "QUICSRV_MAX_QUEUED_PER_CLIENT=1000000",
+        ]
     if prefill_chunk is not None:
         env.append(f"QUICSRV_PREFILL_CHUNK_TOKENS={prefill_chunk}")
     argv = ["env", *env, *argv]

@@ -23,6 +23,7 @@ from proto import (
 )
 from proto.frames import (
     CHAT_ROLES,
+    MAX_DEADLINE_MS,
     MAX_MAX_TOKENS,
     MAX_SEED,
     MAX_STOP_CHARS,
@@ -82,6 +83,7 @@ def generates(draw: st.DrawFn) -> Generate:
             )
         ),
         ignore_eos=draw(st.booleans()),
+        deadline_ms=draw(st.none() | st.integers(1, MAX_DEADLINE_MS)),
     )
 
 
