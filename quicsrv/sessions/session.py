@@ -46,9 +46,13 @@ log = logging.getLogger(__name__)
 
 
 class StreamPort(Protocol):
-    """The transport's side of one response stream."""
+    """The transport's side of one response stream.
 
-    def send(self, data: bytes, end_stream: bool) -> None: ...
+    It is handed frames, not bytes, so that each transport encodes them its own way (CBOR on
+    the native stream, SSE events on the OpenAI one) without decoding anything back.
+    """
+
+    def send_frame(self, frame: proto.Frame, end_stream: bool) -> None: ...
 
     def sent_offset(self) -> int:
         """Stream bytes written so far."""
@@ -181,7 +185,7 @@ class Session:
         old = self._attachment
         if old is not None:
             # The newest attach wins; the old reader is told why its stream ends here.
-            old.port.send(proto.encode_frame(proto.End(reason=EndReason.SUPERSEDED)), True)
+            old.port.send_frame(proto.End(reason=EndReason.SUPERSEDED), True)
         attachment = _Attachment(port=port, next_index=from_index, acked_tokens=from_index)
         self._attachment = attachment
         self.idle.clear()
@@ -208,6 +212,19 @@ class Session:
             self._handle.pause(capture_kv=False)
         self._check_idle()
 
+    def cancel(self) -> None:
+        """End the generation for good (an explicit stop, not a disconnect): the engine
+        sequence and any saved KV are dropped, the record ends with ``cancelled`` at the tokens
+        generated so far, and a reader gets the rest of them and then END(cancelled)."""
+        if self.finished:
+            return
+        if self._handle is not None and self._state is _EngineState.RUNNING:
+            self._handle.cancel()  # its late tokens are dropped: the record has ended
+        self._stop_restarting()
+        self._record_end(SessionEnd(EndReason.CANCELLED, len(self.record.generated)))
+        self._pump()
+        self._check_idle()
+
     def end_for_shutdown(self) -> None:
         """Tell the reader the server is going; the session stays resumable from disk."""
         attachment, self._attachment = self._attachment, None
@@ -217,7 +234,7 @@ class Session:
                 prompt_tokens=len(self.record.prompt_tokens),
                 completion_tokens=attachment.next_index,
             )
-            attachment.port.send(proto.encode_frame(end), True)
+            attachment.port.send_frame(end, True)
         if self._handle is not None and self._state is _EngineState.RUNNING:
             self._handle.pause(capture_kv=False)
         self._stop_restarting()
@@ -282,7 +299,9 @@ class Session:
         if reason is FinishReason.FAILED:
             self._fail_reader("the engine failed and could not be restarted; resume later")
             return
-        if reason is FinishReason.LENGTH:
+        if self.finished:
+            pass  # a stop sequence or a cancel ended it first; the engine's reason came late
+        elif reason is FinishReason.LENGTH:
             self._record_end(SessionEnd(EndReason.LENGTH, completion_tokens))
         elif reason is FinishReason.EOS:
             self._record_end(SessionEnd(EndReason.EOS, completion_tokens))
@@ -424,7 +443,7 @@ class Session:
         while attachment.next_index < len(texts):
             i = attachment.next_index
             frame = proto.Token(index=i, token_id=generated[i], text=texts[i])
-            attachment.port.send(proto.encode_frame(frame), False)
+            attachment.port.send_frame(frame, False)
             attachment.next_index = i + 1
             attachment.pending.append((i + 1, attachment.port.sent_offset()))
             if (i + 1) % every == 0:
@@ -437,7 +456,7 @@ class Session:
                 completion_tokens=end.completion_tokens,
                 text=self._tail,
             )
-            attachment.port.send(proto.encode_frame(frame_end), True)
+            attachment.port.send_frame(frame_end, True)
             self._attachment = None
             self._store.touch(self.record)
             self._check_idle()
@@ -449,7 +468,7 @@ class Session:
         frame = proto.Checkpoint(
             session_id=self.session_id, index=index, snapshot_hash=snapshot_hash
         )
-        attachment.port.send(proto.encode_frame(frame), False)
+        attachment.port.send_frame(frame, False)
 
     def _fail_reader(self, message: str) -> None:
         """End the reader's stream with ERROR(engine_unavailable); the session stays resumable
@@ -457,7 +476,7 @@ class Session:
         attachment, self._attachment = self._attachment, None
         if attachment is not None:  # it was sent every token already: _pump runs per token
             error = proto.Error(code=proto.ErrorCode.ENGINE_UNAVAILABLE, message=message)
-            attachment.port.send(proto.encode_frame(error), True)
+            attachment.port.send_frame(error, True)
         self._check_idle()
 
     def _check_idle(self) -> None:

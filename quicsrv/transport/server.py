@@ -91,8 +91,8 @@ class _StreamPort:
         self._protocol = protocol
         self._stream_id = stream_id
 
-    def send(self, data: bytes, end_stream: bool) -> None:
-        self._protocol.send_data(self._stream_id, data, end_stream)
+    def send_frame(self, frame: proto.Frame, end_stream: bool) -> None:
+        self._protocol.send_data(self._stream_id, proto.encode_frame(frame), end_stream)
 
     def sent_offset(self) -> int:
         stream = self._protocol.quic_stream(self._stream_id)

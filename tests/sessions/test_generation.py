@@ -27,8 +27,8 @@ class FakePort:
         self.acked = 0
         self.ended = asyncio.Event()
 
-    def send(self, data: bytes, end_stream: bool) -> None:
-        self.sent.extend(data)
+    def send_frame(self, frame: proto.Frame, end_stream: bool) -> None:
+        self.sent.extend(proto.encode_frame(frame))
         if end_stream:
             self.ended.set()
 
