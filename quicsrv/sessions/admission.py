@@ -3,9 +3,10 @@
 Every engine sequence runs under a :class:`Slot` from the :class:`FairGate`, which hands out
 at most ``slots`` at once (the engine's ``n_seq_max``), so the engine's own first-come queue
 never decides the order. A client is its API key, or its connection when the server has no
-keys. Waiting requests are served round-robin across clients (a client's 50th request does not
-run before another client's 1st), and a session coming back (a resume, or a paused sequence
-whose reader caught up) goes before every new request: it already holds a reader.
+keys. Waiting requests are served round-robin across clients, the client running the fewest
+sequences first (a client's 50th request does not run before another client's 1st), and a
+session coming back (a resume, or a paused sequence whose reader caught up) goes before every
+new request: it already holds a reader.
 
 Caps: a client runs at most ``max_active_per_client`` sequences and queues at most
 ``max_queued_per_client`` new requests (``client_limit``, 429); the whole queue holds at most
@@ -91,7 +92,8 @@ class FairGate:
         self._queued_new = 0
         self._mean_hold_s = _INITIAL_HOLD_S
         self.refusals: Counter[tuple[ErrorCode, str]] = Counter()
-        """Refusals by (code, client): per-client vs server-wide, for logs and metrics."""
+        """Refusals by (code, client): ``client_limit`` (per-client), ``overloaded``
+        (server-wide), ``deadline_exceeded``; for logs and metrics (:meth:`refusals_by_code`)."""
         self.granted = 0
         self._observers: list[asyncio.Future[None]] = []
 
@@ -105,6 +107,13 @@ class FairGate:
     def queued(self) -> int:
         """Waiters of both kinds."""
         return sum(len(q) for by_client in self._waiting.values() for q in by_client.values())
+
+    def refusals_by_code(self) -> Counter[ErrorCode]:
+        """How many requests the gate refused, per error code, all clients together."""
+        totals: Counter[ErrorCode] = Counter()
+        for (code, _client), n in self.refusals.items():
+            totals[code] += n
+        return totals
 
     def active_for(self, client: str) -> int:
         return self._active[client]
@@ -154,6 +163,7 @@ class FairGate:
                 return await asyncio.shield(waiter.future)
         except TimeoutError:
             if self._withdraw(waiter):
+                self.refusals[ErrorCode.DEADLINE_EXCEEDED, client] += 1
                 raise RequestRejected(
                     ErrorCode.DEADLINE_EXCEEDED,
                     f"could not start within {timeout_s:.3f} s: {self.queued} requests waiting, "
@@ -225,19 +235,22 @@ class FairGate:
             waiter.future.set_result(self._grant(waiter.client))
 
     def _next_waiter(self, resume: bool) -> _Waiter | None:
+        """The first waiter of the client running the fewest sequences (round-robin order
+        among equals): a hog's queued requests never go before another client's first."""
         by_client = self._waiting[resume]
-        for client in list(by_client):
-            queue = by_client[client]
-            if self._active[client] >= self.limits.max_active_per_client:
-                continue
-            waiter = queue.popleft()
-            del by_client[client]  # back of the round-robin order, if it still waits
-            if queue:
-                by_client[client] = queue
-            if not resume:
-                self._queued_new -= 1
-            return waiter
-        return None
+        cap = self.limits.max_active_per_client
+        eligible = [c for c in by_client if self._active[c] < cap]
+        if not eligible:
+            return None
+        client = min(eligible, key=self._active.__getitem__)  # min keeps the first of equals
+        queue = by_client[client]
+        waiter = queue.popleft()
+        del by_client[client]  # back of the round-robin order, if it still waits
+        if queue:
+            by_client[client] = queue
+        if not resume:
+            self._queued_new -= 1
+        return waiter
 
     def _withdraw(self, waiter: _Waiter) -> bool:
         """Take a waiter out of its queue; False if it was served already."""
