@@ -24,6 +24,7 @@ import asyncio
 import contextlib
 import itertools
 import logging
+from collections import Counter
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -44,7 +45,7 @@ from aioquic.quic.events import (
 import proto
 from proto import ErrorCode
 
-from ..apikeys import ApiKeys
+from ..apikeys import AccessDenied, ApiKeys, ClientId
 from ..config import ServerConfig
 from ..engine import Engine
 from ..sessions import RequestRejected, Session, SessionManager
@@ -121,6 +122,8 @@ class QuicServerApp:
         self.connections: set[_H3ServerProtocol] = set()
         self.accepting = True
         self.early_resumes = 0  # RESUME_STREAMs answered from 0-RTT data (stats, tests)
+        self.refusals: Counter[ErrorCode] = Counter()
+        """Requests answered with an ERROR frame, per code (401, 429, 503, 504, ...)."""
         self.early_generates_refused = 0
 
     def shut_down_streams(self) -> None:
@@ -200,27 +203,29 @@ class _H3ServerProtocol(QuicConnectionProtocol):
     def _headers_received(self, event: HeadersReceived) -> None:
         headers = dict(event.headers)
         method, path = headers.get(b":method"), headers.get(b":path")
-        keys = self._app.api_keys
-        key_id = keys.identify(headers.get(AUTHORIZATION_HEADER)) if keys.enabled else None
+        denied: AccessDenied | None = None
+        try:
+            who = self._app.api_keys.authorize(
+                headers.get(AUTHORIZATION_HEADER), connection=self._connection_client
+            )
+        except AccessDenied as exc:
+            denied, who = exc, ClientId(name=self._connection_client, key_id=None)
         request = _Request(
             stream_id=event.stream_id,
             path=path or b"",
             session_header=headers.get(SESSION_HEADER),
             decoder=proto.FrameDecoder(max_payload_bytes=self._app.config.max_request_bytes),
             arrived_at=asyncio.get_running_loop().time(),
-            client=key_id or self._connection_client,
-            key_id=key_id,
+            client=who.name,
+            key_id=who.key_id,
         )
         self._requests[event.stream_id] = request
-        if keys.enabled and key_id is None:
+        if denied is not None:
             # Before anything else: an unauthenticated peer learns nothing about paths.
-            given = AUTHORIZATION_HEADER in headers
             self._reject(
                 request,
                 ErrorCode.UNAUTHORIZED,
-                "the API key is not valid"
-                if given
-                else "an API key is required (authorization: Bearer <key>)",
+                denied.message,
                 extra_headers=[(b"www-authenticate", b'Bearer realm="quicsrv"')],
             )
         elif path not in (GENERATE_PATH, RESUME_PATH):
@@ -361,6 +366,7 @@ class _H3ServerProtocol(QuicConnectionProtocol):
     ) -> None:
         """The one place a peer error becomes a response: status + ERROR frame, stream ended."""
         log.info("peer %s stream %d: %s: %s", self._peer, request.stream_id, code.slug, message)
+        self._app.refusals[code] += 1
         request.rejected = True
         self._requests.pop(request.stream_id, None)
         frame = proto.Error(code=code, message=message, retry_after_s=retry_after_s)
