@@ -34,6 +34,10 @@ _INITIAL_HOLD_S = 2.0
 _HOLD_SMOOTHING = 0.2  # weight of the newest slot hold in the running mean
 _MIN_RETRY_S = 0.1
 _MAX_RETRY_S = 600.0
+#: Distinct (code, client) refusal counters kept; past that they add up under OTHER_CLIENTS (on
+#: an open server every connection is a client, so the peers would decide the size).
+MAX_REFUSAL_KEYS = 1024
+OTHER_CLIENTS = "(others)"
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -163,7 +167,7 @@ class FairGate:
                 return await asyncio.shield(waiter.future)
         except TimeoutError:
             if self._withdraw(waiter):
-                self.refusals[ErrorCode.DEADLINE_EXCEEDED, client] += 1
+                self._count_refusal(ErrorCode.DEADLINE_EXCEEDED, client)
                 raise RequestRejected(
                     ErrorCode.DEADLINE_EXCEEDED,
                     f"could not start within {timeout_s:.3f} s: {self.queued} requests waiting, "
@@ -182,11 +186,17 @@ class FairGate:
 
     # --- internals ----------------------------------------------------------------------
 
+    def _count_refusal(self, code: ErrorCode, client: str) -> None:
+        key = (code, client)
+        if key not in self.refusals and len(self.refusals) >= MAX_REFUSAL_KEYS:
+            key = (code, OTHER_CLIENTS)
+        self.refusals[key] += 1
+
     def _check_room(self, client: str) -> None:
         limits = self.limits
         mine = len(self._waiting[False].get(client, ()))
         if mine >= limits.max_queued_per_client:
-            self.refusals[ErrorCode.CLIENT_LIMIT, client] += 1
+            self._count_refusal(ErrorCode.CLIENT_LIMIT, client)
             raise RequestRejected(
                 ErrorCode.CLIENT_LIMIT,
                 f"this client already has {self._active[client]} generations running and "
@@ -195,7 +205,7 @@ class FairGate:
                 self.retry_after_s(mine, limits.max_active_per_client),
             )
         if self._queued_new >= limits.max_queued:
-            self.refusals[ErrorCode.OVERLOADED, client] += 1
+            self._count_refusal(ErrorCode.OVERLOADED, client)
             raise RequestRejected(
                 ErrorCode.OVERLOADED,
                 f"{self._active_total} generations running and {self._queued_new} waiting "

@@ -8,7 +8,13 @@ import pytest
 
 from proto import ErrorCode
 from quicsrv.sessions import RequestRejected
-from quicsrv.sessions.admission import AdmissionLimits, FairGate, Slot
+from quicsrv.sessions.admission import (
+    MAX_REFUSAL_KEYS,
+    OTHER_CLIENTS,
+    AdmissionLimits,
+    FairGate,
+    Slot,
+)
 
 pytestmark = pytest.mark.asyncio
 
@@ -203,3 +209,16 @@ async def test_release_is_idempotent():
 async def test_limits_must_be_positive():
     with pytest.raises(ValueError):
         AdmissionLimits(slots=0, max_queued=1, max_active_per_client=1, max_queued_per_client=1)
+
+
+async def test_refusal_counters_stay_bounded_however_many_clients_are_refused():
+    gate = _gate(slots=1, max_queued=0)
+    running = await gate.acquire("a")
+    n = MAX_REFUSAL_KEYS + 10
+    for i in range(n):
+        with pytest.raises(RequestRejected):
+            await gate.acquire(f"conn:{i}")
+    assert len(gate.refusals) == MAX_REFUSAL_KEYS + 1
+    assert gate.refusals[ErrorCode.OVERLOADED, OTHER_CLIENTS] == 10
+    assert gate.refusals_by_code() == {ErrorCode.OVERLOADED: n}
+    running.release()
