@@ -112,6 +112,11 @@ class FairGate:
         """Waiters of both kinds."""
         return sum(len(q) for by_client in self._waiting.values() for q in by_client.values())
 
+    @property
+    def queued_new(self) -> int:
+        """New requests waiting (returning sessions not counted)."""
+        return self._queued_new
+
     def refusals_by_code(self) -> Counter[ErrorCode]:
         """How many requests the gate refused, per error code, all clients together."""
         totals: Counter[ErrorCode] = Counter()

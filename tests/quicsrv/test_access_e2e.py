@@ -28,6 +28,8 @@ from tests.helpers import running_server, session_settings
 pytestmark = [pytest.mark.model, pytest.mark.asyncio]
 
 PROMPT = "Write a long story about a lighthouse keeper."
+_LONG = 1500  # tokens: hog generations outlast every test step (context: 2048 a sequence)
+_NEVER_PAUSE = 4096  # max_tokens_ahead past _LONG: flow control never pauses a generation
 
 
 async def test_a_missing_or_wrong_key_gets_401_and_the_connection_goes_on(engine, certs):
@@ -124,7 +126,12 @@ async def test_a_freed_slot_goes_to_another_clients_first_request_before_the_hog
 ):
     # The hog may take every slot here, so the newcomer has to wait in the queue behind it.
     slots = engine.n_seq_max
-    sessions = session_settings(tmp_path, max_active_per_client=slots, max_queued_per_client=3)
+    sessions = session_settings(
+        tmp_path,
+        max_active_per_client=slots,
+        max_queued_per_client=3,
+        max_tokens_ahead=_NEVER_PAUSE,  # unread streams keep their slots
+    )
     async with running_server(engine, certs, sessions=sessions) as server:
         ca = certs.ca_cert
         gate = server.sessions.gate
@@ -132,7 +139,9 @@ async def test_a_freed_slot_goes_to_another_clients_first_request_before_the_hog
             Client("127.0.0.1", server.port, ca=ca) as hog,
             Client("127.0.0.1", server.port, ca=ca) as newcomer,
         ):
-            running = [hog.generate(PROMPT, max_tokens=400, ignore_eos=True) for _ in range(slots)]
+            running = [
+                hog.generate(PROMPT, max_tokens=_LONG, ignore_eos=True) for _ in range(slots)
+            ]
             for generation in running:
                 assert isinstance(await generation.__anext__(), SessionStarted)
             hog_queued = [
@@ -153,6 +162,49 @@ async def test_a_freed_slot_goes_to_another_clients_first_request_before_the_hog
             for task in hog_queued:
                 task.cancel()
             await asyncio.gather(*hog_queued, return_exceptions=True)
+        await gate.wait_until(lambda: gate.active == 0 and gate.queued == 0)
+
+
+async def test_a_returning_session_goes_before_a_queued_new_request(engine, certs, tmp_path: Path):
+    slots = engine.n_seq_max
+    sessions = session_settings(
+        tmp_path, max_active_per_client=slots, max_tokens_ahead=_NEVER_PAUSE
+    )
+    async with running_server(engine, certs, sessions=sessions) as server:
+        ca = certs.ca_cert
+        gate = server.sessions.gate
+        async with (
+            Client("127.0.0.1", server.port, ca=ca) as hog,
+            Client("127.0.0.1", server.port, ca=ca) as newcomer,
+        ):
+            paused = hog.generate(PROMPT, max_tokens=_LONG, ignore_eos=True)
+            async for event in paused:
+                if isinstance(event, TokenReceived) and event.index == 3:
+                    break
+            await paused.aclose()
+            position = paused.position
+            assert position is not None
+            await gate.wait_until(lambda: gate.active == 0)  # the session paused, slot freed
+            running = [
+                hog.generate(PROMPT, max_tokens=_LONG, ignore_eos=True) for _ in range(slots)
+            ]
+            for generation in running:
+                assert isinstance(await generation.__anext__(), SessionStarted)
+            # A new request from a client running nothing, then the hog's session comes back.
+            fresh = asyncio.create_task(newcomer.generate_text("Hi", max_tokens=4))
+            await gate.wait_until(lambda: gate.queued == 1)
+            resumed = hog.resume_from(position)
+            first = asyncio.create_task(resumed.__anext__())
+            await gate.wait_until(lambda: gate.queued == 2)  # the session waits for a slot
+            await running[0].aclose()  # one slot comes free: the returning session takes it
+            await gate.wait_until(lambda: gate.queued == 1)
+            assert gate.queued_new == 1 and not fresh.done()  # the new request still waits
+            assert gate.active == slots
+            await first
+            await resumed.aclose()
+            for generation in running[1:]:
+                await generation.aclose()
+            assert len((await fresh).token_ids) == 4
         await gate.wait_until(lambda: gate.active == 0 and gate.queued == 0)
 
 
