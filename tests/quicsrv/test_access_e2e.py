@@ -90,7 +90,7 @@ async def test_a_hog_connection_does_not_starve_another_client(engine, certs, tm
 
             async def hog_one() -> None:
                 try:
-                    async for event in hog.generate(PROMPT, max_tokens=400, ignore_eos=True):
+                    async for event in hog.generate(PROMPT, max_tokens=_LONG, ignore_eos=True):
                         if isinstance(event, SessionStarted):
                             await started.put(event.session_id)
                 except ServerError as exc:
@@ -214,7 +214,7 @@ async def test_a_request_that_cannot_start_in_time_gets_deadline_exceeded(
     sessions = session_settings(tmp_path, max_active_per_client=1, max_queue_wait_s=0.2)
     async with running_server(engine, certs, sessions=sessions) as server:
         async with Client("127.0.0.1", server.port, ca=certs.ca_cert) as c:
-            long = c.generate(PROMPT, max_tokens=400, ignore_eos=True)
+            long = c.generate(PROMPT, max_tokens=_LONG, ignore_eos=True)
             async for event in long:
                 if isinstance(event, TokenReceived):
                     break  # it runs and holds this client's only slot
