@@ -12,7 +12,7 @@ import json
 import logging
 from datetime import UTC, datetime
 
-__all__ = ["FIELDS", "JsonFormatter", "configure_logging"]
+__all__ = ["FIELDS", "JsonFormatter", "configure_logging", "log_handler"]
 
 #: The ``extra`` fields a JSON line carries when a log call gives them.
 FIELDS = ("event", "session_id", "stream_id", "peer", "code", "duration_s", "resume_path")
@@ -40,13 +40,17 @@ class JsonFormatter(logging.Formatter):
         return json.dumps(line, default=str)
 
 
-def configure_logging(log_format: str = "plain", level: int = logging.INFO) -> None:
-    """Send the root logger's records to stderr in ``log_format`` ("plain" or "json")."""
+def log_handler(log_format: str = "plain") -> logging.Handler:
+    """A stderr handler writing ``log_format`` ("plain" or "json")."""
     if log_format not in LOG_FORMATS:
         raise ValueError(f"log_format must be one of {', '.join(LOG_FORMATS)}, not {log_format!r}")
     handler = logging.StreamHandler()
-    handler.setFormatter(
-        JsonFormatter() if log_format == "json" else logging.Formatter(PLAIN_FORMAT)
-    )
-    logging.basicConfig(level=level, handlers=[handler], force=True)
+    formatter = JsonFormatter() if log_format == "json" else logging.Formatter(PLAIN_FORMAT)
+    handler.setFormatter(formatter)
+    return handler
+
+
+def configure_logging(log_format: str = "plain", level: int = logging.INFO) -> None:
+    """Send the root logger's records to stderr in ``log_format`` ("plain" or "json")."""
+    logging.basicConfig(level=level, handlers=[log_handler(log_format)], force=True)
     logging.getLogger("quic").setLevel(logging.WARNING)  # aioquic logs every handshake at INFO

@@ -115,7 +115,7 @@ async def test_a_resume_counts_by_its_path_and_traces_its_phases(
     engine, certs, tmp_path: Path, kv_budget, expected_path
 ):
     exporter = InMemorySpanExporter()
-    provider = TracerProvider()
+    provider = TracerProvider(shutdown_on_exit=False)
     provider.add_span_processor(SimpleSpanProcessor(exporter))
     metrics = ServerMetrics(tracer=provider.get_tracer("test"))
     sessions = SessionManager(
