@@ -37,6 +37,9 @@ CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 _LATENCY_BUCKETS_S = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
 _GAP_BUCKETS_S = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.08, 0.16, 0.32, 0.64, 1.28, 2.56)
 _BATCH_BUCKETS = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 64)
+#: Refusal series with a client label of their own; the rest are summed under OTHER_CLIENTS.
+MAX_REFUSAL_SERIES = 100
+OTHER_CLIENTS = "(others)"
 
 
 class TransportFacts:
@@ -286,8 +289,17 @@ class _StateCollector(Collector):
             "New requests refused at admission, by code and client (API key id or connection)",
             labels=["code", "client"],
         )
-        for (code, client), count in sorted(sessions.gate.refusals.items()):
-            refusals.add_metric([code.slug, client], count)
+        # Every connection is a client on an open server: the busiest few get series of their
+        # own, the rest are summed per code, so a scrape's size stays bounded.
+        ranked = sorted(sessions.gate.refusals.items(), key=lambda item: (-item[1], item[0]))
+        others: dict[str, float] = {}
+        for rank, ((code, client), count) in enumerate(ranked):
+            if rank < MAX_REFUSAL_SERIES:
+                refusals.add_metric([code.slug, client], count)
+            else:
+                others[code.slug] = others.get(code.slug, 0) + count
+        for slug, count in sorted(others.items()):
+            refusals.add_metric([slug, OTHER_CLIENTS], count)
         yield refusals
 
     def _engine(self) -> Iterator[Metric]:

@@ -15,7 +15,7 @@ from proto import ErrorCode
 from quicsrv.apikeys import ApiKeys, new_key
 from quicsrv.engine import ResumePath
 from quicsrv.logs import JsonFormatter, log_handler
-from quicsrv.metrics import ServerMetrics
+from quicsrv.metrics import MAX_REFUSAL_SERIES, OTHER_CLIENTS, ServerMetrics
 from quicsrv.tracing import configure_exporter, configured_tracer
 from quicsrv.transport.routes import (
     PlainRoutes,
@@ -104,6 +104,32 @@ def test_refusals_are_exported_per_code_and_client():
     )
     assert values["quicsrv_generations_queued", frozenset()] == 2
     assert values["quicsrv_kv_store_bytes", frozenset({("where", "memory")})] == 10
+
+
+def test_refusal_series_are_bounded_whatever_the_clients():
+    metrics = ServerMetrics()
+    refusals = {(ErrorCode.OVERLOADED, f"conn:{i}"): 1 for i in range(MAX_REFUSAL_SERIES + 50)}
+    refusals[ErrorCode.CLIENT_LIMIT, "conn:hog"] = 9
+    usage = SimpleNamespace(memory_blobs=0, memory_bytes=0, disk_blobs=0, disk_bytes=0)
+    metrics.bind_sessions(
+        SimpleNamespace(  # type: ignore[arg-type]
+            gate=SimpleNamespace(active=0, queued=0, refusals=refusals),
+            live_sessions=list,
+            store=SimpleNamespace(usage=lambda: SimpleNamespace(sessions=0)),
+            kv=SimpleNamespace(usage=lambda: usage),
+        )
+    )
+    series = {k: v for k, v in samples(metrics).items() if k[0] == "quicsrv_refusals_total"}
+    assert len(series) == MAX_REFUSAL_SERIES + 1
+    assert (
+        series[
+            "quicsrv_refusals_total", frozenset({("code", "client_limit"), ("client", "conn:hog")})
+        ]
+        == 9
+    )
+    others = frozenset({("code", "overloaded"), ("client", OTHER_CLIENTS)})
+    assert series["quicsrv_refusals_total", others] == 51
+    assert sum(series.values()) == sum(refusals.values())
 
 
 def _routes(ready: str | None = None, authorized: bool = True) -> PlainRoutes:
