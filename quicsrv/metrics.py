@@ -298,8 +298,8 @@ class _StateCollector(Collector):
                 refusals.add_metric([code.slug, client], count)
             else:
                 others[code.slug] = others.get(code.slug, 0) + count
-        for slug, count in sorted(others.items()):
-            refusals.add_metric([slug, OTHER_CLIENTS], count)
+        for slug, summed in sorted(others.items()):
+            refusals.add_metric([slug, OTHER_CLIENTS], summed)
         yield refusals
 
     def _engine(self) -> Iterator[Metric]:
