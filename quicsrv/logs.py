@@ -12,7 +12,7 @@ import json
 import logging
 from datetime import UTC, datetime
 
-__all__ = ["FIELDS", "JsonFormatter", "configure_logging", "log_handler"]
+__all__ = ["FIELDS", "JsonFormatter", "configure_logging", "current_log_format", "log_handler"]
 
 #: The ``extra`` fields a JSON line carries when a log call gives them.
 FIELDS = ("event", "session_id", "stream_id", "peer", "code", "duration_s", "resume_path")
@@ -30,6 +30,7 @@ class JsonFormatter(logging.Formatter):
             "logger": record.name,
             "event": "log",
             "message": record.getMessage(),
+            "pid": record.process,
         }
         for name in FIELDS:
             value = record.__dict__.get(name)
@@ -38,6 +39,12 @@ class JsonFormatter(logging.Formatter):
         if record.exc_info:
             line["exception"] = self.formatException(record.exc_info)
         return json.dumps(line, default=str)
+
+
+def current_log_format() -> str:
+    """ "json" when the root logger writes JSON lines, else "plain" (for child processes)."""
+    handlers = logging.getLogger().handlers
+    return "json" if any(isinstance(h.formatter, JsonFormatter) for h in handlers) else "plain"
 
 
 def log_handler(log_format: str = "plain") -> logging.Handler:

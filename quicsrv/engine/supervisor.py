@@ -51,6 +51,7 @@ from enum import StrEnum
 from multiprocessing.connection import Connection
 from pathlib import Path
 
+from ..logs import current_log_format
 from ._api import (
     EngineError,
     EngineUnavailable,
@@ -466,6 +467,7 @@ class WorkerEngine(ModelFacts):
             spool_dir=self._spool,
             incarnation=incarnation,
             log_level=logging.getLogger().getEffectiveLevel(),
+            log_format=current_log_format(),
         )
         phase_file = self._spool / f"phase-{incarnation}"
         phase_file.write_bytes(bytes([WorkerPhase.LOADING]))

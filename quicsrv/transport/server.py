@@ -67,6 +67,7 @@ EARLY_DATA_HEADER = b"quicsrv-early-data"
 AUTHORIZATION_HEADER = b"authorization"
 #: The client abandoned the request on purpose (RFC 9114 §8.1): no KV snapshot is worth keeping.
 H3_REQUEST_CANCELLED = 0x10C
+H3_NO_ERROR = 0x100
 
 
 @dataclass(eq=False)
@@ -234,7 +235,8 @@ class _H3ServerProtocol(QuicConnectionProtocol):
         headers = dict(event.headers)
         method, path = headers.get(b":method"), headers.get(b":path")
         if plain_endpoint(path) is not None:  # operators' endpoints: their own access rules
-            self._answer_plain(event.stream_id, self._app.routes.handle(method, path, headers))
+            response = self._app.routes.handle(method, path, headers)
+            self._answer_plain(event.stream_id, response, request_ended=event.stream_ended)
             return
         keys = self._app.api_keys
         key_id = keys.identify(headers.get(AUTHORIZATION_HEADER)) if keys.enabled else None
@@ -403,8 +405,14 @@ class _H3ServerProtocol(QuicConnectionProtocol):
             },
         )
 
-    def _answer_plain(self, stream_id: int, response: PlainResponse) -> None:
+    def _answer_plain(
+        self, stream_id: int, response: PlainResponse, *, request_ended: bool
+    ) -> None:
         assert self._h3 is not None
+        if not request_ended:
+            # The answer needs no body: stop the peer sending one (RFC 9114 §4.1).
+            with contextlib.suppress(Exception):
+                self._quic.stop_stream(stream_id, H3_NO_ERROR)
         headers = [
             (b":status", str(response.status).encode()),
             (b"content-type", response.content_type.encode()),

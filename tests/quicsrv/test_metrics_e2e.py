@@ -214,6 +214,9 @@ async def test_health_readiness_and_metrics_access(engine, certs):
             server.app.accepting = True
         async with raw_connection(server.port, certs.ca_cert) as raw:
             post = await raw.request("POST", "/metrics", b"")
+            # A body nobody reads: the answer comes anyway, the peer is told to stop sending.
+            with_body = await raw.request("POST", "/healthz", b"x" * 5000)
+            after = await raw.request("GET", "/healthz", b"")  # the connection goes on
     assert (health.status, health.text) == (200, "ok\n")
     assert (ready.status, ready.text) == (200, "ready\n")
     assert refused.status == 401
@@ -223,6 +226,8 @@ async def test_health_readiness_and_metrics_access(engine, certs):
     assert draining.status == 503 and "shutting down" in draining.text
     assert still_alive.status == 200
     assert post.status == 405
+    assert with_body.status == 405
+    assert after.status == 200 and bytes(after.body) == b"ok\n"
 
 
 async def test_metrics_public_needs_no_key(engine, certs):
