@@ -3,16 +3,21 @@
 Usage::
 
     import asyncio
-    from client import Client, TokenReceived, GenerationEnded
+    from client import Client, ClientConfig, GenerationEnded, SamplingOptions, TokenReceived
 
     async def main() -> None:
-        async with Client("localhost", 4433, ca="certs/ca.pem") as c:
-            async for event in c.generate("Once upon a time", max_tokens=32):
-                if isinstance(event, TokenReceived):
-                    print(event.text, end="", flush=True)
-                elif isinstance(event, GenerationEnded):
-                    print(f"\\n[{event.reason}]")
-            result = await c.generate_text(messages=[{"role": "user", "content": "Hi"}])
+        config = ClientConfig(ca="certs/ca.pem")
+        async with Client("localhost", 4433, config=config) as c:
+            async with c.stream("Once upon a time", max_tokens=32) as generation:
+                async for event in generation:
+                    if isinstance(event, TokenReceived):
+                        print(event.text, end="", flush=True)
+                    elif isinstance(event, GenerationEnded):
+                        print(f"\\n[{event.reason}]")
+            creative = SamplingOptions(temperature=0.8, seed=7, max_tokens=64)
+            result = await c.generate_text(
+                messages=[{"role": "user", "content": "Hi"}], sampling=creative
+            )
             print(result.text)
 
     asyncio.run(main())
@@ -20,10 +25,10 @@ Usage::
 Errors (see :mod:`client._errors`): :class:`ServerError` for ERROR frames,
 :class:`ProtocolError` for malformed server bytes, :class:`TransportError`
 (:class:`ConnectTimeout`, :class:`NetworkError`) for connection trouble; all are
-:class:`ClientError`. Breaking out of ``generate`` cancels the request on the server.
+:class:`ClientError`. Leaving a ``stream`` block early cancels the request on the server.
 """
 
-from ._client import DEFAULT_CA, H3_REQUEST_CANCELLED, Client, ClientStats, MessageLike
+from ._client import H3_REQUEST_CANCELLED, Client, MessageLike, PlainResponse
 from ._errors import (
     ClientError,
     ConnectTimeout,
@@ -43,7 +48,10 @@ from ._events import (
     SessionStarted,
     TokenReceived,
 )
-from ._generation import Generation, ReconnectPolicy, collect
+from ._generation import Generation, collect
+from ._options import DEFAULT_CA, ClientConfig, SamplingOptions
+from ._reconnect import ReconnectPolicy
+from ._stats import ClientStats
 from ._tickets import TicketCache, default_ticket_cache_path
 
 __all__ = [
@@ -51,6 +59,7 @@ __all__ = [
     "H3_REQUEST_CANCELLED",
     "CheckpointReceived",
     "Client",
+    "ClientConfig",
     "ClientError",
     "ClientStats",
     "ConnectTimeout",
@@ -60,10 +69,12 @@ __all__ = [
     "Generation",
     "MessageLike",
     "NetworkError",
+    "PlainResponse",
     "ProtocolError",
     "Reconnected",
     "ReconnectPolicy",
     "ResumePosition",
+    "SamplingOptions",
     "ServerError",
     "StallTimeout",
     "SessionStarted",

@@ -10,24 +10,31 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import os
 import ssl
 import warnings
-from collections.abc import AsyncIterator, Iterable, Mapping, Sequence
+from collections.abc import AsyncIterator, Callable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from types import TracebackType
-from typing import Any
+from typing import Any, Unpack
 
 from aioquic.asyncio.client import connect
 from aioquic.h3.connection import H3_ALPN
+from aioquic.h3.events import DataReceived, HeadersReceived
 from aioquic.quic.configuration import QuicConfiguration
 from aioquic.tls import SessionTicket
 from cryptography.x509 import load_pem_x509_certificates
 
 import proto
 
-from ._errors import ConnectTimeout, NetworkError, ProtocolError, ServerError, TransportError
+from ._errors import (
+    ConnectTimeout,
+    NetworkError,
+    ProtocolError,
+    ServerError,
+    TransportError,
+    map_exceptions,
+)
 from ._events import (
     CheckpointReceived,
     Event,
@@ -35,47 +42,57 @@ from ._events import (
     GenerationResult,
     ResumePosition,
 )
-from ._generation import (
-    RESUME_PATH,
-    SESSION_HEADER,
-    Generation,
-    ReconnectPolicy,
-    collect,
-    read_response,
+from ._generation import RESUME_PATH, SESSION_HEADER, Generation, collect, read_response
+from ._options import (
+    API_KEY_ENV,
+    DEFAULT_CA,
+    DEFAULT_READ_WINDOW_BYTES,
+    DEFAULT_STALL_TIMEOUT_S,
+    ClientConfig,
+    ClientSettings,
+    SamplingOptions,
+    SamplingSettings,
 )
-from ._protocol import DEFAULT_ACK_DELAY_S, H3_REQUEST_CANCELLED, H3Protocol
+from ._protocol import H3_REQUEST_CANCELLED, H3Protocol
+from ._reconnect import ReconnectPolicy
+from ._stats import ClientStats
 from ._tickets import TicketCache, ticket_cache_key
 
 __all__ = [
+    "API_KEY_ENV",
     "DEFAULT_CA",
+    "DEFAULT_READ_WINDOW_BYTES",
+    "DEFAULT_STALL_TIMEOUT_S",
     "GENERATE_PATH",
     "H3_REQUEST_CANCELLED",
     "Client",
     "ClientStats",
     "MessageLike",
+    "PlainResponse",
 ]
 
-DEFAULT_CA = "certs/ca.pem"
 GENERATE_PATH = "/v1/generate"
 CONTENT_TYPE = "application/vnd.quicsrv.frames"
-#: Stream receive window: how far the server may run ahead of what the application has read.
-DEFAULT_READ_WINDOW_BYTES = 16 * 1024
-#: Silence after a token (while the caller waits) that counts as a stalled stream: far above
-#: the gaps a busy server makes (a long prompt's prefill chunks, a replayed resume).
-DEFAULT_STALL_TIMEOUT_S = 30.0
-API_KEY_ENV = "QUICSRV_API_KEY"
 
 MessageLike = proto.ChatMessage | Mapping[str, str]
+#: The largest plain response body :meth:`Client.get` accepts (a /metrics page is a few KiB).
+MAX_PLAIN_BODY_BYTES = 16 << 20
 
 
-@dataclass
-class ClientStats:
-    """What happened on this client's connections (also shown by the CLI's ``--json``)."""
+@dataclass(frozen=True, slots=True)
+class PlainResponse:
+    """The answer to a plain ``GET`` (:meth:`Client.get`)."""
 
-    connections: int = 0
-    reconnects: int = 0
-    tickets_offered: int = 0
-    early_data_accepted: int = 0
+    status: int
+    """The HTTP status."""
+    headers: dict[str, str]
+    """Response headers, names in lower case (pseudo-headers left out)."""
+    body: bytes
+    """The whole body."""
+
+    @property
+    def text(self) -> str:
+        return self.body.decode("utf-8", errors="replace")
 
 
 class _MemoryTickets:
@@ -103,9 +120,11 @@ def _to_message(message: MessageLike) -> proto.ChatMessage:
 class Client:
     """An HTTP/3 connection to a quicsrv server.
 
-    Use it as an async context manager; each :meth:`generate` call opens its own request
-    stream, so several generations can share one connection concurrently. With ``reconnect``
-    set, a generation whose connection is lost reconnects and resumes inside its ``async for``.
+    Use it as an async context manager; each :meth:`stream` call opens its own request
+    stream, so several generations can share one connection concurrently. With a
+    ``reconnect`` policy, a generation whose connection is lost reconnects and resumes inside
+    its ``async for``. Settings come as a :class:`ClientConfig` (``config=``), as keywords
+    (``api_key=...``, overriding the config's), or both.
     """
 
     def __init__(
@@ -113,33 +132,19 @@ class Client:
         host: str = "localhost",
         port: int = 4433,
         *,
-        ca: str | Path | None = None,
-        insecure_skip_verify: bool = False,
-        connect_timeout_s: float = 10.0,
-        read_window_bytes: int = DEFAULT_READ_WINDOW_BYTES,
-        ack_delay_s: float = DEFAULT_ACK_DELAY_S,
-        idle_timeout_s: float = 30.0,
+        config: ClientConfig | None = None,
         ticket_cache: TicketCache | str | Path | None = None,
-        reconnect: ReconnectPolicy | None = None,
-        api_key: str | None = None,
-        stall_timeout_s: float | None = DEFAULT_STALL_TIMEOUT_S,
+        **settings: Unpack[ClientSettings],
     ) -> None:
         self.host = host
         self.port = port
-        self.ca = Path(ca if ca is not None else DEFAULT_CA)
-        self.insecure_skip_verify = insecure_skip_verify
-        self.connect_timeout_s = connect_timeout_s
-        self.read_window_bytes = read_window_bytes
-        self.ack_delay_s = ack_delay_s
-        """Longest wait before acknowledging received packets (at most 25 ms)."""
-        self.idle_timeout_s = idle_timeout_s
-        """A connection with nothing received for this long is dead (keepalives while busy)."""
-        self.reconnect_policy = reconnect
-        self.api_key = api_key if api_key is not None else os.environ.get(API_KEY_ENV) or None
-        """Sent as ``authorization: Bearer``; default: the QUICSRV_API_KEY variable."""
-        self.stall_timeout_s = stall_timeout_s
-        """A stream silent this long after a token, on a live connection, is treated as lost
-        (auto-resume, else StallTimeout); None: wait forever."""
+        # None for these means "the default" (the default CA, $QUICSRV_API_KEY), as it always has.
+        if "ca" in settings and settings["ca"] is None:
+            del settings["ca"]
+        if "api_key" in settings and settings["api_key"] is None:
+            del settings["api_key"]
+        base = config if config is not None else ClientConfig()
+        self.config = base.replace(**settings) if settings else base
         self.stats = ClientStats()
         self._tickets: TicketCache | _MemoryTickets = (
             _MemoryTickets()
@@ -154,6 +159,19 @@ class Client:
         self._keepalive: asyncio.Task[None] | None = None
         self._reconnecting = asyncio.Lock()
 
+    # The config's fields, read where a generation or a test needs them.
+    @property
+    def api_key(self) -> str | None:
+        return self.config.api_key
+
+    @property
+    def reconnect_policy(self) -> ReconnectPolicy | None:
+        return self.config.reconnect
+
+    @property
+    def stall_timeout_s(self) -> float | None:
+        return self.config.stall_timeout_s
+
     @property
     def authority(self) -> str:
         host = f"[{self.host}]" if ":" in self.host else self.host
@@ -166,25 +184,26 @@ class Client:
         return None if handshake is None else handshake.early_data_accepted
 
     def _configuration(self) -> QuicConfiguration:
+        settings = self.config
         config = QuicConfiguration(
             is_client=True,
             alpn_protocols=list(H3_ALPN),
-            max_stream_data=self.read_window_bytes,
-            idle_timeout=self.idle_timeout_s,
+            max_stream_data=settings.read_window_bytes,
+            idle_timeout=settings.idle_timeout_s,
         )
-        if self.insecure_skip_verify:
+        if settings.insecure_skip_verify:
             config.verify_mode = ssl.CERT_NONE
         else:
             # Read and parse the CA here: aioquic only opens the file mid-handshake, where a
             # missing file surfaces as a stalled connection instead of a clear error.
             try:
-                cadata = self.ca.read_bytes()
+                cadata = settings.ca.read_bytes()
                 with warnings.catch_warnings():
                     warnings.simplefilter("ignore")
                     if not load_pem_x509_certificates(cadata):
                         raise ValueError("no certificate found")
             except (OSError, ValueError) as exc:
-                raise TransportError(f"cannot load CA certificate {self.ca}: {exc}") from exc
+                raise TransportError(f"cannot load CA certificate {settings.ca}: {exc}") from exc
             config.load_verify_locations(cadata=cadata)
         return config
 
@@ -209,8 +228,8 @@ class Client:
         def create_protocol(*args: Any, **kwargs: Any) -> H3Protocol:
             protocol = H3Protocol(
                 *args,
-                read_window_bytes=self.read_window_bytes,
-                ack_delay_s=self.ack_delay_s,
+                read_window_bytes=self.config.read_window_bytes,
+                ack_delay_s=self.config.ack_delay_s,
                 **kwargs,
             )
             created.append(protocol)
@@ -219,31 +238,29 @@ class Client:
         def store_ticket(new_ticket: SessionTicket) -> None:
             self._tickets.put(key, new_ticket)
 
+        def connection_failed(exc: Exception) -> NetworkError:
+            # aioquic raises a bare ConnectionError; the close frame it got says why.
+            detail = created[0].terminated if created and created[0].terminated else exc
+            return NetworkError(f"cannot connect to {self.authority}: {detail}")
+
         try:
-            protocol = await asyncio.wait_for(
-                stack.enter_async_context(
-                    connect(
-                        self.host,
-                        self.port,
-                        configuration=config,
-                        create_protocol=create_protocol,
-                        session_ticket_handler=store_ticket,
-                        wait_connected=not early,
-                    )
-                ),
-                timeout=self.connect_timeout_s,
-            )
-        except TimeoutError:
+            with self._map_connect_errors(connection_failed):
+                protocol = await asyncio.wait_for(
+                    stack.enter_async_context(
+                        connect(
+                            self.host,
+                            self.port,
+                            configuration=config,
+                            create_protocol=create_protocol,
+                            session_ticket_handler=store_ticket,
+                            wait_connected=not early,
+                        )
+                    ),
+                    timeout=self.config.connect_timeout_s,
+                )
+        except BaseException:
             await stack.aclose()
-            raise ConnectTimeout(
-                f"no QUIC handshake with {self.authority} within {self.connect_timeout_s}s"
-            ) from None
-        except (OSError, ConnectionError) as exc:
-            await stack.aclose()
-            detail = str(exc)
-            if created and created[0].terminated is not None:
-                detail = str(created[0].terminated)
-            raise NetworkError(f"cannot connect to {self.authority}: {detail}") from exc
+            raise
         assert isinstance(protocol, H3Protocol)
         self._stack = stack
         self._protocol = protocol
@@ -259,19 +276,28 @@ class Client:
     async def _watch_handshake(self, protocol: H3Protocol) -> None:
         """With 0-RTT nobody awaited the handshake: fail the connection if it never comes."""
         try:
-            await asyncio.wait_for(protocol.wait_connected(), self.connect_timeout_s)
-        except TimeoutError:
-            protocol.fail(
-                ConnectTimeout(
-                    f"no QUIC handshake with {self.authority} within {self.connect_timeout_s}s"
-                )
-            )
-            return
-        except ConnectionError as exc:
-            protocol.fail(NetworkError(f"cannot connect to {self.authority}: {exc}"))
+            with self._map_connect_errors(
+                lambda exc: NetworkError(f"cannot connect to {self.authority}: {exc}")
+            ):
+                await asyncio.wait_for(protocol.wait_connected(), self.config.connect_timeout_s)
+        except TransportError as exc:
+            protocol.fail(exc)
             return
         if protocol.handshake is not None and protocol.handshake.early_data_accepted:
             self.stats.early_data_accepted += 1
+
+    def _map_connect_errors(
+        self, connection_failed: Callable[[Exception], NetworkError]
+    ) -> contextlib.AbstractContextManager[None]:
+        timeout_s = self.config.connect_timeout_s
+        return map_exceptions(
+            {
+                TimeoutError: lambda _: ConnectTimeout(
+                    f"no QUIC handshake with {self.authority} within {timeout_s}s"
+                ),
+                OSError: connection_failed,  # ConnectionError included
+            }
+        )
 
     async def _wait_handshake(self) -> None:
         if self._handshake is not None:
@@ -288,21 +314,21 @@ class Client:
         # Three PINGs per idle timeout while streams are open: a live server's ACKs keep the
         # connection up through long pauses, and a dead one is noticed after idle_timeout_s.
         while self._protocol is not None and self._protocol.streams:
-            await asyncio.sleep(self.idle_timeout_s / 3)  # a period, not a synchronisation
+            await asyncio.sleep(self.config.idle_timeout_s / 3)  # a period, not a synchronisation
             if self._protocol is not None:
                 self._protocol.send_keepalive()
 
-    async def _reconnect(self) -> bool:
+    async def reconnect(self) -> bool:
         """Replace a lost connection (once, however many generations ask); True if 0-RTT."""
         async with self._reconnecting:
             protocol = self._protocol
             if protocol is not None and protocol.terminated is None:
                 return self._handshake is not None  # another generation reconnected already
-            await self.close()
+            await self.aclose()
             await self.connect()
             return self._handshake is not None
 
-    async def close(self) -> None:
+    async def aclose(self) -> None:
         """Close the connection gracefully (done on leaving ``async with``)."""
         stack, self._stack, self._protocol = self._stack, None, None
         for task in (self._handshake, self._keepalive):
@@ -324,55 +350,49 @@ class Client:
         exc: BaseException | None,
         tb: TracebackType | None,
     ) -> None:
-        await self.close()
+        await self.aclose()
+
+    close = aclose  # the name earlier releases used
 
     def _require_protocol(self) -> H3Protocol:
         if self._protocol is None:
             raise RuntimeError("Client is not connected; use `async with Client(...)`")
         return self._protocol
 
-    def generate(
+    def stream(
         self,
         prompt: str | None = None,
         *,
         messages: Sequence[MessageLike] | None = None,
-        max_tokens: int = 128,
-        temperature: float = 0.0,
-        top_p: float = 1.0,
-        top_k: int = 0,
-        min_p: float = 0.0,
-        repeat_penalty: float = 1.0,
-        seed: int | None = None,
-        stop: Iterable[str] = (),
-        ignore_eos: bool = False,
+        sampling: SamplingOptions | None = None,
         deadline_ms: int | None = None,
+        **options: Unpack[SamplingSettings],
     ) -> Generation:
-        """Stream one generation's events; the last one is :class:`GenerationEnded`.
+        """One generation's events; the last one is :class:`GenerationEnded`.
 
-        Raises :class:`ServerError` on an ERROR frame, :class:`ProtocolError` on malformed
-        bytes, and :class:`NetworkError` if the stream ends without END. Leaving the loop
-        early cancels the request on the server (RESET_STREAM + STOP_SENDING). Whatever
+        Use it as ``async with client.stream(prompt) as generation: async for event in
+        generation`` (leaving the block early cancels the request on the server with
+        RESET_STREAM + STOP_SENDING), or iterate it directly. Sampling comes as a
+        :class:`SamplingOptions` (``sampling=``), as keywords (``max_tokens=32``, overriding
+        it), or both. Raises :class:`ServerError` on an ERROR frame, :class:`ProtocolError` on
+        malformed bytes, and :class:`NetworkError` if the stream ends without END; whatever
         happens, :attr:`Generation.position` says where :meth:`resume_from` can continue.
         ``deadline_ms``: the server gives up (``deadline_exceeded``) unless generation starts
         within that long.
         """
         if (prompt is None) == (messages is None):
             raise ValueError("pass exactly one of prompt and messages")
-        frame = proto.Generate(
+        chosen = sampling if sampling is not None else SamplingOptions()
+        if options:
+            chosen = chosen.replace(**options)
+        frame = chosen.to_frame(
             prompt=prompt,
             messages=None if messages is None else tuple(_to_message(m) for m in messages),
-            max_tokens=max_tokens,
-            temperature=temperature,
-            top_p=top_p,
-            top_k=top_k,
-            min_p=min_p,
-            repeat_penalty=repeat_penalty,
-            seed=seed,
-            stop=tuple(stop),
-            ignore_eos=ignore_eos,
             deadline_ms=deadline_ms,
         )
         return Generation(self, GENERATE_PATH, frame, session_id=None, last_index=-1)
+
+    generate = stream  # ``async for event in client.generate(...)`` reads well without a block
 
     def resume(
         self,
@@ -398,11 +418,16 @@ class Client:
             snapshot_hash=snapshot_hash,
             hash_index=None if checkpoint_index == last_index else checkpoint_index,
         )
-        generation = Generation(self, RESUME_PATH, frame, session_id=session, last_index=last_index)
-        generation._checkpoint = CheckpointReceived(
-            index=frame.checkpoint_index, snapshot_hash=snapshot_hash
+        return Generation(
+            self,
+            RESUME_PATH,
+            frame,
+            session_id=session,
+            last_index=last_index,
+            checkpoint=CheckpointReceived(
+                index=frame.checkpoint_index, snapshot_hash=snapshot_hash
+            ),
         )
-        return generation
 
     def resume_from(self, position: ResumePosition) -> Generation:
         """Continue where an interrupted :class:`Generation` stopped (its ``position``)."""
@@ -418,39 +443,84 @@ class Client:
         prompt: str | None = None,
         *,
         messages: Sequence[MessageLike] | None = None,
-        max_tokens: int = 128,
-        temperature: float = 0.0,
-        top_p: float = 1.0,
-        top_k: int = 0,
-        min_p: float = 0.0,
-        repeat_penalty: float = 1.0,
-        seed: int | None = None,
-        stop: Iterable[str] = (),
-        ignore_eos: bool = False,
+        sampling: SamplingOptions | None = None,
         deadline_ms: int | None = None,
+        **options: Unpack[SamplingSettings],
     ) -> GenerationResult:
-        """Run a whole generation and return its text, token ids and END."""
+        """Run a whole generation (as :meth:`stream`) and return its text, token ids and END."""
         return await collect(
-            self.generate(
-                prompt,
-                messages=messages,
-                max_tokens=max_tokens,
-                temperature=temperature,
-                top_p=top_p,
-                top_k=top_k,
-                min_p=min_p,
-                repeat_penalty=repeat_penalty,
-                seed=seed,
-                stop=stop,
-                ignore_eos=ignore_eos,
-                deadline_ms=deadline_ms,
+            self.stream(
+                prompt, messages=messages, sampling=sampling, deadline_ms=deadline_ms, **options
             )
         )
 
-    async def _request(
+    async def get(
+        self,
+        path: str,
+        *,
+        timeout_s: float = 30.0,
+        max_body_bytes: int = MAX_PLAIN_BODY_BYTES,
+    ) -> PlainResponse:
+        """A plain ``GET path`` on this connection (``/metrics``, ``/healthz``, ``/readyz``),
+        with the client's API key. Any status is returned, not raised; NetworkError when no
+        complete answer comes within ``timeout_s``, ProtocolError for a body over
+        ``max_body_bytes``."""
+        await self._wait_handshake()
+        protocol = self._require_protocol()
+        stream_id, queue = protocol.open_stream()
+        headers = [
+            (b":method", b"GET"),
+            (b":scheme", b"https"),
+            (b":authority", self.authority.encode()),
+            (b":path", path.encode()),
+        ]
+        if self.config.api_key:
+            headers.append((b"authorization", f"Bearer {self.config.api_key}".encode()))
+        status, response_headers, body = 0, {}, bytearray()
+        complete = False
+        timed_out = {
+            TimeoutError: lambda _: NetworkError(
+                f"GET {path}: no complete answer within {timeout_s}s"
+            ),
+            ValueError: lambda exc: ProtocolError(  # a :status that is not a number
+                f"GET {path}: {exc}", proto.ErrorCode.MALFORMED_PAYLOAD
+            ),
+        }
+        try:
+            with map_exceptions(timed_out):
+                protocol.h3.send_headers(stream_id, headers, end_stream=True)
+                protocol.transmit()
+                async with asyncio.timeout(timeout_s):
+                    while not complete:
+                        item = await queue.get()
+                        if isinstance(item, Exception):
+                            raise item
+                        event, offset = item
+                        if isinstance(event, HeadersReceived):
+                            for name, value in event.headers:
+                                if name == b":status":
+                                    status = int(value)
+                                elif not name.startswith(b":"):
+                                    response_headers[name.decode().lower()] = value.decode()
+                        elif isinstance(event, DataReceived):
+                            body += event.data
+                            if len(body) > max_body_bytes:
+                                raise ProtocolError(
+                                    f"GET {path}: the body exceeds {max_body_bytes} bytes",
+                                    proto.ErrorCode.FRAME_TOO_LARGE,
+                                )
+                            protocol.mark_consumed(stream_id, offset)
+                        complete = bool(getattr(event, "stream_ended", False))
+        finally:
+            protocol.close_stream(stream_id)
+            if not complete:
+                protocol.cancel_stream(stream_id)
+        return PlainResponse(status=status, headers=response_headers, body=bytes(body))
+
+    async def open_request(
         self, path: str, frame: proto.Frame, session_id: str | None
     ) -> AsyncIterator[Event]:
-        """One request stream's events (the machinery under :class:`Generation`)."""
+        """One request stream's events, up to END (the machinery under :class:`Generation`)."""
         if path == GENERATE_PATH:
             # GENERATE is never sent as 0-RTT data: the server would refuse it (too_early).
             try:
@@ -458,9 +528,9 @@ class Client:
             except TransportError:
                 # The connection failed before this request sent anything (e.g. a 0-RTT
                 # reconnect to a server still starting): with auto-resume on, a new one is fine.
-                if self.reconnect_policy is None:
+                if self.config.reconnect is None:
                     raise
-                await self._reconnect()
+                await self.reconnect()
                 await self._wait_handshake()
         protocol = self._require_protocol()
         stream_id, queue = protocol.open_stream()
@@ -474,8 +544,8 @@ class Client:
         ]
         if session_id is not None:
             headers.append((SESSION_HEADER.encode(), session_id.encode()))
-        if self.api_key:
-            headers.append((b"authorization", f"Bearer {self.api_key}".encode()))
+        if self.config.api_key:
+            headers.append((b"authorization", f"Bearer {self.config.api_key}".encode()))
         try:
             protocol.h3.send_headers(stream_id, headers)
             protocol.h3.send_data(stream_id, proto.encode_frame(frame), end_stream=True)

@@ -13,6 +13,9 @@ Every exception the client raises on purpose is a :class:`ClientError`::
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Callable, Iterator, Mapping
+
 import proto
 
 __all__ = [
@@ -23,6 +26,7 @@ __all__ = [
     "ServerError",
     "StallTimeout",
     "TransportError",
+    "map_exceptions",
 ]
 
 
@@ -95,3 +99,27 @@ def _slug(code: int) -> str:
         return proto.ErrorCode(code).slug
     except ValueError:
         return f"code_{code}"
+
+
+ErrorFactory = Callable[[Exception], ClientError]
+
+
+@contextlib.contextmanager
+def map_exceptions(mapping: Mapping[type[Exception], ErrorFactory] | None = None) -> Iterator[None]:
+    """The one place where what aioquic, the codec and the OS raise becomes a client error.
+
+    A codec error always becomes :class:`ProtocolError`; ``mapping`` turns other exception
+    types (matched in order, subclasses included) into the :class:`ClientError` its factory
+    builds, chained to the original. Client errors, cancellation and unlisted types pass.
+    """
+    try:
+        yield
+    except ClientError:
+        raise
+    except proto.ProtocolError as exc:
+        raise ProtocolError.from_proto(exc) from None
+    except Exception as exc:
+        for source, make in (mapping or {}).items():
+            if isinstance(exc, source):
+                raise make(exc) from exc
+        raise

@@ -10,17 +10,23 @@ send RESUME_STREAM from the position, emit :class:`Reconnected`, and go on.
 from __future__ import annotations
 
 import asyncio
-import random
 from collections import deque
 from collections.abc import AsyncGenerator, AsyncIterator
-from dataclasses import dataclass
-from typing import TYPE_CHECKING, cast
+from types import TracebackType
+from typing import Protocol, cast
 
 from aioquic.h3.events import DataReceived, HeadersReceived
 
 import proto
 
-from ._errors import NetworkError, ProtocolError, ServerError, StallTimeout, TransportError
+from ._errors import (
+    NetworkError,
+    ProtocolError,
+    ServerError,
+    StallTimeout,
+    TransportError,
+    map_exceptions,
+)
 from ._events import (
     CheckpointReceived,
     Event,
@@ -32,9 +38,8 @@ from ._events import (
     TokenReceived,
 )
 from ._protocol import H3Protocol, StreamItem
-
-if TYPE_CHECKING:
-    from ._client import Client
+from ._reconnect import ReconnectPolicy
+from ._stats import ClientStats
 
 __all__ = [
     "EARLY_DATA_HEADER",
@@ -42,7 +47,7 @@ __all__ = [
     "RESUME_PATH_HEADER",
     "SESSION_HEADER",
     "Generation",
-    "ReconnectPolicy",
+    "RequestSender",
     "collect",
     "read_response",
 ]
@@ -53,38 +58,47 @@ RESUME_PATH_HEADER = "quicsrv-resume-path"
 EARLY_DATA_HEADER = "quicsrv-early-data"
 
 
-@dataclass(frozen=True, slots=True, kw_only=True)
-class ReconnectPolicy:
-    """How a :class:`Generation` reconnects and resumes by itself after a connection loss."""
+class RequestSender(Protocol):
+    """What a :class:`Generation` needs from its client (a :class:`~client.Client`)."""
 
-    max_attempts: int = 8
-    """Consecutive reconnect attempts without a new token before giving up."""
-    initial_delay_s: float = 0.05
-    max_delay_s: float = 5.0
-    """Backoff doubles from ``initial_delay_s`` up to this, each delay jittered down to half."""
+    @property
+    def reconnect_policy(self) -> ReconnectPolicy | None: ...
 
-    def delay_s(self, attempt: int) -> float:
-        """The pause before reconnect attempt ``attempt`` (1-based): backoff with jitter."""
-        ceiling = min(self.max_delay_s, self.initial_delay_s * 2 ** (attempt - 1))
-        return float(ceiling * random.uniform(0.5, 1.0))
+    @property
+    def stall_timeout_s(self) -> float | None: ...
+
+    @property
+    def stats(self) -> ClientStats: ...
+
+    def open_request(
+        self, path: str, frame: proto.Frame, session_id: str | None
+    ) -> AsyncIterator[Event]:
+        """One request stream's events, up to and including END."""
+        ...
+
+    async def reconnect(self) -> bool:
+        """Replace a lost connection; True when the new one sends 0-RTT data."""
+        ...
 
 
 class Generation:
     """One generation's events, in order, plus where to resume it after any failure.
 
-    Iterate it with ``async for``. Every TOKEN must carry the next index (each token exactly
+    Iterate it with ``async for``, inside ``async with`` to be sure it is closed (leaving early
+    cancels the request on the server). Every TOKEN must carry the next index (each token exactly
     once, in order), or :class:`ProtocolError` is raised. :attr:`position` is the latest
     checkpoint the client holds together with the last token index it received.
     """
 
     def __init__(
         self,
-        client: Client,
+        client: RequestSender,
         path: str,
         frame: proto.Frame,
         *,
         session_id: str | None,
         last_index: int,
+        checkpoint: CheckpointReceived | None = None,
     ) -> None:
         self.session_id = session_id
         self.last_index = last_index
@@ -92,7 +106,7 @@ class Generation:
         """For a resume: how the server rebuilt the decoder state (kv-restore, replay...)."""
         self.reconnects = 0
         self._client = client
-        self._checkpoint: CheckpointReceived | None = None
+        self._checkpoint = checkpoint
         self._ended = False
         self._failures = 0  # reconnect attempts since the last token
         self._streaming = False  # a token arrived: from now on, silence is a stall
@@ -101,7 +115,7 @@ class Generation:
 
     def _open(self, path: str, frame: proto.Frame) -> AsyncGenerator[Event, None]:
         return cast(
-            AsyncGenerator[Event, None], self._client._request(path, frame, self.session_id)
+            AsyncGenerator[Event, None], self._client.open_request(path, frame, self.session_id)
         )
 
     @property
@@ -133,8 +147,9 @@ class Generation:
         """The stream's next event; StallTimeout after ``stall_timeout_s`` of silence.
 
         The clock runs only while the caller waits for an event: a caller that stops reading
-        pauses the generation by design, and that is no stall. Before the first token the
-        server may be queueing or prefilling, which the request's deadline bounds instead.
+        pauses the generation by design, and that is no stall. Before the first token (of
+        the request, or of the stream that resumed it) the server may be queueing, prefilling
+        or rebuilding the session, which the request's deadline bounds instead.
         """
         stall_s = self._client.stall_timeout_s
         if stall_s is None or not self._streaming or self._ended:
@@ -187,7 +202,7 @@ class Generation:
             delay = policy.delay_s(self._failures)
             await asyncio.sleep(delay)
             try:
-                early = await self._client._reconnect()
+                early = await self._client.reconnect()
             except TransportError as exc:
                 last = exc
                 continue
@@ -200,6 +215,9 @@ class Generation:
                 hash_index=position.checkpoint_index,
             )
             self._events = self._open(RESUME_PATH, frame)
+            # The resumed stream may wait for a slot and rebuild its KV cells first: like a
+            # new request before its first token, that is no stall.
+            self._streaming = False
             self._pending.append(
                 Reconnected(
                     attempt=self._failures,
@@ -215,8 +233,19 @@ class Generation:
         ) from last
 
     async def aclose(self) -> None:
-        """Abandon the generation (the server stops it within a token)."""
+        """Abandon the generation (the server stops it within a token); after END, nothing."""
         await self._events.aclose()
+
+    async def __aenter__(self) -> Generation:
+        return self
+
+    async def __aexit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        await self.aclose()
 
 
 async def collect(events: Generation) -> GenerationResult:
@@ -264,10 +293,8 @@ async def read_response(
                 raise ProtocolError(
                     "DATA before response headers", proto.ErrorCode.UNEXPECTED_FRAME
                 )
-            try:
+            with map_exceptions():
                 frames = decoder.feed(h3_event.data)
-            except proto.ProtocolError as exc:
-                raise ProtocolError.from_proto(exc) from None
         else:  # pragma: no cover - only those two are routed here
             continue
         for frame in frames:
@@ -302,10 +329,8 @@ async def read_response(
                     proto.ErrorCode.UNEXPECTED_FRAME,
                 )
         if h3_event.stream_ended:
-            try:
+            with map_exceptions():
                 decoder.end_of_stream()
-            except proto.ProtocolError as exc:
-                raise ProtocolError.from_proto(exc) from None
             if status is not None and status != 200:
                 raise ServerError(0, f"HTTP {status} without an ERROR frame", http_status=status)
             raise NetworkError("stream ended before the END frame")

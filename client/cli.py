@@ -19,7 +19,7 @@ from typing import TextIO
 
 import proto
 
-from ._client import DEFAULT_CA, DEFAULT_STALL_TIMEOUT_S, Client
+from ._client import Client
 from ._errors import ClientError, ProtocolError, ServerError, TransportError
 from ._events import (
     CheckpointReceived,
@@ -29,7 +29,9 @@ from ._events import (
     SessionStarted,
     TokenReceived,
 )
-from ._generation import Generation, ReconnectPolicy
+from ._generation import Generation
+from ._options import DEFAULT_CA, DEFAULT_STALL_TIMEOUT_S, ClientConfig, SamplingOptions
+from ._reconnect import ReconnectPolicy
 from ._tickets import default_ticket_cache_path
 
 __all__ = ["build_parser", "main", "render_error_json", "render_event_json"]
@@ -194,18 +196,22 @@ def build_parser() -> argparse.ArgumentParser:
 
 def _client(args: argparse.Namespace) -> Client:
     cache = args.ticket_cache
-    return Client(
-        args.host,
-        args.port,
+    config = ClientConfig(
         ca=args.ca,
         insecure_skip_verify=args.insecure_skip_verify,
         connect_timeout_s=args.connect_timeout,
-        ticket_cache=default_ticket_cache_path() if cache is None else (cache or None),
         reconnect=ReconnectPolicy(max_attempts=args.reconnect_attempts)
         if args.auto_resume
         else None,
-        api_key=args.api_key,
         stall_timeout_s=args.stall_timeout or None,
+    )
+    if args.api_key is not None:  # else the config's default: $QUICSRV_API_KEY
+        config = config.replace(api_key=args.api_key)
+    return Client(
+        args.host,
+        args.port,
+        config=config,
+        ticket_cache=default_ticket_cache_path() if cache is None else (cache or None),
     )
 
 
@@ -229,9 +235,7 @@ def _open(args: argparse.Namespace, client: Client) -> Generation:
             messages.append(proto.ChatMessage(role="system", content=args.system))
         messages.append(proto.ChatMessage(role="user", content=args.prompt))
         prompt = None
-    return client.generate(
-        prompt,
-        messages=messages,
+    sampling = SamplingOptions(
         max_tokens=args.max_tokens,
         temperature=args.temperature,
         top_p=args.top_p,
@@ -241,8 +245,8 @@ def _open(args: argparse.Namespace, client: Client) -> Generation:
         seed=args.seed,
         stop=tuple(args.stop),
         ignore_eos=args.ignore_eos,
-        deadline_ms=args.deadline_ms,
     )
+    return client.stream(prompt, messages=messages, sampling=sampling, deadline_ms=args.deadline_ms)
 
 
 async def _stream(args: argparse.Namespace, out: TextIO, err: TextIO) -> int:

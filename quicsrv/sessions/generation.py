@@ -21,9 +21,6 @@ class RequestRejected(Exception):
         self.message = message
         self.retry_after_s = retry_after_s
 
-    def to_frame(self) -> proto.Error:
-        return proto.Error(code=self.code, message=self.message, retry_after_s=self.retry_after_s)
-
 
 def build_request(
     engine: Engine, frame: proto.Generate, *, max_tokens_limit: int

@@ -93,12 +93,6 @@ class Snapshot:
         """Index of the last generated token held; -1 before the first."""
         return len(self.generated) - 1
 
-    @property
-    def n_past(self) -> int:
-        """KV cells the sequence occupies: every token fed to the model so far."""
-        # The last generated token is sampled but not yet decoded.
-        return len(self.prompt_tokens) + max(len(self.generated) - 1, 0)
-
     def header(self, version: int = 2) -> dict[str, object]:
         """What every MAC of this session covers besides the index and the tokens."""
         s = self.sampling
