@@ -59,6 +59,10 @@ class ServerConfig:
     max_stream_data_bytes: int = 1 << 20
     ticket_ttl_s: float = 86400.0
     max_tickets: int = 10_000
+    # The HTTP API over TCP (HTTP/1.1 + HTTP/2) on the same port number as HTTP/3 (UDP).
+    tcp_listener: bool = True
+    tcp_keep_alive_timeout_s: float = 30.0  # an idle HTTP/1.1 or HTTP/2 connection closes
+    model_name: str = ""  # the id /v1/models lists; empty: the model file's name, less .gguf
     # Resumable sessions.
     data_dir: Path = Path(".quicsrv")
     mac_key_hex: str = ""  # empty: <data_dir>/mac-keys.json, created 0600 on first start

@@ -23,7 +23,15 @@ import blake3
 
 from proto.frames import MAX_TOKEN_INDEX
 
-__all__ = ["CURSOR_CHARS", "FLAG_CHAT", "FLAG_USAGE", "Cursor", "InvalidCursor", "decode_cursor", "encode_cursor"]
+__all__ = [
+    "CURSOR_CHARS",
+    "FLAG_CHAT",
+    "FLAG_USAGE",
+    "Cursor",
+    "InvalidCursor",
+    "decode_cursor",
+    "encode_cursor",
+]
 
 _DOMAIN = b"quicsrv-sse-cursor/1\x00"
 _MAC_BYTES = 16  # 128 bits: forging one takes 2^128 tries at best

@@ -30,7 +30,7 @@ from .inbox import LoopInbox
 from .keys import KeyRing
 from .kvstore import KVStore
 from .session import FlowSettings, Session
-from .store import SessionRecord, SessionStore
+from .store import SessionEnd, SessionRecord, SessionStore
 
 __all__ = ["ResumeConflict", "SessionManager", "SessionSettings"]
 
@@ -230,16 +230,7 @@ class SessionManager:
             raise RequestRejected(
                 ErrorCode.INVALID_FIELD, "the quicsrv-session header and RESUME_STREAM disagree"
             )
-        session_id = frame.session_id
-        session = self._live.get(session_id)
-        record = session.record if session is not None else self.store.get(session_id)
-        if record is None:
-            if self.store.was_expired(session_id):
-                raise RequestRejected(ErrorCode.SESSION_EXPIRED, "the session has expired")
-            raise RequestRejected(ErrorCode.UNKNOWN_SESSION, "no such session")
-        if session is None and record.expires_at_s <= self._clock():
-            self._expire(record)
-            raise RequestRejected(ErrorCode.SESSION_EXPIRED, "the session has expired")
+        session, record = self._find(frame.session_id)
         # The hash names a prefix the server persisted before telling anyone its hash, so a
         # hash index past what is recorded cannot be genuine.
         hash_index = frame.checkpoint_index
@@ -250,6 +241,56 @@ class SessionManager:
             raise RequestRejected(
                 ErrorCode.HASH_MISMATCH, "the snapshot hash does not verify for this session"
             )
+        return self._admit_resume(session, record, frame.last_index + 1, key_id)
+
+    def reattach(self, session_id: bytes, from_index: int, *, key_id: str | None = None) -> Session:
+        """Like :meth:`resume`, for a caller that already authenticated ``session_id`` and
+        ``from_index`` by other means (an SSE cursor's MAC): every check but the hash.
+        ``from_index`` may equal the recorded token count (nothing to replay, wait for more
+        or only the END); past it, on an ended session, it means the reader had every token.
+        """
+        session, record = self._find(session_id)
+        if record.end is not None:
+            from_index = min(from_index, len(record.generated))
+        return self._admit_resume(session, record, from_index, key_id)
+
+    def cancel(self, session_id: bytes, *, key_id: str | None = None) -> SessionEnd:
+        """End a generation for good (an explicit stop): the engine sequence and its saved KV
+        go, a reader gets the tokens so far and END(cancelled). A finished session is left as
+        it is. Returns how the session ended; raises unknown/expired/key mismatch."""
+        session, record = self._find(session_id)
+        if key_id is not None and record.owner and not _same(key_id, record.owner):
+            raise RequestRejected(
+                ErrorCode.SESSION_KEY_MISMATCH, "the session was started with another API key"
+            )
+        if record.end is None:
+            if session is None:  # paused on disk, nobody reading: end the record all the same
+                session = self._session(record)
+            session.cancel()
+        assert record.end is not None
+        return record.end
+
+    def _find(self, session_id: bytes) -> tuple[Session | None, SessionRecord]:
+        """The live session (if any) and record of ``session_id``; raises unknown/expired."""
+        session = self._live.get(session_id)
+        record = session.record if session is not None else self.store.get(session_id)
+        if record is None:
+            if self.store.was_expired(session_id):
+                raise RequestRejected(ErrorCode.SESSION_EXPIRED, "the session has expired")
+            raise RequestRejected(ErrorCode.UNKNOWN_SESSION, "no such session")
+        if session is None and record.expires_at_s <= self._clock():
+            self._expire(record)
+            raise RequestRejected(ErrorCode.SESSION_EXPIRED, "the session has expired")
+        return session, record
+
+    def _admit_resume(
+        self,
+        session: Session | None,
+        record: SessionRecord,
+        from_index: int,
+        key_id: str | None,
+    ) -> Session:
+        """The checks only an authenticated resumer may learn the outcome of."""
         if key_id is not None and record.owner and not _same(key_id, record.owner):
             raise RequestRejected(
                 ErrorCode.SESSION_KEY_MISMATCH, "the session was started with another API key"
@@ -258,10 +299,10 @@ class SessionManager:
             raise RequestRejected(
                 ErrorCode.MODEL_CHANGED, "the server runs a different model than the session's"
             )
-        if frame.last_index >= len(record.generated):
+        if from_index > len(record.generated):
             raise RequestRejected(
                 ErrorCode.INDEX_BEYOND_SNAPSHOT,
-                f"last_index {frame.last_index} is beyond the snapshot "
+                f"last_index {from_index - 1} is beyond the snapshot "
                 f"({len(record.generated)} tokens)",
             )
         if session is not None and session.attached:
@@ -271,7 +312,7 @@ class SessionManager:
                 )
         if session is None:
             session = self._session(record)
-            self._live[session_id] = session
+            self._live[record.session_id] = session
         return session
 
     # --- upkeep -------------------------------------------------------------------------

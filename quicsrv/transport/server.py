@@ -2,10 +2,11 @@
 
 ``POST /v1/generate`` (body: one GENERATE frame) starts a session; ``POST /v1/resume`` (session
 id in the ``quicsrv-session`` header, body: one RESUME_STREAM frame) attaches to one. Either
-response is ``200`` with TOKEN/CHECKPOINT ... END frames. ``GET /metrics``, ``/healthz`` and
-``/readyz`` are answered by :mod:`.routes`. Peer errors become an HTTP status plus
-an ERROR frame in exactly one place (:meth:`_H3ServerProtocol._reject`); the connection and other
-streams go on.
+response is ``200`` with TOKEN/CHECKPOINT ... END frames. Every path of the HTTP API (OpenAI's
+``/v1/chat/completions`` and the rest, ``/metrics``, ``/healthz``, ``/readyz``) goes to the one
+router shared with the TCP listener (:mod:`.h3_routed`, :mod:`quicsrv.http.router`). Peer
+errors become an HTTP status plus an ERROR frame in exactly one place
+(:meth:`_H3ServerProtocol._reject`); the connection and other streams go on.
 
 aioquic has no "writable" event, so flow control is watched from the other end: after every
 datagram (which may carry ACKs) each attached session compares the stream's sent and
@@ -23,10 +24,13 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import errno
 import itertools
 import logging
+import socket
 from collections import Counter
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 from aioquic.asyncio.protocol import QuicConnectionProtocol
@@ -49,9 +53,12 @@ from proto import ErrorCode
 from ..apikeys import AccessDenied, ApiKeys, ClientId
 from ..config import ServerConfig
 from ..engine import Engine
+from ..http.router import Router
+from ..http.tcp import TcpListener, open_tcp_socket, start_tcp_listener
 from ..metrics import TransportFacts
 from ..sessions import RequestRejected, Session, SessionManager
-from .routes import PlainResponse, PlainRoutes, authorize_metrics, plain_endpoint, readiness
+from .h3_routed import RoutedStreams
+from .routes import PLAIN_PATHS, PlainRoutes, authorize_metrics, readiness
 from .sockets import AppliedSocketOptions, SocketOptions, open_udp_socket, serve_on_socket
 from .tickets import MemoryTicketStore, TicketStore
 
@@ -117,6 +124,8 @@ class QuicServerApp:
         config: ServerConfig,
         sessions: SessionManager,
         api_keys: ApiKeys | None = None,
+        *,
+        model_id: str = "quicsrv",
     ) -> None:
         self.engine = engine
         self.config = config
@@ -138,6 +147,16 @@ class QuicServerApp:
             authorize_metrics=lambda headers: authorize_metrics(
                 headers, api_keys=self.api_keys, metrics_public=self.config.metrics_public
             ),
+        )
+        self.router = Router(
+            sessions=sessions,
+            api_keys=self.api_keys,
+            plain=self.routes,
+            plain_paths=PLAIN_PATHS,
+            metrics=self.metrics,
+            model_id=model_id,
+            accepting=lambda: self.accepting,
+            max_body_bytes=config.max_request_bytes,
         )
 
     def shut_down_streams(self) -> None:
@@ -177,6 +196,8 @@ class _H3ServerProtocol(QuicConnectionProtocol):
         self._handshake_done = False
         # Without API keys, a client is its connection (a number never reused by this process).
         self._connection_client = f"conn:{next(app.connection_ids)}"
+        # The HTTP API's streams (OpenAI endpoints, operators' endpoints) on this connection.
+        self._routed = RoutedStreams(self, app.router, self._connection_client)
         app.connections.add(self)
         app.metrics.connections_opened.inc()
 
@@ -188,12 +209,24 @@ class _H3ServerProtocol(QuicConnectionProtocol):
     def quic_stream(self, stream_id: int) -> Any:
         return self._quic._streams.get(stream_id)
 
+    @property
+    def h3(self) -> H3Connection | None:
+        return self._h3
+
+    def stop_stream(self, stream_id: int) -> None:
+        with contextlib.suppress(Exception):  # the stream may already be gone
+            self._quic.stop_stream(stream_id, H3_NO_ERROR)
+
+    def transmit_soon(self) -> None:
+        self._transmit_soon()
+
     def datagram_received(self, data: bytes | str, addr: Any) -> None:
         super().datagram_received(data, addr)
         # The datagram may have acknowledged stream data: let readers' sessions catch up.
         for request in list(self._requests.values()):
             if request.session is not None:
                 request.session.on_transport_progress()
+        self._routed.transport_progress()
 
     def quic_event_received(self, event: QuicEvent) -> None:
         if isinstance(event, ProtocolNegotiated) and event.alpn_protocol in H3_ALPN:
@@ -202,7 +235,9 @@ class _H3ServerProtocol(QuicConnectionProtocol):
             self._handshake_done = True
         elif isinstance(event, StreamReset | StopSendingReceived):
             # Either direction of a cancelled request: nobody will read the tokens.
-            self._detach(event.stream_id, capture_kv=event.error_code != H3_REQUEST_CANCELLED)
+            capture_kv = event.error_code != H3_REQUEST_CANCELLED
+            self._detach(event.stream_id, capture_kv=capture_kv)
+            self._routed.stream_gone(event.stream_id, capture_kv=capture_kv)
         elif isinstance(event, ConnectionTerminated):
             self._detach_all()
             self._app.connections.discard(self)
@@ -219,6 +254,7 @@ class _H3ServerProtocol(QuicConnectionProtocol):
         if isinstance(event, HeadersReceived):
             self._headers_received(event)
         elif isinstance(event, DataReceived):
+            self._routed.data_received(event)
             request = self._requests.get(event.stream_id)
             if request is None or request.rejected or request.session is not None:
                 return
@@ -237,9 +273,8 @@ class _H3ServerProtocol(QuicConnectionProtocol):
     def _headers_received(self, event: HeadersReceived) -> None:
         headers = dict(event.headers)
         method, path = headers.get(b":method"), headers.get(b":path")
-        if plain_endpoint(path) is not None:  # operators' endpoints: their own access rules
-            response = self._app.routes.handle(method, path, headers)
-            self._answer_plain(event.stream_id, response, request_ended=event.stream_ended)
+        if self._app.router.owns(path):  # the HTTP API, shared with the TCP listener
+            self._routed.headers_received(event, early_data=not self._handshake_done)
             return
         denied: AccessDenied | None = None
         try:
@@ -410,27 +445,6 @@ class _H3ServerProtocol(QuicConnectionProtocol):
             },
         )
 
-    def _answer_plain(
-        self, stream_id: int, response: PlainResponse, *, request_ended: bool
-    ) -> None:
-        assert self._h3 is not None
-        if not request_ended:
-            # The answer needs no body: stop the peer sending one (RFC 9114 §4.1).
-            with contextlib.suppress(Exception):
-                self._quic.stop_stream(stream_id, H3_NO_ERROR)
-        headers = [
-            (b":status", str(response.status).encode()),
-            (b"content-type", response.content_type.encode()),
-            (b"content-length", str(len(response.body)).encode()),
-            *response.headers,
-        ]
-        try:
-            self._h3.send_headers(stream_id, headers)
-            self._h3.send_data(stream_id, response.body, end_stream=True)
-        except Exception:  # the stream is already gone; nothing to answer
-            return
-        self._transmit_soon()
-
     def _transmit_soon(self) -> None:
         # Many frames are often written in one go (a resume replays history): one transmit.
         if not self._transmit_scheduled:
@@ -490,6 +504,7 @@ class _H3ServerProtocol(QuicConnectionProtocol):
     def _detach_all(self) -> None:
         for stream_id in list(self._requests):
             self._detach(stream_id, capture_kv=True)
+        self._routed.close_all()
 
     @property
     def has_unacked_requests(self) -> bool:
@@ -524,6 +539,8 @@ class RunningServer:
     sweeper: asyncio.Task[None]
     socket_options: AppliedSocketOptions
     tickets: TicketStore
+    tcp: TcpListener | None = None
+    """HTTP/1.1 + HTTP/2 on the same port number (None when ``tcp_listener`` is off)."""
 
     @property
     def port(self) -> int:
@@ -549,6 +566,8 @@ class RunningServer:
             await asyncio.sleep(0.05)
         for connection in list(self.app.connections):
             connection.close()
+        if self.tcp is not None:
+            await self.tcp.shutdown(grace_s)
         self.server.close()
         self.app.sessions.close()
         self.app.metrics.unbind_engine(self.app.engine)
@@ -575,16 +594,7 @@ async def start_server(
         sessions = SessionManager(engine, config.session_settings())
     if tickets is None:
         tickets = MemoryTicketStore(ttl_s=config.ticket_ttl_s, max_tickets=config.max_tickets)
-    sock, applied = open_udp_socket(
-        config.host,
-        config.port,
-        SocketOptions(
-            recv_buffer_bytes=config.udp_recv_buffer_bytes,
-            send_buffer_bytes=config.udp_send_buffer_bytes,
-            pmtu_probe=config.udp_pmtu_probe,
-            reuse_port=config.udp_reuse_port,
-        ),
-    )
+    sock, applied, tcp_sock = _open_sockets(config)
     log.info("socket: %s", applied.describe())
     for warning in applied.warnings:
         log.warning("socket: %s", warning)
@@ -608,7 +618,7 @@ async def start_server(
             config.host,
             config.port,
         )
-    app = QuicServerApp(engine, config, sessions, api_keys)
+    app = QuicServerApp(engine, config, sessions, api_keys, model_id=_model_id(config, engine))
     server = await serve_on_socket(
         sock,
         configuration=configuration,
@@ -622,6 +632,54 @@ async def start_server(
         sessions.run_sweeper(config.session_sweep_interval_s)
     )
     log.info("session store: %s", sessions.usage())
+    tcp = None
+    if tcp_sock is not None:
+        tcp = await start_tcp_listener(
+            app.router,
+            tcp_sock,
+            cert_path=str(config.cert_path),
+            key_path=str(config.key_path),
+            keep_alive_timeout_s=config.tcp_keep_alive_timeout_s,
+            grace_s=config.shutdown_grace_s,
+        )
+        log.info("HTTP/1.1 + HTTP/2 on TCP port %d (alt-svc: h3)", tcp.port)
     return RunningServer(
-        server=server, app=app, sweeper=sweeper, socket_options=applied, tickets=tickets
+        server=server, app=app, sweeper=sweeper, socket_options=applied, tickets=tickets, tcp=tcp
     )
+
+
+def _open_sockets(
+    config: ServerConfig,
+) -> tuple[socket.socket, AppliedSocketOptions, socket.socket | None]:
+    """The UDP socket, and the TCP one on the same port number when the TCP listener is on.
+
+    With port 0 the kernel picks the UDP port, which TCP may already use elsewhere: then both
+    are tried again with another number (a few times; a fixed port is not retried).
+    """
+    options = SocketOptions(
+        recv_buffer_bytes=config.udp_recv_buffer_bytes,
+        send_buffer_bytes=config.udp_send_buffer_bytes,
+        pmtu_probe=config.udp_pmtu_probe,
+        reuse_port=config.udp_reuse_port,
+    )
+    attempts = 20 if config.port == 0 else 1
+    for attempt in range(attempts):
+        sock, applied = open_udp_socket(config.host, config.port, options)
+        if not config.tcp_listener:
+            return sock, applied, None
+        try:
+            return sock, applied, open_tcp_socket(config.host, int(sock.getsockname()[1]))
+        except OSError as exc:
+            sock.close()
+            if exc.errno != errno.EADDRINUSE or attempt == attempts - 1:
+                raise
+    raise AssertionError("unreachable")
+
+
+def _model_id(config: ServerConfig, engine: Engine) -> str:
+    """The id ``/v1/models`` lists: the configured name, else the model file's stem."""
+    if config.model_name:
+        return config.model_name
+    settings = getattr(engine, "settings", None)
+    path = config.model_path or getattr(settings, "model_path", None)
+    return Path(path).stem if path is not None else "quicsrv"

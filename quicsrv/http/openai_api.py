@@ -1,0 +1,440 @@
+"""OpenAI's completion API, mapped onto a GENERATE, and its answers shaped the way OpenAI does.
+
+Request side: :func:`parse_completion` checks a ``/v1/chat/completions`` or ``/v1/completions``
+JSON body field by field and returns a :class:`CompletionRequest` (a ``proto.Generate`` plus how
+to answer). Only what the engine really does is accepted: ``n`` must be 1, ``logit_bias`` empty,
+``logprobs`` off, penalties 0; anything else, and every unknown field, is refused with a 400
+naming the parameter, so a client never believes a setting took effect when it did not.
+Extensions beside OpenAI's fields (llama-server's names): ``top_k``, ``min_p``,
+``repeat_penalty``, ``ignore_eos``, and quicsrv's ``deadline_ms``.
+
+Response side: chunk and body builders (``chat.completion.chunk``, ``text_completion``...),
+fed by :mod:`.sse` for streams and by the router for ``stream: false``.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import dataclass
+from typing import Any
+
+import proto
+from proto import EndReason
+from proto.frames import CHAT_ROLES, MAX_SEED
+
+from .errors import ApiError
+
+__all__ = [
+    "CompletionRequest",
+    "chunk",
+    "completion_body",
+    "completion_id",
+    "finish_reason",
+    "parse_completion",
+    "usage",
+]
+
+#: max_tokens when a request names none: OpenAI's 16 for text completions is too short to be
+#: useful from a chat model, so both endpoints share one moderate default.
+DEFAULT_MAX_TOKENS = 256
+
+_COMMON = frozenset(
+    {
+        "model",
+        "max_tokens",
+        "temperature",
+        "top_p",
+        "seed",
+        "stop",
+        "n",
+        "stream",
+        "stream_options",
+        "logit_bias",
+        "logprobs",
+        "presence_penalty",
+        "frequency_penalty",
+        "user",
+        # Extensions (see the module docstring).
+        "top_k",
+        "min_p",
+        "repeat_penalty",
+        "ignore_eos",
+        "deadline_ms",
+    }
+)
+_CHAT = _COMMON | {
+    "messages",
+    "max_completion_tokens",
+    "top_logprobs",
+    "response_format",
+    "tools",
+    "tool_choice",
+    "parallel_tool_calls",
+    "functions",
+    "function_call",
+    "store",
+    "metadata",
+}
+_TEXT = _COMMON | {"prompt", "echo", "suffix", "best_of"}
+
+# OpenAI's newer name for the system role; the chat template knows only "system".
+_ROLE_ALIASES = {"developer": "system"}
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class CompletionRequest:
+    generate: proto.Generate
+    """What the engine is asked to do."""
+    chat: bool
+    """``/v1/chat/completions`` (True) or ``/v1/completions``."""
+    stream: bool
+    """Answer with SSE chunks (True) or one JSON body."""
+    include_usage: bool
+    """``stream_options.include_usage``: a last chunk with the token counts."""
+
+
+def parse_completion(body: bytes, *, chat: bool, model_id: str) -> CompletionRequest:
+    """Check a completion request body; raises :class:`ApiError` (400, or 404 for a model
+    this server does not serve)."""
+    request = _json_object(body)
+    unknown = sorted(set(request) - (_CHAT if chat else _TEXT))
+    if unknown:
+        raise _invalid(
+            f"Unrecognized request argument supplied: {unknown[0]}", unknown[0], "unknown_parameter"
+        )
+    model = request.get("model")
+    if not isinstance(model, str):
+        raise _invalid(
+            "you must provide a model parameter (a string)", "model", "missing_required_parameter"
+        )
+    if model != model_id:
+        raise ApiError(
+            404,
+            f"The model `{model}` does not exist; this server serves `{model_id}`",
+            code="model_not_found",
+            param="model",
+        )
+    _refuse_unsupported(request, chat)
+    stream = _optional(request, "stream", bool, False)
+    options = request.get("stream_options")
+    include_usage = False
+    if options is not None:
+        if not stream:
+            raise _invalid("stream_options is only allowed when stream is true", "stream_options")
+        if not isinstance(options, dict) or set(options) - {"include_usage"}:
+            raise _invalid("stream_options takes only include_usage", "stream_options")
+        include_usage = _optional(
+            options, "include_usage", bool, False, "stream_options.include_usage"
+        )
+    payload: dict[str, Any] = {"max_tokens": _max_tokens(request, chat)}
+    if chat:
+        payload["messages"] = _messages(request.get("messages"))
+    else:
+        payload["prompt"] = _prompt(request.get("prompt"))
+    payload["temperature"] = _number(request, "temperature", 0.0, 2.0, 1.0)
+    payload["top_p"] = _number(request, "top_p", 0.0, 1.0, 1.0)
+    if payload["top_p"] == 0.0:
+        raise _invalid("top_p must be greater than 0", "top_p")
+    seed = _optional(request, "seed", int, None)
+    if seed is not None:
+        if seed < 0 or seed > MAX_SEED:
+            raise _invalid("seed must be between 0 and 2^64 - 1", "seed")
+        payload["seed"] = seed
+    stop = _stop(request.get("stop"))
+    if stop:
+        payload["stop"] = stop
+    for name, lo, hi, default in (("min_p", 0.0, 1.0, 0.0), ("repeat_penalty", 0.0, 10.0, 1.0)):
+        payload[name] = _number(request, name, lo, hi, default)
+    top_k = _optional(request, "top_k", int, 0)
+    if top_k < 0:
+        raise _invalid("top_k must be 0 or more", "top_k")
+    payload["top_k"] = top_k
+    payload["ignore_eos"] = _optional(request, "ignore_eos", bool, False)
+    deadline_ms = _optional(request, "deadline_ms", int, None)
+    if deadline_ms is not None:
+        payload["deadline_ms"] = deadline_ms
+    try:
+        generate = proto.Generate.from_payload(payload)
+    except proto.ProtocolError as exc:  # the wire format's own bounds (lengths, ranges)
+        raise _invalid(exc.message, None) from None
+    return CompletionRequest(
+        generate=generate, chat=chat, stream=stream, include_usage=include_usage
+    )
+
+
+# --- responses ----------------------------------------------------------------------------
+
+
+def completion_id(session_id: bytes, *, chat: bool) -> str:
+    """The response ``id``: names the session, so a resumed stream keeps the same one."""
+    return ("chatcmpl-" if chat else "cmpl-") + session_id.hex()
+
+
+def finish_reason(reason: EndReason) -> str:
+    """OpenAI's ``finish_reason``; a generation stopped by ``DELETE /v1/streams/...`` says
+    ``cancelled`` (OpenAI has no word for it)."""
+    if reason is EndReason.LENGTH:
+        return "length"
+    if reason is EndReason.CANCELLED:
+        return "cancelled"
+    return "stop"
+
+
+def usage(prompt_tokens: int, completion_tokens: int) -> dict[str, int]:
+    return {
+        "prompt_tokens": prompt_tokens,
+        "completion_tokens": completion_tokens,
+        "total_tokens": prompt_tokens + completion_tokens,
+    }
+
+
+def chunk(
+    *,
+    session_id: bytes,
+    chat: bool,
+    model: str,
+    created: int,
+    text: str | None,
+    role: bool = False,
+    finish: str | None = None,
+    include_usage: bool = False,
+    usage_counts: dict[str, int] | None = None,
+) -> dict[str, Any]:
+    """One streamed chunk. ``text`` None with ``usage_counts``: the last, choice-less chunk
+    that carries the usage (OpenAI's ``stream_options.include_usage``)."""
+    body: dict[str, Any] = {
+        "id": completion_id(session_id, chat=chat),
+        "object": "chat.completion.chunk" if chat else "text_completion",
+        "created": created,
+        "model": model,
+    }
+    if usage_counts is not None:
+        body["choices"] = []
+    elif chat:
+        delta: dict[str, Any] = {}
+        if role:
+            delta["role"] = "assistant"
+        if text is not None:
+            delta["content"] = text
+        body["choices"] = [{"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish}]
+    else:
+        body["choices"] = [
+            {"index": 0, "text": text or "", "logprobs": None, "finish_reason": finish}
+        ]
+    if include_usage:
+        body["usage"] = usage_counts  # null on every chunk but the last, as OpenAI does
+    return body
+
+
+def completion_body(
+    *,
+    session_id: bytes,
+    chat: bool,
+    model: str,
+    created: int,
+    text: str,
+    end: proto.End,
+) -> dict[str, Any]:
+    """The whole answer of a ``stream: false`` request."""
+    choice: dict[str, Any] = {
+        "index": 0,
+        "logprobs": None,
+        "finish_reason": finish_reason(end.reason),
+    }
+    if chat:
+        choice["message"] = {"role": "assistant", "content": text}
+    else:
+        choice["text"] = text
+    return {
+        "id": completion_id(session_id, chat=chat),
+        "object": "chat.completion" if chat else "text_completion",
+        "created": created,
+        "model": model,
+        "choices": [choice],
+        "usage": usage(end.prompt_tokens, end.completion_tokens),
+    }
+
+
+def models_body(model_id: str, created: int) -> dict[str, Any]:
+    """``GET /v1/models``: the one model this server runs."""
+    return {
+        "object": "list",
+        "data": [{"id": model_id, "object": "model", "created": created, "owned_by": "quicsrv"}],
+    }
+
+
+# --- field checks -------------------------------------------------------------------------
+
+
+def _invalid(message: str, param: str | None, code: str = "invalid_value") -> ApiError:
+    return ApiError(400, message, code=code, param=param)
+
+
+def _json_object(body: bytes) -> dict[str, Any]:
+    try:
+        value = json.loads(body)
+    except (ValueError, RecursionError):  # RecursionError: absurdly deep nesting
+        raise _invalid("the request body is not valid JSON", None, "invalid_json") from None
+    if not isinstance(value, dict):
+        raise _invalid("the request body must be a JSON object", None, "invalid_json")
+    return value
+
+
+def _refuse_unsupported(request: dict[str, Any], chat: bool) -> None:
+    """Fields OpenAI defines that this engine cannot honour: accepted only at their neutral
+    value, refused otherwise (a silently ignored setting would be a lie)."""
+    neutral: dict[str, tuple[object, ...]] = {
+        "n": (None, 1),
+        "logit_bias": (None, {}),
+        "logprobs": (None, False),
+        "presence_penalty": (None, 0, 0.0),
+        "frequency_penalty": (None, 0, 0.0),
+    }
+    if chat:
+        neutral |= {
+            "top_logprobs": (None,),
+            "response_format": (None, {"type": "text"}),
+            "tools": (None, []),
+            "tool_choice": (None, "none"),
+            "parallel_tool_calls": (None,),
+            "functions": (None, []),
+            "function_call": (None, "none"),
+            "store": (None, False),
+            "metadata": (None,),
+        }
+    else:
+        neutral |= {"echo": (None, False), "suffix": (None,), "best_of": (None, 1)}
+    for name, allowed in neutral.items():
+        if name not in request:
+            continue
+        value = request[name]
+        # bool is an int in Python: True must not pass for 1.
+        if any(type(value) is type(a) and value == a for a in allowed) or value is None:
+            continue
+        if name == "n" and isinstance(value, int) and not isinstance(value, bool) and value > 1:
+            raise _invalid("only n=1 is supported", "n", "unsupported_value")
+        raise _invalid(
+            f"{name}={json.dumps(value)[:60]} is not supported by this server",
+            name,
+            "unsupported_parameter",
+        )
+    user = request.get("user")
+    if user is not None and not isinstance(user, str):
+        raise _invalid("user must be a string", "user")
+
+
+def _optional(
+    fields: dict[str, Any], name: str, kind: type, default: Any, param: str | None = None
+) -> Any:
+    value = fields.get(name)
+    if value is None:
+        return default
+    # bool is an int in Python: an int field refuses true/false, a bool field refuses 0/1.
+    if type(value) is not kind:
+        raise _invalid(
+            f"{param or name} must be {'a boolean' if kind is bool else 'an integer'}",
+            param or name,
+        )
+    return value
+
+
+def _number(request: dict[str, Any], name: str, lo: float, hi: float, default: float) -> float:
+    value = request.get(name)
+    if value is None:
+        return default
+    if isinstance(value, bool) or not isinstance(value, int | float) or not math.isfinite(value):
+        raise _invalid(f"{name} must be a number", name)
+    if not lo <= value <= hi:
+        raise _invalid(f"{name} must be between {lo:g} and {hi:g}", name)
+    return float(value)
+
+
+def _max_tokens(request: dict[str, Any], chat: bool) -> int:
+    value = _optional(request, "max_tokens", int, None)
+    if chat:
+        newer = _optional(request, "max_completion_tokens", int, None)
+        if newer is not None:
+            if value is not None and value != newer:
+                raise _invalid(
+                    "max_tokens and max_completion_tokens disagree", "max_completion_tokens"
+                )
+            value = newer
+    if value is None:
+        return DEFAULT_MAX_TOKENS
+    if value < 1:
+        raise _invalid("max_tokens must be at least 1", "max_tokens")
+    return int(value)
+
+
+def _messages(value: object) -> list[dict[str, str]]:
+    if not isinstance(value, list) or not value:
+        raise _invalid(
+            "messages must be a non-empty array", "messages", "missing_required_parameter"
+        )
+    messages = []
+    for i, message in enumerate(value):
+        param = f"messages[{i}]"
+        if not isinstance(message, dict) or set(message) - {"role", "content", "name"}:
+            raise _invalid(f"{param} must be an object with role and content", param)
+        role = message.get("role")
+        role = _ROLE_ALIASES.get(role, role) if isinstance(role, str) else role
+        if role not in CHAT_ROLES:
+            raise _invalid(
+                f"{param}.role must be one of system, developer, user, assistant",
+                f"{param}.role",
+                "unsupported_value",
+            )
+        assert isinstance(role, str)
+        messages.append({"role": role, "content": _content(message.get("content"), param)})
+    return messages
+
+
+def _content(value: object, param: str) -> str:
+    """A message's text: a string, or an array of text parts (joined); images and audio are
+    refused since the model reads text only."""
+    if isinstance(value, str):
+        return value
+    if isinstance(value, list):
+        parts = []
+        for part in value:
+            if not isinstance(part, dict) or part.get("type") != "text":
+                raise _invalid(
+                    f"{param}.content: only text parts are supported",
+                    f"{param}.content",
+                    "unsupported_value",
+                )
+            text = part.get("text")
+            if not isinstance(text, str):
+                raise _invalid(f"{param}.content: a text part needs text", f"{param}.content")
+            parts.append(text)
+        return "".join(parts)
+    raise _invalid(
+        f"{param}.content must be a string or an array of text parts", f"{param}.content"
+    )
+
+
+def _prompt(value: object) -> str:
+    if isinstance(value, str):
+        return value
+    if isinstance(value, list) and len(value) == 1 and isinstance(value[0], str):
+        return value[0]
+    if isinstance(value, list):
+        raise _invalid(
+            "prompt must be one string (batches and token arrays are not supported)",
+            "prompt",
+            "unsupported_value",
+        )
+    raise _invalid("you must provide a prompt (a string)", "prompt", "missing_required_parameter")
+
+
+def _stop(value: object) -> list[str]:
+    if value is None:
+        return []
+    if isinstance(value, str):
+        value = [value]
+    if not isinstance(value, list) or not all(isinstance(s, str) and s for s in value):
+        raise _invalid("stop must be a non-empty string or an array of them", "stop")
+    if len(value) > 4:  # OpenAI's limit
+        raise _invalid("stop takes at most 4 sequences", "stop")
+    return list(value)

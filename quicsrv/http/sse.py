@@ -1,0 +1,182 @@
+"""A session's frames as OpenAI SSE events, each with a resumable ``id:`` cursor.
+
+The session machinery hands every reader the same frame sequence (TOKEN..., END); here one
+stream's frames become ``text/event-stream`` events (WHATWG HTML §9.2):
+
+- the opening event (the session's first CHECKPOINT, index -1): the chat ``role`` chunk, or an
+  empty text chunk, so the client holds a cursor before the first token;
+- one event per TOKEN that carries text (a token that completes no UTF-8 character yet
+  carries none: its text comes with a later one, so nothing is lost by skipping it);
+- END: the finishing chunk (index = completion tokens), the usage chunk when asked for
+  (index + 1), then ``data: [DONE]`` (no id: nothing follows it);
+- an ERROR frame, or an END that is not the generation's end (``superseded``, ``shutdown``):
+  an ``{"error": ...}`` event without an id, then the stream closes; the client resumes from
+  the last id it saw.
+
+A resumed stream is made with ``after`` = the cursor's index and skips every event at or before
+it, so the events after a cursor are exactly those an uninterrupted stream had after it.
+Other CHECKPOINTs carry native snapshot hashes and are not sent (the cursors replace them).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import proto
+from proto import EndReason
+
+from . import openai_api
+from .cursor import FLAG_CHAT, FLAG_USAGE, encode_cursor
+from .errors import ApiError, from_code
+
+__all__ = ["CollectedAnswer", "CollectingPort", "SseEncoder", "StreamShape"]
+
+DONE = b"data: [DONE]\n\n"
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class StreamShape:
+    """What every chunk of one completion stream says besides its text."""
+
+    session_id: bytes
+    """The session the stream reads."""
+    chat: bool
+    """Chat chunks (``delta``) or text-completion chunks (``text``)."""
+    include_usage: bool
+    """A usage chunk before ``[DONE]`` (``usage: null`` on the others)."""
+    model: str
+    """The served model's id."""
+    created: int
+    """When the session was created (Unix seconds): the same on a resumed stream."""
+
+    @property
+    def flags(self) -> int:
+        return (FLAG_CHAT if self.chat else 0) | (FLAG_USAGE if self.include_usage else 0)
+
+
+class SseEncoder:
+    """Turns one stream's frames into SSE bytes; see the module docstring."""
+
+    def __init__(
+        self, shape: StreamShape, *, mac_key: Callable[[], bytes], after: int | None = None
+    ) -> None:
+        self.shape = shape
+        self._mac_key = mac_key
+        self._after = after
+        self.finished = False
+        """The stream's last event was written (``[DONE]`` or an error)."""
+
+    def encode(self, frame: proto.Frame) -> bytes:
+        """The events ``frame`` makes on this stream (often none)."""
+        if isinstance(frame, proto.Token):
+            return self._event(frame.index, text=frame.text) if frame.text else b""
+        if isinstance(frame, proto.Checkpoint):
+            return self._event(-1, text="", role=True) if frame.index == -1 else b""
+        if isinstance(frame, proto.End):
+            return self._end(frame)
+        if isinstance(frame, proto.Error):
+            return self._error(from_code(frame.code, frame.message, frame.retry_after_s))
+        return b""
+
+    def _end(self, end: proto.End) -> bytes:
+        if end.reason in (EndReason.SUPERSEDED, EndReason.SHUTDOWN):
+            code = proto.ErrorCode.SHUTTING_DOWN if end.reason is EndReason.SHUTDOWN else None
+            error = (
+                from_code(code, "the server is shutting down; resume with Last-Event-ID")
+                if code is not None
+                else ApiError(
+                    409,
+                    "another request resumed this stream; this one ends here",
+                    code="superseded",
+                )
+            )
+            return self._error(error)
+        n = end.completion_tokens
+        out = self._event(n, text=end.text or None, finish=openai_api.finish_reason(end.reason))
+        if self.shape.include_usage:
+            counts = openai_api.usage(end.prompt_tokens, end.completion_tokens)
+            out += self._event(n + 1, text=None, usage_counts=counts)
+        self.finished = True
+        return out + DONE
+
+    def _error(self, error: ApiError) -> bytes:
+        self.finished = True
+        return b"data: " + json.dumps(error.payload()).encode() + b"\n\n"
+
+    def _event(
+        self,
+        index: int,
+        *,
+        text: str | None,
+        role: bool = False,
+        finish: str | None = None,
+        usage_counts: dict[str, int] | None = None,
+    ) -> bytes:
+        if self._after is not None and index <= self._after:
+            return b""  # the client had this event before it reconnected
+        shape = self.shape
+        body = openai_api.chunk(
+            session_id=shape.session_id,
+            chat=shape.chat,
+            model=shape.model,
+            created=shape.created,
+            text=text,
+            role=role,
+            finish=finish,
+            include_usage=shape.include_usage,
+            usage_counts=usage_counts,
+        )
+        cursor = encode_cursor(self._mac_key(), shape.session_id, index, shape.flags)
+        return b"id: " + cursor.encode() + b"\ndata: " + _compact(body) + b"\n\n"
+
+
+def _compact(body: dict[str, Any]) -> bytes:
+    return json.dumps(body, separators=(",", ":"), ensure_ascii=False).encode()
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class CollectedAnswer:
+    text: str
+    """Every token's text and the END's held-back tail, joined."""
+    end: proto.End
+    """How the generation ended, with the token counts."""
+
+
+class CollectingPort:
+    """The reader of a ``stream: false`` request: gathers the text in memory until END.
+
+    It counts every frame as acknowledged at once, so it never pauses the engine: the whole
+    answer is bounded by ``max_tokens`` anyway.
+    """
+
+    def __init__(self) -> None:
+        self._parts: list[str] = []
+        self._sent = 0
+        self.answer: asyncio.Future[CollectedAnswer] = asyncio.get_running_loop().create_future()
+
+    def send_frame(self, frame: proto.Frame, end_stream: bool) -> None:
+        self._sent += 1
+        if self.answer.done():
+            return
+        if isinstance(frame, proto.Token):
+            self._parts.append(frame.text)
+        elif isinstance(frame, proto.End):
+            if frame.reason in (EndReason.SUPERSEDED, EndReason.SHUTDOWN):
+                self.answer.set_exception(
+                    from_code(proto.ErrorCode.SHUTTING_DOWN, "the server is shutting down")
+                )
+            else:
+                text = "".join(self._parts) + frame.text
+                self.answer.set_result(CollectedAnswer(text=text, end=frame))
+        elif isinstance(frame, proto.Error):
+            self.answer.set_exception(from_code(frame.code, frame.message, frame.retry_after_s))
+
+    def sent_offset(self) -> int:
+        return self._sent
+
+    def acked_offset(self) -> int:
+        return self._sent

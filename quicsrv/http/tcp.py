@@ -1,0 +1,259 @@
+"""The HTTP API over TCP: HTTP/1.1 and HTTP/2 (hypercorn) on the HTTP/3 port's number.
+
+Most HTTP clients (curl as Debian builds it, httpx and so the ``openai`` SDK, browsers before
+they learn of HTTP/3) speak no HTTP/3. This listener serves them the very same router as the
+QUIC side, with TLS from the same certificate, and every response says ``alt-svc:
+h3=":PORT"`` so those that can switch do (RFC 7838, RFC 9114 §3.1.1).
+
+The HTTP parsing and framing is hypercorn's (h11, h2); this module is only the ASGI glue:
+gather the body (bounded), ask the router, and write an event stream with the flow-control
+signal a session pauses on. TCP has no acknowledgement a server can read, so a chunk counts
+as acknowledged once hypercorn's ``send`` returns: hypercorn awaits the socket's drain (HTTP/1.1)
+or the peer's flow-control window (HTTP/2), so a peer that stops reading stops those sends, and
+the session pauses ``max_tokens_ahead`` tokens later.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import socket
+from collections import deque
+from collections.abc import Awaitable, Callable, MutableMapping
+from dataclasses import dataclass
+from typing import Any
+
+from hypercorn.asyncio import serve
+from hypercorn.config import Config as HypercornConfig
+
+from .router import EventStream, FullResponse, HttpRequest, Router, request_too_large
+
+__all__ = ["TcpListener", "open_tcp_socket", "start_tcp_listener"]
+
+log = logging.getLogger("quicsrv.tcp")
+
+Scope = MutableMapping[str, Any]
+Message = MutableMapping[str, Any]
+Receive = Callable[[], Awaitable[Message]]
+Send = Callable[[Message], Awaitable[None]]
+
+
+def open_tcp_socket(host: str, port: int) -> socket.socket:
+    """A listening TCP socket on ``host:port`` (``::``: dual-stack, as the UDP socket is);
+    raises OSError (EADDRINUSE when the port number is taken over TCP)."""
+    infos = socket.getaddrinfo(host or None, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
+    family, _type, _proto, _name, sockaddr = next(
+        i for i in infos if i[0] in (socket.AF_INET, socket.AF_INET6)
+    )
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    try:
+        if family == socket.AF_INET6:
+            sock.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY, 0)
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.bind(sockaddr)
+        # Listening before hypercorn starts accepting: a client that connects right after
+        # start-up waits in the backlog instead of being refused.
+        sock.listen(128)
+        sock.setblocking(False)
+    except BaseException:
+        sock.close()
+        raise
+    return sock
+
+
+@dataclass
+class TcpListener:
+    """A running listener; :meth:`shutdown` stops it (graceful, then cancelled)."""
+
+    task: asyncio.Task[None]
+    stop: asyncio.Event
+    port: int
+
+    async def shutdown(self, grace_s: float) -> None:
+        self.stop.set()
+        try:
+            await asyncio.wait_for(asyncio.shield(self.task), grace_s + 1.0)
+        except TimeoutError:
+            self.task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self.task
+
+
+async def start_tcp_listener(
+    router: Router,
+    sock: socket.socket,
+    *,
+    cert_path: str,
+    key_path: str,
+    keep_alive_timeout_s: float,
+    grace_s: float,
+) -> TcpListener:
+    """Serve ``router`` with hypercorn on ``sock`` (which it takes over) until shut down."""
+    port = int(sock.getsockname()[1])
+    config = HypercornConfig()
+    config.bind = [f"fd://{sock.detach()}"]
+    config.certfile = cert_path
+    config.keyfile = key_path
+    config.alpn_protocols = ["h2", "http/1.1"]
+    config.alt_svc_headers = [f'h3=":{port}"; ma=86400']
+    config.keep_alive_timeout = keep_alive_timeout_s
+    config.graceful_timeout = grace_s
+    config.include_server_header = False
+    config.accesslog = None
+    config.errorlog = log
+    stop = asyncio.Event()
+    app = AsgiAdapter(router)
+    task = asyncio.get_running_loop().create_task(
+        serve(app, config, shutdown_trigger=stop.wait, mode="asgi")  # type: ignore[arg-type]
+    )
+    return TcpListener(task=task, stop=stop, port=port)
+
+
+class _BufferSink:
+    """An event stream's body waiting for hypercorn (a ``router.ByteSink``): the writer task
+    hands it on; bounded by the session's flow control, which stops at the high watermark."""
+
+    def __init__(self) -> None:
+        self.chunks: deque[bytes] = deque()
+        self.ended = False
+        self.ready = asyncio.Event()
+        self._sent = 0
+        self.acked = 0
+
+    def write(self, data: bytes, end_stream: bool) -> None:
+        if self.ended:
+            return
+        self.chunks.append(data)
+        self._sent += len(data)
+        self.ended = end_stream
+        self.ready.set()
+
+    def sent_offset(self) -> int:
+        return self._sent
+
+    def acked_offset(self) -> int:
+        return self.acked
+
+
+class AsgiAdapter:
+    """The router as an ASGI 3 application (hypercorn's side of this module)."""
+
+    def __init__(self, router: Router) -> None:
+        self._router = router
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] == "lifespan":
+            await _lifespan(receive, send)
+        elif scope["type"] == "http":
+            await self._http(scope, receive, send)
+
+    async def _http(self, scope: Scope, receive: Receive, send: Send) -> None:
+        arrived_at = asyncio.get_running_loop().time()
+        body = bytearray()
+        limit = self._router.max_body_bytes
+        while True:
+            message = await receive()
+            if message["type"] == "http.disconnect":
+                return
+            body += message.get("body", b"")
+            if len(body) > limit:
+                error = request_too_large(limit)
+                await _send_full(send, FullResponse(status=error.status, body=error.body()))
+                return
+            if not message.get("more_body", False):
+                break
+        client = scope.get("client") or ("?", 0)
+        raw_path = scope.get("raw_path") or scope["path"].encode()
+        query = scope.get("query_string", b"")
+        path = raw_path.decode("latin-1") + ("?" + query.decode("latin-1") if query else "")
+        request = HttpRequest(
+            method=scope["method"],
+            path=path,
+            headers={k.lower(): v for k, v in scope["headers"]},
+            body=bytes(body),
+            connection=f"tcp:{client[0]}:{client[1]}",
+            arrived_at=arrived_at,
+        )
+        # The peer may leave while a completion is being started or generated.
+        disconnected = asyncio.ensure_future(_until_disconnect(receive))
+        try:
+            handling = asyncio.ensure_future(self._router.handle(request))
+            await asyncio.wait({handling, disconnected}, return_when=asyncio.FIRST_COMPLETED)
+            if not handling.done():
+                handling.cancel()
+                with contextlib.suppress(asyncio.CancelledError):
+                    await handling
+                return
+            response = handling.result()
+            if isinstance(response, FullResponse):
+                await _send_full(send, response)
+            elif disconnected.done():
+                response.abandon()
+            else:
+                await _stream(response, send, disconnected)
+        finally:
+            disconnected.cancel()
+
+
+async def _stream(stream: EventStream, send: Send, disconnected: asyncio.Future[None]) -> None:
+    """Write ``stream`` until its end, or until the peer leaves (the generation then pauses)."""
+    await send(
+        {
+            "type": "http.response.start",
+            "status": stream.status,
+            "headers": [(b"content-type", stream.content_type.encode()), *stream.headers],
+        }
+    )
+    sink = _BufferSink()
+    port = stream.open(sink)
+    writer = asyncio.ensure_future(_write(sink, send, stream))
+    try:
+        await asyncio.wait({writer, disconnected}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        if not writer.done():
+            writer.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await writer
+        stream.close(port)  # a no-op once the stream has ended
+
+
+async def _write(sink: _BufferSink, send: Send, stream: EventStream) -> None:
+    while True:
+        await sink.ready.wait()
+        sink.ready.clear()
+        while sink.chunks:
+            data = b"".join(sink.chunks)
+            sink.chunks.clear()
+            last = sink.ended
+            await send({"type": "http.response.body", "body": data, "more_body": not last})
+            sink.acked += len(data)
+            if last:
+                return
+            # The reader has taken more: the session may let the engine run further.
+            stream.session.on_transport_progress()
+
+
+async def _send_full(send: Send, response: FullResponse) -> None:
+    headers = [
+        (b"content-type", response.content_type.encode()),
+        (b"content-length", str(len(response.body)).encode()),
+        *response.headers,
+    ]
+    await send({"type": "http.response.start", "status": response.status, "headers": headers})
+    await send({"type": "http.response.body", "body": response.body, "more_body": False})
+
+
+async def _until_disconnect(receive: Receive) -> None:
+    while (await receive())["type"] != "http.disconnect":
+        pass
+
+
+async def _lifespan(receive: Receive, send: Send) -> None:
+    while True:
+        message = await receive()
+        if message["type"] == "lifespan.startup":
+            await send({"type": "lifespan.startup.complete"})
+        elif message["type"] == "lifespan.shutdown":
+            await send({"type": "lifespan.shutdown.complete"})
+            return
