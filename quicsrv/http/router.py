@@ -50,7 +50,6 @@ _CHAT_PATH = "/v1/chat/completions"
 _TEXT_PATH = "/v1/completions"
 _MODELS_PATH = "/v1/models"
 _STREAMS_PREFIX = "/v1/streams/"
-_OPENAI_PATHS = frozenset({_CHAT_PATH, _TEXT_PATH, _MODELS_PATH})
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -207,15 +206,12 @@ class Router:
         self._created = int(time.time())
 
     def owns(self, path: bytes | None) -> bool:
-        """Whether this layer answers ``path`` (the HTTP/3 side keeps its native paths)."""
+        """Whether this layer answers ``path``: every ``/v1/`` path and the operators' ones
+        (the HTTP/3 side keeps its native ``/v1/generate`` and ``/v1/resume`` before asking)."""
         if path is None:
             return False
         bare = path.partition(b"?")[0]
-        return (
-            bare in self._plain_paths
-            or bare.decode("latin-1") in _OPENAI_PATHS
-            or bare.startswith(_STREAMS_PREFIX.encode())
-        )
+        return bare in self._plain_paths or bare.startswith(b"/v1/")
 
     async def handle(self, request: HttpRequest) -> Response:
         """Answer ``request``; never raises for a peer's mistake (that is an error body)."""

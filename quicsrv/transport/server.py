@@ -273,7 +273,8 @@ class _H3ServerProtocol(QuicConnectionProtocol):
     def _headers_received(self, event: HeadersReceived) -> None:
         headers = dict(event.headers)
         method, path = headers.get(b":method"), headers.get(b":path")
-        if self._app.router.owns(path):  # the HTTP API, shared with the TCP listener
+        native = path in (GENERATE_PATH, RESUME_PATH)
+        if not native and self._app.router.owns(path):  # the HTTP API, shared with TCP
             self._routed.headers_received(event, early_data=not self._handshake_done)
             return
         denied: AccessDenied | None = None

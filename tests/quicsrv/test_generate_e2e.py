@@ -248,7 +248,8 @@ BAD_REQUESTS = [
         ErrorCode.TRUNCATED_FRAME,
         400,
     ),
-    ("wrong_path", "POST", "/v1/nope", b"", ErrorCode.NOT_FOUND, 404),
+    # (Other /v1/ paths belong to the HTTP API, whose errors are JSON: tests/http.)
+    ("wrong_path", "POST", "/nope", b"", ErrorCode.NOT_FOUND, 404),
     ("wrong_method", "GET", "/v1/generate", b"", ErrorCode.METHOD_NOT_ALLOWED, 405),
 ]
 
