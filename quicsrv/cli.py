@@ -54,6 +54,14 @@ def _parser() -> argparse.ArgumentParser:
         dest="worker_stall_timeout_s",
         help="seconds without a decode step (while generating) before the worker is replaced",
     )
+    serve.add_argument(
+        "--no-tcp",
+        action="store_const",
+        const=False,
+        dest="tcp_listener",
+        help="serve HTTP/3 only: no HTTP/1.1 + HTTP/2 listener on the same TCP port",
+    )
+    serve.add_argument("--model-name", dest="model_name", help="the model id /v1/models lists")
     serve.add_argument("--data-dir", type=Path, dest="data_dir", help="sessions, KV and MAC keys")
     serve.add_argument("--session-ttl", type=float, dest="session_ttl_s", help="seconds")
     serve.add_argument(
@@ -254,8 +262,10 @@ async def _serve(config: ServerConfig) -> None:
     )
     running = await start_server(engine, config)
     host = f"[{config.host}]" if ":" in config.host else config.host
+    transports = "udp, h3" + (" + tcp, h2, http/1.1" if running.tcp is not None else "")
     print(
-        f"quicsrv listening on {host}:{running.port} (udp, h3) model={model_path.name}", flush=True
+        f"quicsrv listening on {host}:{running.port} ({transports}) model={model_path.name}",
+        flush=True,
     )
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()

@@ -47,6 +47,10 @@ class H3Host(Protocol):
 
     def transmit_soon(self) -> None: ...
 
+    @property
+    def handshake_complete(self) -> bool:
+        """False while the peer's data may still be 0-RTT early data (a possible replay)."""
+
 
 @dataclass(eq=False)
 class _Exchange:
@@ -55,7 +59,6 @@ class _Exchange:
     path: str
     headers: dict[bytes, bytes]
     arrived_at: float
-    early_data: bool
     body: bytearray = field(default_factory=bytearray)
     answering: asyncio.Task[None] | None = None
     stream: EventStream | None = None
@@ -90,7 +93,7 @@ class RoutedStreams:
         self._connection = connection
         self._exchanges: dict[int, _Exchange] = {}
 
-    def headers_received(self, event: HeadersReceived, *, early_data: bool) -> None:
+    def headers_received(self, event: HeadersReceived) -> None:
         headers = {k.lower(): v for k, v in event.headers}
         exchange = _Exchange(
             stream_id=event.stream_id,
@@ -98,7 +101,6 @@ class RoutedStreams:
             path=headers.get(b":path", b"").decode("latin-1"),
             headers=headers,
             arrived_at=asyncio.get_running_loop().time(),
-            early_data=early_data,
         )
         self._exchanges[event.stream_id] = exchange
         if exchange.method == "POST" and self._router.owns(exchange.path.encode("latin-1")):
@@ -175,7 +177,8 @@ class RoutedStreams:
             body=bytes(exchange.body),
             connection=self._connection,
             arrived_at=exchange.arrived_at,
-            early_data=exchange.early_data,
+            # Judged once the request is complete: all of it then came in 0-RTT, or not.
+            early_data=not self.host.handshake_complete,
         )
         response = await self._router.handle(request)
         if self._exchanges.get(exchange.stream_id) is not exchange:

@@ -220,6 +220,10 @@ class _H3ServerProtocol(QuicConnectionProtocol):
     def transmit_soon(self) -> None:
         self._transmit_soon()
 
+    @property
+    def handshake_complete(self) -> bool:
+        return self._handshake_done
+
     def datagram_received(self, data: bytes | str, addr: Any) -> None:
         super().datagram_received(data, addr)
         # The datagram may have acknowledged stream data: let readers' sessions catch up.
@@ -275,7 +279,7 @@ class _H3ServerProtocol(QuicConnectionProtocol):
         method, path = headers.get(b":method"), headers.get(b":path")
         native = path in (GENERATE_PATH, RESUME_PATH)
         if not native and self._app.router.owns(path):  # the HTTP API, shared with TCP
-            self._routed.headers_received(event, early_data=not self._handshake_done)
+            self._routed.headers_received(event)
             return
         denied: AccessDenied | None = None
         try:
