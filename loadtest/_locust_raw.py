@@ -109,7 +109,7 @@ RAW_BAD_REQUESTS: tuple[RawBadRequest, ...] = (
     RawBadRequest(
         name="wrong_path",
         method="POST",
-        path="/v1/nope",
+        path="/nope",  # other /v1/ paths belong to the JSON API (its 404 is JSON)
         body=b"",
         code=ErrorCode.NOT_FOUND,
         status=404,

@@ -301,3 +301,43 @@ async def test_api_keys_guard_the_http_api(engine, certs, tmp_path):
         assert response.json()["error"]["code"] == "session_key_mismatch"
     assert health.status_code == 200  # operators' endpoints keep their own rules
     assert metrics.status_code == 401
+
+
+async def test_a_completion_in_early_data_is_too_early(engine, certs):
+    from aioquic.asyncio import connect
+    from aioquic.h3.connection import H3_ALPN
+    from aioquic.quic.configuration import QuicConfiguration
+
+    from tests.quicsrv.test_zero_rtt_e2e import _RecordingProtocol, _ticket_for
+
+    async with running_server(engine, certs) as server:
+        configuration = QuicConfiguration(is_client=True, alpn_protocols=H3_ALPN)
+        configuration.load_verify_locations(str(certs.ca_cert))
+        configuration.server_name = "localhost"
+        configuration.session_ticket = await _ticket_for(server.port, certs.ca_cert)
+        body = {"model": await _model(server), "prompt": PROMPT, "max_tokens": 4}
+        async with connect(
+            "127.0.0.1",
+            server.port,
+            configuration=configuration,
+            create_protocol=_RecordingProtocol,
+            wait_connected=False,
+        ) as raw:
+            assert isinstance(raw, _RecordingProtocol)
+            stream_id = raw._quic.get_next_available_stream_id()
+            raw.h3.send_headers(
+                stream_id,
+                [
+                    (b":method", b"POST"),
+                    (b":scheme", b"https"),
+                    (b":authority", b"localhost"),
+                    (b":path", b"/v1/completions"),
+                ],
+            )
+            raw.h3.send_data(stream_id, json.dumps(body).encode(), end_stream=True)
+            raw.transmit()  # the first flight: Initial + 0-RTT carrying the whole request
+            await asyncio.wait_for(raw.done.wait(), 30)
+            assert raw._quic.tls.early_data_accepted
+    assert raw.status == 425
+    assert json.loads(bytes(raw.body))["error"]["code"] == "too_early"
+    assert len(server.sessions.store) == 0  # no compute was started
