@@ -297,7 +297,7 @@ class Router:
             created=int(session.record.created_at_s),
         )
         if completion.stream:
-            encoder = SseEncoder(shape, mac_key=lambda: self._sessions.keys.current)
+            encoder = SseEncoder(shape, mac_key=self._sessions.keys.current)
             return EventStream(
                 session=session, from_index=0, encoder=encoder, client=who.name, fresh=True
             )
@@ -377,7 +377,7 @@ class Router:
             model=self.model_id,
             created=int(session.record.created_at_s),
         )
-        encoder = SseEncoder(shape, mac_key=lambda: self._sessions.keys.current, after=cursor.index)
+        encoder = SseEncoder(shape, mac_key=self._sessions.keys.current, after=cursor.index)
         # Past the last token (the finishing or usage event): only the END is left to send.
         from_index = min(cursor.index + 1, len(session.record.generated))
         return EventStream(

@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import asyncio
 import json
-from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -61,10 +60,10 @@ class StreamShape:
 class SseEncoder:
     """Turns one stream's frames into SSE bytes; see the module docstring."""
 
-    def __init__(
-        self, shape: StreamShape, *, mac_key: Callable[[], bytes], after: int | None = None
-    ) -> None:
+    def __init__(self, shape: StreamShape, *, mac_key: bytes, after: int | None = None) -> None:
         self.shape = shape
+        # One key per stream (read once, not per event): a rotation meanwhile is harmless, the
+        # previous key verifies for the ring's grace period.
         self._mac_key = mac_key
         self._after = after
         self.finished = False
@@ -130,7 +129,7 @@ class SseEncoder:
             include_usage=shape.include_usage,
             usage_counts=usage_counts,
         )
-        cursor = encode_cursor(self._mac_key(), shape.session_id, index, shape.flags)
+        cursor = encode_cursor(self._mac_key, shape.session_id, index, shape.flags)
         return b"id: " + cursor.encode() + b"\ndata: " + _compact(body) + b"\n\n"
 
 

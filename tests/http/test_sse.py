@@ -42,7 +42,7 @@ def _encode(encoder: SseEncoder, frames: list[proto.Frame]) -> bytes:
 
 
 def test_a_whole_chat_stream():
-    encoder = SseEncoder(_shape(), mac_key=lambda: KEY)
+    encoder = SseEncoder(_shape(), mac_key=KEY)
     events = _events(_encode(encoder, _frames()))
     assert events[-1] == (None, "[DONE]")
     chunks = [json.loads(data) for _, data in events[:-1]]
@@ -58,17 +58,17 @@ def test_a_whole_chat_stream():
 
 def test_after_any_cursor_a_resumed_stream_is_exactly_the_tail():
     frames = _frames()
-    whole = _events(_encode(SseEncoder(_shape(), mac_key=lambda: KEY), frames))
+    whole = _events(_encode(SseEncoder(_shape(), mac_key=KEY), frames))
     for position, (cursor_text, _) in enumerate(whole[:-1]):
         cursor = decode_cursor(cursor_text, [KEY])
-        resumed = SseEncoder(_shape(), mac_key=lambda: KEY, after=cursor.index)
+        resumed = SseEncoder(_shape(), mac_key=KEY, after=cursor.index)
         # The session replays from the token after the cursor (every frame, at worst).
         tail = _events(_encode(resumed, frames))
         assert tail == whole[position + 1 :]
 
 
 def test_text_completion_chunks_without_usage():
-    encoder = SseEncoder(_shape(chat=False, include_usage=False), mac_key=lambda: KEY)
+    encoder = SseEncoder(_shape(chat=False, include_usage=False), mac_key=KEY)
     chunks = [json.loads(d) for _, d in _events(_encode(encoder, _frames()))[:-1]]
     assert all(c["object"] == "text_completion" and "usage" not in c for c in chunks)
     assert "".join(c["choices"][0]["text"] for c in chunks) == "Hello!"
@@ -80,7 +80,7 @@ def test_errors_and_interruptions_end_the_stream_without_an_id():
         (proto.End(reason=EndReason.SHUTDOWN), "shutting_down"),
         (proto.End(reason=EndReason.SUPERSEDED), "superseded"),
     ]:
-        encoder = SseEncoder(_shape(), mac_key=lambda: KEY)
+        encoder = SseEncoder(_shape(), mac_key=KEY)
         events = _events(encoder.encode(frame))
         assert len(events) == 1 and events[0][0] is None
         assert json.loads(events[0][1])["error"]["code"] == code
