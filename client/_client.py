@@ -164,6 +164,11 @@ class Client:
     def api_key(self) -> str | None:
         return self.config.api_key
 
+    @api_key.setter
+    def api_key(self, key: str | None) -> None:
+        """A new key applies to the next request, on the same connection (key rotation)."""
+        self.config = self.config.replace(api_key=key)
+
     @property
     def reconnect_policy(self) -> ReconnectPolicy | None:
         return self.config.reconnect
