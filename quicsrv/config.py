@@ -61,6 +61,9 @@ class ServerConfig:
     max_tickets: int = 10_000
     # Resumable sessions.
     data_dir: Path = Path(".quicsrv")
+    store: str = "file"  # or redis://host:port/db: records, tokens, keys, tickets shared
+    store_lease_s: float = 30.0  # Redis: a process owns a session this long after its last write
+    workers: int = 1  # server processes on one port (SO_REUSEPORT); more than 1 needs Redis
     mac_key_hex: str = ""  # empty: <data_dir>/mac-keys.json, created 0600 on first start
     session_ttl_s: float = 3600.0
     max_sessions: int = 10_000
@@ -93,7 +96,7 @@ class ServerConfig:
 
     def describe(self) -> str:
         shown = {
-            k: ("<set>" if k in ("mac_key_hex", "api_key") and v else v)
+            k: ("<set>" if k in ("mac_key_hex", "api_key") and v else _redact(k, v))
             for k, v in dataclasses.asdict(self).items()
         }
         return " ".join(f"{k}={v}" for k, v in shown.items())
@@ -143,6 +146,8 @@ class ServerConfig:
             max_active_per_client=self.max_active_per_client,
             max_queued_per_client=self.max_queued_per_client,
             max_queue_wait_s=self.max_queue_wait_s,
+            store_url=self.store,
+            lease_s=self.store_lease_s,
             flow=FlowSettings(
                 max_tokens_ahead=self.max_tokens_ahead,
                 high_watermark_bytes=self.send_high_watermark_bytes,
@@ -151,6 +156,14 @@ class ServerConfig:
                 inexact_reprefill=self.inexact_reprefill,
             ),
         )
+
+
+def _redact(name: str, value: Any) -> Any:
+    """A password in the store URL (redis://:secret@host) is not printed."""
+    if name == "store" and "@" in str(value):
+        scheme, _, rest = str(value).partition("://")
+        return f"{scheme}://<credentials>@{rest.rpartition('@')[2]}"
+    return value
 
 
 def _coerce(name: str, value: Any) -> Any:

@@ -19,6 +19,8 @@ from dataclasses import dataclass
 from enum import StrEnum
 from pathlib import Path
 
+import redis
+
 import proto
 from proto import ErrorCode
 
@@ -26,14 +28,17 @@ from ..engine import Engine, EngineError, EngineUnavailable, PromptTooLong, Sequ
 from .admission import AdmissionLimits, FairGate, Slot
 from .generation import RequestRejected, build_request
 from .inbox import LoopInbox
-from .keys import KeyRing
+from .keys import KeyRing, SharedKeyRing
 from .kvstore import KVStore
+from .redis_store import RedisSessionStore, connect, process_owner_id
 from .session import FlowSettings, Session
 from .store import SessionRecord, SessionStore
 
 __all__ = ["ResumeConflict", "SessionManager", "SessionSettings"]
 
 log = logging.getLogger(__name__)
+
+KEYRING_KEY = "quicsrv:mac-keys"
 
 
 class ResumeConflict(StrEnum):
@@ -62,6 +67,11 @@ class SessionSettings:
     """0: a quarter of the engine's queue (at least 1)."""
     max_queue_wait_s: float = 120.0
     """A new request that cannot start within this long ends with ``deadline_exceeded``."""
+    store_url: str = ""
+    """Where records, token logs and MAC keys live: "" (or "file"): under ``data_dir``;
+    ``redis://host:port/db``: in Redis, shared by every process that names it."""
+    lease_s: float = 30.0
+    """With Redis: how long a process owns a session after its last write to it."""
 
     def admission_limits(self, engine: Engine) -> AdmissionLimits:
         slots, queue = engine.n_seq_max, engine.max_queued
@@ -84,20 +94,40 @@ class SessionManager:
         self._engine = engine
         self.settings = settings
         self._clock = clock
+        self.redis: redis.Redis | None = None
+        """The shared store's client (None: the file store)."""
+        self.store: SessionStore
+        if settings.store_url not in ("", "file"):
+            self.redis = connect(settings.store_url)
+            self.store = RedisSessionStore(
+                self.redis,
+                owner_id=process_owner_id(),
+                lease_s=settings.lease_s,
+                ttl_s=settings.ttl_s,
+                max_sessions=settings.max_sessions,
+                max_disk_bytes=settings.max_disk_bytes,
+                clock=clock,
+            )
+            self.store.on_appended = self._on_appended
+        else:
+            self.store = SessionStore(
+                settings.data_dir / "sessions",
+                ttl_s=settings.ttl_s,
+                max_sessions=settings.max_sessions,
+                max_disk_bytes=settings.max_disk_bytes,
+                clock=clock,
+            )
         if settings.mac_key is not None:
             self.keys = KeyRing.from_secret(settings.mac_key)
+        elif self.redis is not None:
+            self.keys = SharedKeyRing(
+                self.redis, KEYRING_KEY, previous_key_ttl_s=settings.previous_key_ttl_s
+            )
         else:
             self.keys = KeyRing.load_or_create(
                 settings.data_dir / "mac-keys.json",
                 previous_key_ttl_s=settings.previous_key_ttl_s,
             )
-        self.store = SessionStore(
-            settings.data_dir / "sessions",
-            ttl_s=settings.ttl_s,
-            max_sessions=settings.max_sessions,
-            max_disk_bytes=settings.max_disk_bytes,
-            clock=clock,
-        )
         self.kv = KVStore(
             settings.data_dir / "kv",
             memory_budget_bytes=settings.kv_memory_budget_bytes,
@@ -106,6 +136,11 @@ class SessionManager:
         self._live: dict[bytes, Session] = {}
         self._loop_inbox: LoopInbox | None = None
         self.gate = FairGate(settings.admission_limits(engine))
+
+    @property
+    def shared(self) -> bool:
+        """Whether other processes share these sessions (resumes: :meth:`resume_shared`)."""
+        return isinstance(self.store, RedisSessionStore)
 
     def live(self, session_id: bytes) -> Session | None:
         """The session's live object, if it runs or is attached (tests and stats)."""
@@ -211,13 +246,71 @@ class SessionManager:
         ``key_id``: the API key the request presented (None on an open server); a session
         started with a key resumes only with that key.
         """
+        session = self._live.get(frame.session_id)
+        record = session.record if session is not None else self.store.get(frame.session_id)
+        self._check_resume(frame, header_session, record, session, key_id)
+        assert record is not None
+        if session is None:
+            session = self._session(record)
+            self._live[frame.session_id] = session
+        return session
+
+    async def resume_shared(
+        self,
+        frame: proto.ResumeStream,
+        header_session: bytes | None,
+        *,
+        key_id: str | None = None,
+    ) -> Session:
+        """:meth:`resume` with the Redis store: the record is read from Redis, checked, and
+        only then taken over (its lease moved here), so a peer that cannot show the snapshot
+        hash never moves a session. A copy of it still live here but owned elsewhere meanwhile
+        is stale: it is handed over and replaced."""
+        store = self.store
+        assert isinstance(store, RedisSessionStore)
+        session_id = frame.session_id
+        try:
+            fetched = await asyncio.wrap_future(store.fetch(session_id))
+            live = self._live.get(session_id)
+            if live is not None and not live.handed_over:
+                if fetched is not None and fetched.owner == store.owner_id:
+                    return self.resume(frame, header_session, key_id=key_id)
+            record = fetched.record if fetched is not None else None
+            self._check_resume(frame, header_session, record, None, key_id)
+            if live is not None:
+                # Written elsewhere since: stale. Stopped before the claim, so whatever it
+                # still had on its way to Redis lands before the claim reads the log.
+                live.hand_over()
+            claimed = await asyncio.wrap_future(store.claim(session_id))
+        except redis.RedisError as exc:
+            log.error("resume of %s: redis: %s", session_id.hex(), exc)
+            raise RequestRejected(
+                ErrorCode.STORE_UNAVAILABLE, "the session store cannot be reached"
+            ) from None
+        if claimed is None:
+            raise RequestRejected(ErrorCode.SESSION_EXPIRED, "the session has expired")
+        # The log only grows: what was checked above is a prefix of what was claimed.
+        self._check_resume(frame, header_session, claimed.record, None, key_id)
+        if claimed.owner and claimed.owner != store.owner_id:
+            log.info("session %s taken over from %s", session_id.hex(), claimed.owner)
+        store.adopt(claimed.record)
+        session = self._session(claimed.record)
+        self._live[session_id] = session
+        return session
+
+    def _check_resume(
+        self,
+        frame: proto.ResumeStream,
+        header_session: bytes | None,
+        record: SessionRecord | None,
+        session: Session | None,
+        key_id: str | None,
+    ) -> None:
         if header_session is not None and header_session != frame.session_id:
             raise RequestRejected(
                 ErrorCode.INVALID_FIELD, "the quicsrv-session header and RESUME_STREAM disagree"
             )
         session_id = frame.session_id
-        session = self._live.get(session_id)
-        record = session.record if session is not None else self.store.get(session_id)
         if record is None:
             if self.store.was_expired(session_id):
                 raise RequestRejected(ErrorCode.SESSION_EXPIRED, "the session has expired")
@@ -254,10 +347,6 @@ class SessionManager:
                 raise RequestRejected(
                     ErrorCode.SESSION_BUSY, "another stream is reading this session"
                 )
-        if session is None:
-            session = self._session(record)
-            self._live[session_id] = session
-        return session
 
     # --- upkeep -------------------------------------------------------------------------
 
@@ -273,6 +362,8 @@ class SessionManager:
         logged = ""
         while True:
             await asyncio.sleep(interval_s)  # a periodic chore, not synchronisation
+            if isinstance(self.keys, SharedKeyRing):  # a rotation by another process
+                await asyncio.to_thread(self.keys.refresh)
             removed = self.sweep()
             usage = self.usage()
             if usage != logged or removed:
@@ -320,6 +411,18 @@ class SessionManager:
             self._loop_inbox = LoopInbox(loop)
             self._engine.deliver_on(loop)
         return self._loop_inbox
+
+    def _on_appended(self, record: SessionRecord, problem: str | None) -> None:
+        session = self._live.get(record.session_id)
+        if session is None or session.record is not record:
+            return  # a copy handed over already
+        if problem is None:
+            session.tokens_durable()
+        elif problem == "taken":
+            session.hand_over()
+        else:  # the reader may resume once Redis is back: the durable tokens are there
+            session.hand_over(failure="the session store failed; resume later")
+            self.store.remove(record.session_id)
 
     def _forget(self, session: Session) -> None:
         if self._live.get(session.session_id) is session:
