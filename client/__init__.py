@@ -23,7 +23,14 @@ Errors (see :mod:`client._errors`): :class:`ServerError` for ERROR frames,
 :class:`ClientError`. Breaking out of ``generate`` cancels the request on the server.
 """
 
-from ._client import DEFAULT_CA, H3_REQUEST_CANCELLED, Client, ClientStats, MessageLike
+from ._client import (
+    DEFAULT_CA,
+    H3_REQUEST_CANCELLED,
+    Client,
+    ClientStats,
+    MessageLike,
+    PlainResponse,
+)
 from ._errors import (
     ClientError,
     ConnectTimeout,
@@ -60,6 +67,7 @@ __all__ = [
     "Generation",
     "MessageLike",
     "NetworkError",
+    "PlainResponse",
     "ProtocolError",
     "Reconnected",
     "ReconnectPolicy",

@@ -21,6 +21,7 @@ from typing import Any
 
 from aioquic.asyncio.client import connect
 from aioquic.h3.connection import H3_ALPN
+from aioquic.h3.events import DataReceived, HeadersReceived
 from aioquic.quic.configuration import QuicConfiguration
 from aioquic.tls import SessionTicket
 from cryptography.x509 import load_pem_x509_certificates
@@ -53,6 +54,7 @@ __all__ = [
     "Client",
     "ClientStats",
     "MessageLike",
+    "PlainResponse",
 ]
 
 DEFAULT_CA = "certs/ca.pem"
@@ -66,6 +68,24 @@ DEFAULT_STALL_TIMEOUT_S = 30.0
 API_KEY_ENV = "QUICSRV_API_KEY"
 
 MessageLike = proto.ChatMessage | Mapping[str, str]
+#: The largest plain response body :meth:`Client.get` accepts (a /metrics page is a few KiB).
+MAX_PLAIN_BODY_BYTES = 16 << 20
+
+
+@dataclass(frozen=True, slots=True)
+class PlainResponse:
+    """The answer to a plain ``GET`` (:meth:`Client.get`)."""
+
+    status: int
+    """The HTTP status."""
+    headers: dict[str, str]
+    """Response headers, names in lower case (pseudo-headers left out)."""
+    body: bytes
+    """The whole body."""
+
+    @property
+    def text(self) -> str:
+        return self.body.decode("utf-8", errors="replace")
 
 
 @dataclass
@@ -446,6 +466,62 @@ class Client:
                 deadline_ms=deadline_ms,
             )
         )
+
+    async def get(
+        self,
+        path: str,
+        *,
+        timeout_s: float = 30.0,
+        max_body_bytes: int = MAX_PLAIN_BODY_BYTES,
+    ) -> PlainResponse:
+        """A plain ``GET path`` on this connection (``/metrics``, ``/healthz``, ``/readyz``),
+        with the client's API key. Any status is returned, not raised; NetworkError when no
+        complete answer comes within ``timeout_s``, ProtocolError for a body over
+        ``max_body_bytes``."""
+        await self._wait_handshake()
+        protocol = self._require_protocol()
+        stream_id, queue = protocol.open_stream()
+        headers = [
+            (b":method", b"GET"),
+            (b":scheme", b"https"),
+            (b":authority", self.authority.encode()),
+            (b":path", path.encode()),
+        ]
+        if self.api_key:
+            headers.append((b"authorization", f"Bearer {self.api_key}".encode()))
+        status, response_headers, body = 0, {}, bytearray()
+        complete = False
+        try:
+            protocol.h3.send_headers(stream_id, headers, end_stream=True)
+            protocol.transmit()
+            async with asyncio.timeout(timeout_s):
+                while not complete:
+                    item = await queue.get()
+                    if isinstance(item, Exception):
+                        raise item
+                    event, offset = item
+                    if isinstance(event, HeadersReceived):
+                        for name, value in event.headers:
+                            if name == b":status":
+                                status = int(value)
+                            elif not name.startswith(b":"):
+                                response_headers[name.decode().lower()] = value.decode()
+                    elif isinstance(event, DataReceived):
+                        body += event.data
+                        if len(body) > max_body_bytes:
+                            raise ProtocolError(
+                                f"GET {path}: the body exceeds {max_body_bytes} bytes",
+                                proto.ErrorCode.FRAME_TOO_LARGE,
+                            )
+                        protocol.mark_consumed(stream_id, offset)
+                    complete = bool(getattr(event, "stream_ended", False))
+        except TimeoutError:
+            raise NetworkError(f"GET {path}: no complete answer within {timeout_s}s") from None
+        finally:
+            protocol.close_stream(stream_id)
+            if not complete:
+                protocol.cancel_stream(stream_id)
+        return PlainResponse(status=status, headers=response_headers, body=bytes(body))
 
     async def _request(
         self, path: str, frame: proto.Frame, session_id: str | None

@@ -133,8 +133,9 @@ class Generation:
         """The stream's next event; StallTimeout after ``stall_timeout_s`` of silence.
 
         The clock runs only while the caller waits for an event: a caller that stops reading
-        pauses the generation by design, and that is no stall. Before the first token the
-        server may be queueing or prefilling, which the request's deadline bounds instead.
+        pauses the generation by design, and that is no stall. Before the first token (of
+        the request, or of the stream that resumed it) the server may be queueing, prefilling
+        or rebuilding the session, which the request's deadline bounds instead.
         """
         stall_s = self._client.stall_timeout_s
         if stall_s is None or not self._streaming or self._ended:
@@ -200,6 +201,9 @@ class Generation:
                 hash_index=position.checkpoint_index,
             )
             self._events = self._open(RESUME_PATH, frame)
+            # The resumed stream may wait for a slot and rebuild its KV cells first: like a
+            # new request before its first token, that is no stall.
+            self._streaming = False
             self._pending.append(
                 Reconnected(
                     attempt=self._failures,

@@ -33,6 +33,8 @@ from typing import Any
 
 from quicsrv.devcerts import ensure_dev_certs
 
+from .metrics_scrape import MetricsScraper, write_png
+
 __all__ = ["main"]
 
 REPO = Path(__file__).resolve().parents[1]
@@ -318,6 +320,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--sweep-interval", type=float, default=5.0, help="store-usage log period")
     parser.add_argument("--rss-interval", type=float, default=1.0, help="RSS sampling period")
     parser.add_argument(
+        "--scrape-interval", type=float, default=1.0, help="/metrics scraping period (metrics.png)"
+    )
+    parser.add_argument(
         "--no-require-scenarios",
         dest="require_scenarios",
         action="store_false",
@@ -331,10 +336,15 @@ def main(argv: Sequence[str] | None = None) -> int:
         out.mkdir(parents=True, exist_ok=True)
         server = _start_server(args, scratch, out)
         assert server.port is not None
+        scraper = MetricsScraper(
+            "127.0.0.1", server.port, ca=out / "ca.pem", interval_s=args.scrape_interval
+        )
         try:
+            scraper.start()
             cpu_before = _CpuMark.take(server.process.pid)
             locust_rc = _run_locust(args, server.port, out)
             cpu = _cpu_report(cpu_before, _CpuMark.take(server.process.pid))
+            scrapes = scraper.stop()
         finally:
             server_died = server.process.poll() is not None
             server_rc = _stop_server(server)
@@ -351,6 +361,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             "stats": _percentiles(out / "locust_stats.csv"),
             "rss_mib": _rss_report(server.rss_kib),
             "cpu_cores": cpu,
+            "metrics": _metrics_report(scrapes, scraper.errors, out / "metrics.png"),
             "store_usage_last": usage[-1] if usage else None,
             "store_usage_max_live": max((u["live"] for u in usage), default=0),
             "store_usage_max_kv": max(
@@ -369,6 +380,20 @@ def main(argv: Sequence[str] | None = None) -> int:
             return 1
         print(f"smoke passed in {report['wall_s']} s")
         return 0
+
+
+def _metrics_report(scrapes: list[Any], errors: list[str], png: Path) -> dict[str, Any]:
+    """Plot the scraped series (metrics.png) and say what the last scrape counted."""
+    if len(scrapes) >= 2:
+        write_png(scrapes, png, title="loadtest.smoke")
+    last = scrapes[-1] if scrapes else None
+    return {
+        "scrapes": len(scrapes),
+        "errors": errors[:5],
+        "png": str(png) if len(scrapes) >= 2 else None,
+        "generated_tokens": last.generated_tokens if last else None,
+        "max_sessions_paused": max((s.sessions_paused for s in scrapes), default=0),
+    }
 
 
 def _rss_report(samples: list[tuple[float, int]]) -> dict[str, Any] | None:

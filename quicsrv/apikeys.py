@@ -22,7 +22,7 @@ from pathlib import Path
 
 from blake3 import blake3
 
-__all__ = ["ApiKeys", "KeyFileError", "hash_key", "key_id", "new_key"]
+__all__ = ["AccessDenied", "ApiKeys", "ClientId", "KeyFileError", "hash_key", "key_id", "new_key"]
 
 log = logging.getLogger(__name__)
 
@@ -49,6 +49,26 @@ def hash_key(key: str) -> str:
 def key_id(key_hash: str) -> str:
     """A short, non-secret name for a key (logs, session records, per-client limits)."""
     return "key:" + key_hash[:16]
+
+
+class AccessDenied(Exception):
+    """No API key, or one the server does not know: ``unauthorized`` (401)."""
+
+    def __init__(self, message: str, *, presented: bool) -> None:
+        super().__init__(message)
+        self.message = message
+        self.presented = presented
+        """Whether a credential was given at all (a wrong key vs a missing one)."""
+
+
+@dataclass(frozen=True, slots=True)
+class ClientId:
+    """Who a request belongs to: the unit of per-client limits and of session ownership."""
+
+    name: str
+    """The API key id (``key:...``), or the connection's name when the server has no keys."""
+    key_id: str | None
+    """The API key the request presented; None on an open server."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -87,6 +107,24 @@ class ApiKeys:
     def __len__(self) -> int:
         self._maybe_reload()
         return len(self._fixed) + len(self._file_hashes)
+
+    def authorize(self, authorization: bytes | None, *, connection: str) -> ClientId:
+        """Who sends a request with this ``authorization`` header value over ``connection``
+        (a name for the peer's connection, used as the client on an open server).
+
+        Raises AccessDenied when keys are configured and the header holds none of them. Any
+        front end (QUIC, HTTP) calls this, so one key means one client everywhere.
+        """
+        if not self.enabled:
+            return ClientId(name=connection, key_id=None)
+        found = self.identify(authorization)
+        if found is None:
+            if authorization is None:
+                raise AccessDenied(
+                    "an API key is required (authorization: Bearer <key>)", presented=False
+                )
+            raise AccessDenied("the API key is not valid", presented=True)
+        return ClientId(name=found, key_id=found)
 
     def identify(self, authorization: bytes | None) -> str | None:
         """The key id of a valid ``Bearer`` credential, else None (constant time per key)."""

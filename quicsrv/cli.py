@@ -13,6 +13,8 @@ from pathlib import Path
 from .config import ServerConfig
 from .devcerts import describe, ensure_dev_certs
 from .engine import EngineUnavailable
+from .logs import configure_logging
+from .tracing import configure_exporter
 
 __all__ = ["main"]
 
@@ -102,6 +104,25 @@ def _parser() -> argparse.ArgumentParser:
         dest="max_queue_wait_s",
         help="seconds a new generation may wait for a slot before deadline_exceeded",
     )
+    serve.add_argument(
+        "--log-format",
+        choices=["plain", "json"],
+        dest="log_format",
+        help="plain lines (default) or one JSON object per line",
+    )
+    serve.add_argument(
+        "--metrics-public",
+        action="store_const",
+        const=True,
+        dest="metrics_public",
+        help="serve GET /metrics without an API key even when keys are configured",
+    )
+    serve.add_argument(
+        "--otel-exporter",
+        choices=["none", "console", "otlp"],
+        dest="otel_exporter",
+        help="OpenTelemetry spans per generation (needs the `otel` extra); default none",
+    )
     api_key = commands.add_parser("api-key", help="make API keys and their stored hashes")
     api_key_actions = api_key.add_subparsers(dest="action", required=True)
     new = api_key_actions.add_parser(
@@ -128,8 +149,7 @@ def _parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
-    logging.getLogger("quic").setLevel(logging.WARNING)  # aioquic logs every handshake at INFO
+    configure_logging("plain")
     if args.command == "certs":
         print(describe(ensure_dev_certs(args.dir)))
         return 0
@@ -161,9 +181,18 @@ def main(argv: list[str] | None = None) -> int:
             "max_active_per_client",
             "max_queued_per_client",
             "max_queue_wait_s",
+            "log_format",
+            "metrics_public",
+            "otel_exporter",
         )
     }
     config = ServerConfig.load(args.config, **overrides)
+    try:
+        configure_logging(config.log_format)
+        configure_exporter(config.otel_exporter)
+    except ValueError as exc:
+        log.error("cannot serve: %s", exc)
+        return 2
     try:
         asyncio.run(_serve(config))
     except KeyboardInterrupt:

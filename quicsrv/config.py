@@ -77,6 +77,10 @@ class ServerConfig:
     send_high_watermark_bytes: int = 32 * 1024
     send_low_watermark_bytes: int = 8 * 1024
     checkpoint_every_tokens: int = 16
+    # Observability.
+    metrics_public: bool = False  # GET /metrics without an API key even when keys are configured
+    log_format: str = "plain"  # or "json": one JSON object per line
+    otel_exporter: str = "none"  # "console" or "otlp": OpenTelemetry spans (the `otel` extra)
 
     @classmethod
     def load(cls, toml_path: Path | None = None, **overrides: Any) -> ServerConfig:

@@ -6,7 +6,15 @@ from pathlib import Path
 
 import pytest
 
-from quicsrv.apikeys import ApiKeys, KeyFileError, hash_key, key_id, new_key
+from quicsrv.apikeys import (
+    AccessDenied,
+    ApiKeys,
+    ClientId,
+    KeyFileError,
+    hash_key,
+    key_id,
+    new_key,
+)
 from quicsrv.cli import main
 
 
@@ -33,6 +41,24 @@ def test_a_plain_key_is_accepted_only_as_a_bearer_credential():
         assert keys.identify(bad) is None
     assert keys.identify(b"Bearer " + b"\xff" * 8) is None
     assert keys.identify(b"Bearer " + b"a" * 100_000) is None
+
+
+def test_authorize_names_the_client_by_key_or_by_connection():
+    assert ApiKeys().authorize(None, connection="conn:7") == ClientId("conn:7", None)
+    key = new_key()
+    keys = ApiKeys([key])
+    expected = key_id(hash_key(key))
+    # With keys, the key is the client, whichever connection it comes over.
+    for connection in ("conn:1", "conn:2"):
+        assert keys.authorize(f"Bearer {key}".encode(), connection=connection) == ClientId(
+            expected, expected
+        )
+    with pytest.raises(AccessDenied, match="required") as missing:
+        keys.authorize(None, connection="conn:1")
+    assert not missing.value.presented
+    with pytest.raises(AccessDenied, match="not valid") as wrong:
+        keys.authorize(b"Bearer qs_wrong", connection="conn:1")
+    assert wrong.value.presented
 
 
 def test_the_keys_file_holds_hashes_and_is_reread_when_it_changes(tmp_path: Path):

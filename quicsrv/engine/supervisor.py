@@ -45,11 +45,13 @@ import tempfile
 import threading
 import time
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from enum import StrEnum
 from multiprocessing.connection import Connection
 from pathlib import Path
 
+from ..logs import current_log_format
 from ._api import (
     EngineError,
     EngineUnavailable,
@@ -251,6 +253,8 @@ class WorkerEngine(ModelFacts):
         self.restarts = 0
         self.deaths: deque[str] = deque(maxlen=100)  # why workers ended, oldest first
         self.tokens_generated_total = 0
+        self.on_step: Callable[[list[int]], None] | None = None
+        """Told, once per decode step that sampled tokens, whose sequences got one (metrics)."""
         self.last_ready: Ready | None = None
         # Workers are started from the supervisor thread only: Linux's parent-death signal
         # (the worker's safety net) fires when the *thread* that started it exits.
@@ -463,6 +467,7 @@ class WorkerEngine(ModelFacts):
             spool_dir=self._spool,
             incarnation=incarnation,
             log_level=logging.getLogger().getEffectiveLevel(),
+            log_format=current_log_format(),
         )
         phase_file = self._spool / f"phase-{incarnation}"
         phase_file.write_bytes(bytes([WorkerPhase.LOADING]))
@@ -594,6 +599,7 @@ class WorkerEngine(ModelFacts):
             link.ended.set()
 
     def _deliver(self, step: Step, *, on_loop: bool = False) -> None:
+        stepped: list[int] = []
         for event in step.events:
             with self._lock:
                 sequence = self._sequences.get(event.key)
@@ -614,11 +620,14 @@ class WorkerEngine(ModelFacts):
             elif isinstance(event, TokenGenerated):
                 sequence.history.append(event.token_id)
                 self.tokens_generated_total += 1
+                stepped.append(event.key)
                 sequence.sink.token_generated(event.index, event.token_id, event.piece)
             elif isinstance(event, SequenceFinished):
                 sequence.sink.sequence_finished(event.reason, event.completion_tokens)
             elif isinstance(event, SequenceResumed):
                 sequence.sink.sequence_resumed(event.path)
+        if stepped and self.on_step is not None:
+            self.on_step(stepped)
 
     def _replace(self, link: _Link, death: _Death) -> _Link | None:
         """A running worker ended: hand its sequences back, then start another."""

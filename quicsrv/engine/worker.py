@@ -40,6 +40,7 @@ from multiprocessing.connection import Connection
 from pathlib import Path
 from typing import Any
 
+from ..logs import log_handler
 from ._api import (
     EngineError,
     FinishReason,
@@ -85,6 +86,7 @@ class WorkerOptions:
     spool_dir: Path
     incarnation: int
     log_level: int = logging.INFO
+    log_format: str = "plain"  # or "json", as the server logs (quicsrv.logs)
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -119,10 +121,13 @@ class _Phase:
 
 def run_worker(conn: Connection, options: WorkerOptions, phase: Any) -> None:
     """Serve the engine (``phase``: anything with a writable ``value``)."""
-    logging.basicConfig(
-        level=options.log_level,
-        format=f"%(asctime)s engine-worker[{os.getpid()}] %(name)s %(message)s",
-    )
+    if options.log_format == "json":
+        logging.basicConfig(level=options.log_level, handlers=[log_handler("json")])
+    else:
+        logging.basicConfig(
+            level=options.log_level,
+            format=f"%(asctime)s engine-worker[{os.getpid()}] %(name)s %(message)s",
+        )
     faulthandler.enable()  # a native crash prints the Python stack it happened under
     _die_with_parent()
     faults = _Faults.from_env(options)

@@ -3,9 +3,10 @@
 Every engine sequence runs under a :class:`Slot` from the :class:`FairGate`, which hands out
 at most ``slots`` at once (the engine's ``n_seq_max``), so the engine's own first-come queue
 never decides the order. A client is its API key, or its connection when the server has no
-keys. Waiting requests are served round-robin across clients (a client's 50th request does not
-run before another client's 1st), and a session coming back (a resume, or a paused sequence
-whose reader caught up) goes before every new request: it already holds a reader.
+keys. Waiting requests are served round-robin across clients, the client running the fewest
+sequences first (a client's 50th request does not run before another client's 1st), and a
+session coming back (a resume, or a paused sequence whose reader caught up) goes before every
+new request: it already holds a reader.
 
 Caps: a client runs at most ``max_active_per_client`` sequences and queues at most
 ``max_queued_per_client`` new requests (``client_limit``, 429); the whole queue holds at most
@@ -33,6 +34,10 @@ _INITIAL_HOLD_S = 2.0
 _HOLD_SMOOTHING = 0.2  # weight of the newest slot hold in the running mean
 _MIN_RETRY_S = 0.1
 _MAX_RETRY_S = 600.0
+#: Distinct (code, client) refusal counters kept; past that they add up under OTHER_CLIENTS (on
+#: an open server every connection is a client, so the peers would decide the size).
+MAX_REFUSAL_KEYS = 1024
+OTHER_CLIENTS = "(others)"
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -91,7 +96,8 @@ class FairGate:
         self._queued_new = 0
         self._mean_hold_s = _INITIAL_HOLD_S
         self.refusals: Counter[tuple[ErrorCode, str]] = Counter()
-        """Refusals by (code, client): per-client vs server-wide, for logs and metrics."""
+        """Refusals by (code, client): ``client_limit`` (per-client), ``overloaded``
+        (server-wide), ``deadline_exceeded``; for logs and metrics (:meth:`refusals_by_code`)."""
         self.granted = 0
         self._observers: list[asyncio.Future[None]] = []
 
@@ -105,6 +111,18 @@ class FairGate:
     def queued(self) -> int:
         """Waiters of both kinds."""
         return sum(len(q) for by_client in self._waiting.values() for q in by_client.values())
+
+    @property
+    def queued_new(self) -> int:
+        """New requests waiting (returning sessions not counted)."""
+        return self._queued_new
+
+    def refusals_by_code(self) -> Counter[ErrorCode]:
+        """How many requests the gate refused, per error code, all clients together."""
+        totals: Counter[ErrorCode] = Counter()
+        for (code, _client), n in self.refusals.items():
+            totals[code] += n
+        return totals
 
     def active_for(self, client: str) -> int:
         return self._active[client]
@@ -154,6 +172,7 @@ class FairGate:
                 return await asyncio.shield(waiter.future)
         except TimeoutError:
             if self._withdraw(waiter):
+                self._count_refusal(ErrorCode.DEADLINE_EXCEEDED, client)
                 raise RequestRejected(
                     ErrorCode.DEADLINE_EXCEEDED,
                     f"could not start within {timeout_s:.3f} s: {self.queued} requests waiting, "
@@ -172,11 +191,17 @@ class FairGate:
 
     # --- internals ----------------------------------------------------------------------
 
+    def _count_refusal(self, code: ErrorCode, client: str) -> None:
+        key = (code, client)
+        if key not in self.refusals and len(self.refusals) >= MAX_REFUSAL_KEYS:
+            key = (code, OTHER_CLIENTS)
+        self.refusals[key] += 1
+
     def _check_room(self, client: str) -> None:
         limits = self.limits
         mine = len(self._waiting[False].get(client, ()))
         if mine >= limits.max_queued_per_client:
-            self.refusals[ErrorCode.CLIENT_LIMIT, client] += 1
+            self._count_refusal(ErrorCode.CLIENT_LIMIT, client)
             raise RequestRejected(
                 ErrorCode.CLIENT_LIMIT,
                 f"this client already has {self._active[client]} generations running and "
@@ -185,7 +210,7 @@ class FairGate:
                 self.retry_after_s(mine, limits.max_active_per_client),
             )
         if self._queued_new >= limits.max_queued:
-            self.refusals[ErrorCode.OVERLOADED, client] += 1
+            self._count_refusal(ErrorCode.OVERLOADED, client)
             raise RequestRejected(
                 ErrorCode.OVERLOADED,
                 f"{self._active_total} generations running and {self._queued_new} waiting "
@@ -225,19 +250,22 @@ class FairGate:
             waiter.future.set_result(self._grant(waiter.client))
 
     def _next_waiter(self, resume: bool) -> _Waiter | None:
+        """The first waiter of the client running the fewest sequences (round-robin order
+        among equals): a hog's queued requests never go before another client's first."""
         by_client = self._waiting[resume]
-        for client in list(by_client):
-            queue = by_client[client]
-            if self._active[client] >= self.limits.max_active_per_client:
-                continue
-            waiter = queue.popleft()
-            del by_client[client]  # back of the round-robin order, if it still waits
-            if queue:
-                by_client[client] = queue
-            if not resume:
-                self._queued_new -= 1
-            return waiter
-        return None
+        cap = self.limits.max_active_per_client
+        eligible = [c for c in by_client if self._active[c] < cap]
+        if not eligible:
+            return None
+        client = min(eligible, key=self._active.__getitem__)  # min keeps the first of equals
+        queue = by_client[client]
+        waiter = queue.popleft()
+        del by_client[client]  # back of the round-robin order, if it still waits
+        if queue:
+            by_client[client] = queue
+        if not resume:
+            self._queued_new -= 1
+        return waiter
 
     def _withdraw(self, waiter: _Waiter) -> bool:
         """Take a waiter out of its queue; False if it was served already."""

@@ -25,6 +25,7 @@ import proto
 from proto import ErrorCode
 
 from ..engine import Engine, EngineError, EngineUnavailable, PromptTooLong, SequenceRequest
+from ..metrics import ServerMetrics
 from .admission import AdmissionLimits, FairGate, Slot
 from .generation import RequestRejected, build_request
 from .inbox import LoopInbox
@@ -90,8 +91,11 @@ class SessionManager:
         settings: SessionSettings,
         *,
         clock: Callable[[], float] = time.time,
+        metrics: ServerMetrics | None = None,
     ) -> None:
         self._engine = engine
+        self.metrics = metrics if metrics is not None else ServerMetrics()
+        self.metrics.bind_sessions(self)
         self.settings = settings
         self._clock = clock
         self.redis: redis.Redis | None = None
@@ -146,6 +150,10 @@ class SessionManager:
         """The session's live object, if it runs or is attached (tests and stats)."""
         return self._live.get(session_id)
 
+    def live_sessions(self) -> list[Session]:
+        """Every session running or read now (metrics)."""
+        return list(self._live.values())
+
     def usage(self) -> str:
         return (
             f"{self.store.usage().describe()}, {len(self._live)} live, {self.kv.usage().describe()}"
@@ -177,18 +185,25 @@ class SessionManager:
         *,
         slot: Slot,
         owner: str = "",
+        arrived_at: float | None = None,
     ) -> Session:
         """Validate, record and submit a GENERATE under ``slot`` (``request``: its
         :meth:`prepare` result, made here when not given; ``owner``: the API key id that
-        started it); raises RequestRejected, the slot then given back."""
+        started it; ``arrived_at``: when the request arrived, on the loop's clock, for the
+        time to first token); raises RequestRejected, the slot then given back."""
         try:
-            return self._start(frame, request, slot, owner)
+            return self._start(frame, request, slot, owner, arrived_at)
         except BaseException:
             slot.release()
             raise
 
     def _start(
-        self, frame: proto.Generate, request: SequenceRequest | None, slot: Slot, owner: str
+        self,
+        frame: proto.Generate,
+        request: SequenceRequest | None,
+        slot: Slot,
+        owner: str,
+        arrived_at: float | None,
     ) -> Session:
         if request is None:
             request = self.prepare(frame)
@@ -215,7 +230,7 @@ class SessionManager:
         )
         session = self._session(record)
         try:
-            session.start(slot)
+            session.start(slot, arrived_at)
         except PromptTooLong as exc:
             raise RequestRejected(ErrorCode.PROMPT_TOO_LONG, str(exc)) from None
         except EngineUnavailable as exc:
@@ -402,6 +417,7 @@ class SessionManager:
             inbox=self._inbox(),
             gate=self.gate,
             on_idle=self._forget,
+            trace=self.metrics.trace(record.session_id, resumed=bool(record.generated)),
         )
 
     def _inbox(self) -> LoopInbox:

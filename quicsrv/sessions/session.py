@@ -16,7 +16,7 @@ from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from enum import Enum
-from typing import Protocol
+from typing import TYPE_CHECKING, Protocol
 
 import proto
 from proto import EndReason
@@ -39,6 +39,9 @@ from .kvstore import KVStore
 from .snapshot import PrefixSigner
 from .store import SessionEnd, SessionRecord, SessionStore
 from .text import TextAssembler
+
+if TYPE_CHECKING:
+    from ..metrics import GenerationTrace
 
 __all__ = ["FlowSettings", "Session", "StreamPort"]
 
@@ -102,6 +105,7 @@ class Session:
         inbox: LoopInbox,
         gate: FairGate,
         on_idle: Callable[[Session], None],
+        trace: GenerationTrace,
     ) -> None:
         self.record = record
         self._engine = engine
@@ -113,6 +117,7 @@ class Session:
         self._inbox = inbox
         self._gate = gate
         self._on_idle = on_idle
+        self._trace = trace  # metrics and spans of this object's life
         self._signer = PrefixSigner(
             record.snapshot(upto=0).header(), record.generated, flow.checkpoint_every_tokens
         )
@@ -161,9 +166,10 @@ class Session:
 
     # --- lifecycle, on the event loop ---------------------------------------------------
 
-    def start(self, slot: Slot) -> None:
-        """Submit a new generation under ``slot``; raises EngineError (e.g. Overloaded) at
-        once, the slot then given back."""
+    def start(self, slot: Slot, arrived_at: float | None = None) -> None:
+        """Submit a new generation under ``slot`` (its request arrived at ``arrived_at``, on
+        the loop's clock); raises EngineError (e.g. Overloaded) at once, the slot then given
+        back."""
         self.client = slot.client
         self._slot = slot
         try:
@@ -171,6 +177,7 @@ class Session:
         except BaseException:
             self._release_slot()
             raise
+        self._trace.started(len(self.record.prompt_tokens), arrived_at)
 
     def planned_resume_path(self) -> ResumePath | None:
         """How the next engine start will rebuild the KV cells (None: nothing to rebuild)."""
@@ -302,6 +309,7 @@ class Session:
         if record.end is not None or index != len(record.generated):
             return  # a token decoded after a stop sequence matched: not part of the output
         self._store.append_token(record, token_id)  # persisted before anyone is sent it
+        self._trace.token_recorded()
         self._texts.append(self._text.push(piece))
         if self._text.stopped:
             if self._handle is not None:
@@ -331,6 +339,7 @@ class Session:
         self._release_slot()
         self.pauses += 1
         self.paused.set()
+        self._trace.paused()
         log.debug("session %s paused at %d tokens", self.session_id.hex(), n_generated)
         attachment = self._attachment
         if attachment is not None and attachment.next_index == len(self.record.generated):
@@ -340,11 +349,17 @@ class Session:
 
     def _on_resumed(self, path: ResumePath) -> None:
         self.resume_paths.append(path)
+        self._trace.resumed(path)
         log.info(
             "session %s resumed by %s at %d tokens",
             self.session_id.hex(),
             path.value,
             len(self.record.generated),
+            extra={
+                "event": "session_resumed",
+                "session_id": self.session_id.hex(),
+                "resume_path": path.value,
+            },
         )
 
     # --- internals ----------------------------------------------------------------------
@@ -381,6 +396,7 @@ class Session:
         if room < max(1, self._flow.max_tokens_ahead // 2):
             return
         self._state = _EngineState.STARTING
+        self._trace.restart_wanted()
         self._restarting = self._loop.create_task(self._restart())
 
     def _stop_restarting(self) -> None:
@@ -508,4 +524,5 @@ class Session:
                 self._retry = None
             self._store.close_log(self.record)
             self.idle.set()
+            self._trace.closed(self.record.end.reason.value if self.record.end else "detached")
             self._on_idle(self)

@@ -2,7 +2,8 @@
 
 ``POST /v1/generate`` (body: one GENERATE frame) starts a session; ``POST /v1/resume`` (session
 id in the ``quicsrv-session`` header, body: one RESUME_STREAM frame) attaches to one. Either
-response is ``200`` with TOKEN/CHECKPOINT ... END frames. Peer errors become an HTTP status plus
+response is ``200`` with TOKEN/CHECKPOINT ... END frames. ``GET /metrics``, ``/healthz`` and
+``/readyz`` are answered by :mod:`.routes`. Peer errors become an HTTP status plus
 an ERROR frame in exactly one place (:meth:`_H3ServerProtocol._reject`); the connection and other
 streams go on.
 
@@ -24,6 +25,7 @@ import asyncio
 import contextlib
 import itertools
 import logging
+from collections import Counter
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -44,11 +46,13 @@ from aioquic.quic.events import (
 import proto
 from proto import ErrorCode
 
-from ..apikeys import ApiKeys
+from ..apikeys import AccessDenied, ApiKeys, ClientId
 from ..config import ServerConfig
 from ..engine import Engine
+from ..metrics import TransportFacts
 from ..sessions import RequestRejected, Session, SessionManager
 from .redis_tickets import RedisTicketStore
+from .routes import PlainResponse, PlainRoutes, authorize_metrics, plain_endpoint, readiness
 from .sockets import AppliedSocketOptions, SocketOptions, open_udp_socket, serve_on_socket
 from .tickets import MemoryTicketStore, TicketStore
 
@@ -65,6 +69,7 @@ EARLY_DATA_HEADER = b"quicsrv-early-data"
 AUTHORIZATION_HEADER = b"authorization"
 #: The client abandoned the request on purpose (RFC 9114 §8.1): no KV snapshot is worth keeping.
 H3_REQUEST_CANCELLED = 0x10C
+H3_NO_ERROR = 0x100
 
 
 @dataclass(eq=False)
@@ -122,7 +127,19 @@ class QuicServerApp:
         self.connections: set[_H3ServerProtocol] = set()
         self.accepting = True
         self.early_resumes = 0  # RESUME_STREAMs answered from 0-RTT data (stats, tests)
+        self.refusals: Counter[ErrorCode] = Counter()
+        """Requests answered with an ERROR frame, per code (401, 429, 503, 504, ...)."""
         self.early_generates_refused = 0
+        self.metrics = sessions.metrics
+        self.metrics.bind_engine(engine)
+        self.metrics.bind_transport(_AppFacts(self))
+        self.routes = PlainRoutes(
+            metrics=self.metrics,
+            readiness=lambda: readiness(self.engine, accepting=self.accepting),
+            authorize_metrics=lambda headers: authorize_metrics(
+                headers, api_keys=self.api_keys, metrics_public=self.config.metrics_public
+            ),
+        )
 
     def shut_down_streams(self) -> None:
         """End every open stream with END(shutdown); sessions stay resumable."""
@@ -130,6 +147,25 @@ class QuicServerApp:
         self.sessions.shutdown()
         for connection in list(self.connections):
             connection.transmit()
+
+
+class _AppFacts(TransportFacts):
+    """The transport's state, read by the metrics collector when scraped."""
+
+    def __init__(self, app: QuicServerApp) -> None:
+        self._app = app
+
+    def open_connections(self) -> int:
+        return len(self._app.connections)
+
+    def early_resumes(self) -> int:
+        return self._app.early_resumes
+
+    def early_generates_refused(self) -> int:
+        return self._app.early_generates_refused
+
+    def accepting(self) -> bool:
+        return self._app.accepting
 
 
 class _H3ServerProtocol(QuicConnectionProtocol):
@@ -143,6 +179,7 @@ class _H3ServerProtocol(QuicConnectionProtocol):
         # Without API keys, a client is its connection (a number never reused by this process).
         self._connection_client = f"conn:{next(app.connection_ids)}"
         app.connections.add(self)
+        app.metrics.connections_opened.inc()
 
     @property
     def _peer(self) -> str:
@@ -201,27 +238,33 @@ class _H3ServerProtocol(QuicConnectionProtocol):
     def _headers_received(self, event: HeadersReceived) -> None:
         headers = dict(event.headers)
         method, path = headers.get(b":method"), headers.get(b":path")
-        keys = self._app.api_keys
-        key_id = keys.identify(headers.get(AUTHORIZATION_HEADER)) if keys.enabled else None
+        if plain_endpoint(path) is not None:  # operators' endpoints: their own access rules
+            response = self._app.routes.handle(method, path, headers)
+            self._answer_plain(event.stream_id, response, request_ended=event.stream_ended)
+            return
+        denied: AccessDenied | None = None
+        try:
+            who = self._app.api_keys.authorize(
+                headers.get(AUTHORIZATION_HEADER), connection=self._connection_client
+            )
+        except AccessDenied as exc:
+            denied, who = exc, ClientId(name=self._connection_client, key_id=None)
         request = _Request(
             stream_id=event.stream_id,
             path=path or b"",
             session_header=headers.get(SESSION_HEADER),
             decoder=proto.FrameDecoder(max_payload_bytes=self._app.config.max_request_bytes),
             arrived_at=asyncio.get_running_loop().time(),
-            client=key_id or self._connection_client,
-            key_id=key_id,
+            client=who.name,
+            key_id=who.key_id,
         )
         self._requests[event.stream_id] = request
-        if keys.enabled and key_id is None:
+        if denied is not None:
             # Before anything else: an unauthenticated peer learns nothing about paths.
-            given = AUTHORIZATION_HEADER in headers
             self._reject(
                 request,
                 ErrorCode.UNAUTHORIZED,
-                "the API key is not valid"
-                if given
-                else "an API key is required (authorization: Bearer <key>)",
+                denied.message,
                 extra_headers=[(b"www-authenticate", b'Bearer realm="quicsrv"')],
             )
         elif path not in (GENERATE_PATH, RESUME_PATH):
@@ -311,7 +354,13 @@ class _H3ServerProtocol(QuicConnectionProtocol):
                 if not self._app.accepting:
                     raise RequestRejected(ErrorCode.SHUTTING_DOWN, "the server is shutting down")
                 return
-            session = sessions.start(frame, prepared, slot=slot, owner=request.key_id or "")
+            session = sessions.start(
+                frame,
+                prepared,
+                slot=slot,
+                owner=request.key_id or "",
+                arrived_at=request.arrived_at,
+            )
             # The session id goes out once its record is on disk: whoever learns it can
             # resume it, even after a kill -9 of this process.
             try:
@@ -343,6 +392,7 @@ class _H3ServerProtocol(QuicConnectionProtocol):
         """200 with the session id, then the session's frames from ``from_index`` on."""
         request.session = session
         request.port = _StreamPort(self, request.stream_id)
+        self._app.metrics.request_finished(_endpoint(request.path), "ok")
         self._send_headers(
             request.stream_id, 200, [(SESSION_HEADER, session.session_id.hex().encode()), *extra]
         )
@@ -364,7 +414,48 @@ class _H3ServerProtocol(QuicConnectionProtocol):
             self._detach(stream_id, capture_kv=True)
             return
         if end_stream:
-            self._requests.pop(stream_id, None)
+            request = self._requests.pop(stream_id, None)
+            if request is not None and request.session is not None:
+                self._log_stream_ended(request, request.session)
+        self._transmit_soon()
+
+    def _log_stream_ended(self, request: _Request, session: Session) -> None:
+        duration_s = asyncio.get_running_loop().time() - request.arrived_at
+        session_id = session.session_id.hex()
+        log.info(
+            "peer %s stream %d session %s: stream ended after %.3fs",
+            self._peer,
+            request.stream_id,
+            session_id,
+            duration_s,
+            extra={
+                "event": "stream_ended",
+                "peer": self._peer,
+                "stream_id": request.stream_id,
+                "session_id": session_id,
+                "duration_s": round(duration_s, 6),
+            },
+        )
+
+    def _answer_plain(
+        self, stream_id: int, response: PlainResponse, *, request_ended: bool
+    ) -> None:
+        assert self._h3 is not None
+        if not request_ended:
+            # The answer needs no body: stop the peer sending one (RFC 9114 §4.1).
+            with contextlib.suppress(Exception):
+                self._quic.stop_stream(stream_id, H3_NO_ERROR)
+        headers = [
+            (b":status", str(response.status).encode()),
+            (b"content-type", response.content_type.encode()),
+            (b"content-length", str(len(response.body)).encode()),
+            *response.headers,
+        ]
+        try:
+            self._h3.send_headers(stream_id, headers)
+            self._h3.send_data(stream_id, response.body, end_stream=True)
+        except Exception:  # the stream is already gone; nothing to answer
+            return
         self._transmit_soon()
 
     def _transmit_soon(self) -> None:
@@ -387,7 +478,22 @@ class _H3ServerProtocol(QuicConnectionProtocol):
         extra_headers: list[tuple[bytes, bytes]] | None = None,
     ) -> None:
         """The one place a peer error becomes a response: status + ERROR frame, stream ended."""
-        log.info("peer %s stream %d: %s: %s", self._peer, request.stream_id, code.slug, message)
+        log.info(
+            "peer %s stream %d: %s: %s",
+            self._peer,
+            request.stream_id,
+            code.slug,
+            message,
+            extra={
+                "event": "request_rejected",
+                "peer": self._peer,
+                "stream_id": request.stream_id,
+                "code": code.slug,
+                "duration_s": round(asyncio.get_running_loop().time() - request.arrived_at, 6),
+            },
+        )
+        self._app.refusals[code] += 1
+        self._app.metrics.request_finished(_endpoint(request.path), code.slug)
         request.rejected = True
         self._requests.pop(request.stream_id, None)
         frame = proto.Error(code=code, message=message, retry_after_s=retry_after_s)
@@ -417,6 +523,11 @@ class _H3ServerProtocol(QuicConnectionProtocol):
         # Client-initiated bidirectional streams are the requests (RFC 9000 §2.1).
         streams = self._quic._streams
         return any(not s.sender.is_finished for i, s in streams.items() if i % 4 == 0)
+
+
+def _endpoint(path: bytes) -> str:
+    """The ``endpoint`` label of a request path (bounded: anything unknown is "other")."""
+    return {GENERATE_PATH: "generate", RESUME_PATH: "resume"}.get(path, "other")
 
 
 def _parse_session_header(value: bytes | None) -> bytes | None:
@@ -467,6 +578,7 @@ class RunningServer:
             connection.close()
         self.server.close()
         self.app.sessions.close()
+        self.app.metrics.unbind_engine(self.app.engine)
 
 
 async def start_server(

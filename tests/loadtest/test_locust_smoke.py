@@ -158,3 +158,8 @@ def test_smoke_load_loses_no_token_and_meets_no_unexpected_error(model_path, tmp
     assert summary["unexpected_errors"] == {} and summary["expected_errors_wrong"] == {}
     assert all(summary["scenarios"].get(s) for s in ("plain", "slow_reader", "drop_and_resume"))
     assert summary["resume_paths"] and summary["expected_errors_ok"]
+    # The server's own counters, scraped during the run, saw the load (and were plotted).
+    metrics = report["metrics"]
+    assert metrics["errors"] == [] and metrics["scrapes"] >= 2
+    assert metrics["generated_tokens"] >= summary["tokens_checked"] > 0
+    assert (tmp_path / "metrics.png").read_bytes().startswith(b"\x89PNG")

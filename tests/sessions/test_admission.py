@@ -8,7 +8,13 @@ import pytest
 
 from proto import ErrorCode
 from quicsrv.sessions import RequestRejected
-from quicsrv.sessions.admission import AdmissionLimits, FairGate, Slot
+from quicsrv.sessions.admission import (
+    MAX_REFUSAL_KEYS,
+    OTHER_CLIENTS,
+    AdmissionLimits,
+    FairGate,
+    Slot,
+)
 
 pytestmark = pytest.mark.asyncio
 
@@ -49,6 +55,32 @@ async def test_waiting_requests_are_served_round_robin_across_clients():
     running.release()
     await asyncio.gather(*tasks)
     assert order == ["hog0", "alice0", "bob0", "hog1", "hog2"]
+
+
+async def test_a_client_running_fewer_sequences_goes_first_whoever_queued_earlier():
+    gate = _gate(slots=3)
+    hog = [await gate.acquire("hog") for _ in range(2)]
+    other = await gate.acquire("other")
+    order: list[str] = []
+
+    async def wait(client: str, n: int) -> None:
+        await gate.acquire(client)  # held to the end of the test
+        order.append(f"{client}{n}")
+
+    # The hog queues first, then a newcomer with nothing running.
+    tasks = [asyncio.create_task(wait("hog", n)) for n in range(2)]
+    await _settle()
+    tasks.append(asyncio.create_task(wait("new", 0)))
+    await _settle()
+    hog[0].release()  # the hog still runs one, the newcomer none: the newcomer goes first
+    await _settle()
+    assert order == ["new0"]
+    other.release()  # now the hog (1 running) and the newcomer (1 running) tie: round-robin
+    await _settle()
+    assert order == ["new0", "hog0"]
+    assert gate.queued == 1 and gate.active == 3
+    tasks[1].cancel()
+    await asyncio.gather(*tasks, return_exceptions=True)
 
 
 async def test_a_returning_session_goes_before_new_requests():
@@ -139,6 +171,7 @@ async def test_a_deadline_gives_the_place_up():
         await gate.acquire("b", timeout_s=0.01)
     assert info.value.code == ErrorCode.DEADLINE_EXCEEDED
     assert gate.queued == 0
+    assert gate.refusals_by_code() == {ErrorCode.DEADLINE_EXCEEDED: 1}
     running.release()
     assert gate.active == 0
 
@@ -176,3 +209,16 @@ async def test_release_is_idempotent():
 async def test_limits_must_be_positive():
     with pytest.raises(ValueError):
         AdmissionLimits(slots=0, max_queued=1, max_active_per_client=1, max_queued_per_client=1)
+
+
+async def test_refusal_counters_stay_bounded_however_many_clients_are_refused():
+    gate = _gate(slots=1, max_queued=0)
+    running = await gate.acquire("a")
+    n = MAX_REFUSAL_KEYS + 10
+    for i in range(n):
+        with pytest.raises(RequestRejected):
+            await gate.acquire(f"conn:{i}")
+    assert len(gate.refusals) == MAX_REFUSAL_KEYS + 1
+    assert gate.refusals[ErrorCode.OVERLOADED, OTHER_CLIENTS] == 10
+    assert gate.refusals_by_code() == {ErrorCode.OVERLOADED: n}
+    running.release()

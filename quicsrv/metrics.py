@@ -1,0 +1,358 @@
+"""What the server counts, in Prometheus form (``GET /metrics``), and per-generation traces.
+
+Each server owns a :class:`ServerMetrics` with its own ``CollectorRegistry`` (never the global
+one), so several servers in one process (tests, benchmarks) keep separate counts.
+
+Two kinds of numbers. *Events* are counted where they happen, by a line at that place: requests
+and their outcome, tokens, resumes, decode steps. *States* are read only when scraped (a
+collector asks the session manager, the engine and the transport): sessions active, queued and
+paused, KV bytes, connections, worker restarts. The per-token path does one counter increment;
+inter-token gaps are observed once per decode step, not once per token, because the event
+loop's CPU per token is what limits a busy server.
+
+Every name starts with ``quicsrv_``; the README's Observability section lists them.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Iterable, Iterator, Sequence
+from typing import TYPE_CHECKING, Any
+
+from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.registry import Collector
+
+from .tracing import GenerationSpans, configured_tracer
+
+if TYPE_CHECKING:
+    from .engine import Engine, ResumePath
+    from .sessions import SessionManager
+
+__all__ = ["CONTENT_TYPE", "GenerationTrace", "ServerMetrics", "TransportFacts"]
+
+#: Prometheus text exposition format 0.0.4.
+CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
+
+_LATENCY_BUCKETS_S = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
+_GAP_BUCKETS_S = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.08, 0.16, 0.32, 0.64, 1.28, 2.56)
+_BATCH_BUCKETS = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 64)
+#: Refusal series with a client label of their own; the rest are summed under OTHER_CLIENTS.
+MAX_REFUSAL_SERIES = 100
+OTHER_CLIENTS = "(others)"
+
+
+class TransportFacts:
+    """What the transport tells the collector when asked (defaults: a transport not yet bound)."""
+
+    def open_connections(self) -> int:
+        return 0
+
+    def early_resumes(self) -> int:
+        return 0
+
+    def early_generates_refused(self) -> int:
+        return 0
+
+    def accepting(self) -> bool:
+        return True
+
+
+class ServerMetrics:
+    """One server's instruments; see the module docstring. ``tracer``: an OpenTelemetry tracer
+    for per-generation spans (default: :func:`quicsrv.tracing.configured_tracer`)."""
+
+    def __init__(self, *, tracer: Any | None = None) -> None:
+        self.registry = CollectorRegistry(auto_describe=False)
+        self.tracer = tracer if tracer is not None else configured_tracer()
+        registry = self.registry
+        self.requests = Counter(
+            "quicsrv_requests",
+            "Requests by endpoint and outcome (ok, or the error code's slug)",
+            ["endpoint", "code"],
+            registry=registry,
+        )
+        self.ttft = Histogram(
+            "quicsrv_time_to_first_token_seconds",
+            "From a GENERATE's arrival to its first token",
+            buckets=_LATENCY_BUCKETS_S,
+            registry=registry,
+        )
+        self.inter_token = Histogram(
+            "quicsrv_inter_token_seconds",
+            "Gap between consecutive decode steps that gave the same sequence a token "
+            "(one observation per step)",
+            buckets=_GAP_BUCKETS_S,
+            registry=registry,
+        )
+        self.prompt_tokens = Counter(
+            "quicsrv_prompt_tokens", "Prompt tokens of started generations", registry=registry
+        )
+        self.generated_tokens = Counter(
+            "quicsrv_generated_tokens",
+            "Tokens recorded by sessions (what readers are sent)",
+            registry=registry,
+        )
+        self.decode_steps = Counter(
+            "quicsrv_decode_steps", "Engine decode steps that sampled tokens", registry=registry
+        )
+        self.step_sequences = Histogram(
+            "quicsrv_decode_step_sequences",
+            "Sequences given a token per decode step",
+            buckets=_BATCH_BUCKETS,
+            registry=registry,
+        )
+        self.resumes = Counter(
+            "quicsrv_resumes",
+            "Engine sequences brought back, by how their KV cells were rebuilt "
+            "(client resumes and flow-control restarts)",
+            ["path"],
+            registry=registry,
+        )
+        self.resume_latency = Histogram(
+            "quicsrv_resume_seconds",
+            "From a session's restart being wanted to the engine having its KV cells back",
+            ["path"],
+            buckets=_LATENCY_BUCKETS_S,
+            registry=registry,
+        )
+        self.connections_opened = Counter(
+            "quicsrv_connections_opened", "QUIC connections accepted", registry=registry
+        )
+        for path in ("kv_restore", "replay", "reprefill"):  # present from the first scrape
+            self.resumes.labels(path=path)
+        self._state = _StateCollector()
+        registry.register(self._state)
+        self._last_step_keys: frozenset[int] = frozenset()
+        self._last_step_at = 0.0
+
+    # --- binding the parts whose state is read at scrape time ---------------------------
+
+    def bind_sessions(self, sessions: SessionManager) -> None:
+        self._state.sessions = sessions
+
+    def bind_engine(self, engine: Engine) -> None:
+        """Read the engine's facts when scraped and, for a worker engine, count its steps."""
+        self._state.engine = engine
+        if hasattr(engine, "on_step"):
+            engine.on_step = self.engine_stepped
+
+    def unbind_engine(self, engine: Engine) -> None:
+        """The server stops: an engine that outlives it (tests) stops reporting here."""
+        if getattr(engine, "on_step", None) == self.engine_stepped:
+            engine.on_step = None  # type: ignore[attr-defined]
+
+    def bind_transport(self, facts: TransportFacts) -> None:
+        self._state.transport = facts
+
+    # --- events -------------------------------------------------------------------------
+
+    def request_finished(self, endpoint: str, code: str) -> None:
+        """A request was answered: ``code`` is "ok" or an error code's slug."""
+        self.requests.labels(endpoint=endpoint, code=code).inc()
+
+    def engine_stepped(self, keys: Sequence[int]) -> None:
+        """One decode step gave the sequences ``keys`` a token each (any thread)."""
+        now = time.monotonic()
+        self.decode_steps.inc()
+        self.step_sequences.observe(len(keys))
+        # A gap counts only when some sequence had a token in the previous step too: the
+        # engine idling, or a sequence prefilling, is no inter-token gap.
+        current = frozenset(keys)
+        if not current.isdisjoint(self._last_step_keys):
+            self.inter_token.observe(now - self._last_step_at)
+        self._last_step_keys, self._last_step_at = current, now
+
+    def trace(self, session_id: bytes, *, resumed: bool) -> GenerationTrace:
+        """The recorder of one session object's life (see :class:`GenerationTrace`)."""
+        spans = (
+            GenerationSpans(self.tracer, session_id.hex(), resumed=resumed)
+            if self.tracer is not None
+            else None
+        )
+        return GenerationTrace(self, spans)
+
+    def render(self) -> bytes:
+        """The Prometheus text exposition of everything above."""
+        return generate_latest(self.registry)
+
+
+class GenerationTrace:
+    """One session object's life as the metrics and the spans see it. Called on the event
+    loop, with the loop's clock (``time.monotonic``)."""
+
+    __slots__ = ("_metrics", "_spans", "_first_token_from", "_restart_from")
+
+    def __init__(self, metrics: ServerMetrics, spans: GenerationSpans | None) -> None:
+        self._metrics = metrics
+        self._spans = spans
+        self._first_token_from: float | None = None
+        self._restart_from: float | None = None
+
+    def started(self, prompt_tokens: int, arrived_at: float | None) -> None:
+        """A new generation was submitted; it arrived at ``arrived_at`` (None: just now)."""
+        now = time.monotonic()
+        self._metrics.prompt_tokens.inc(prompt_tokens)
+        self._first_token_from = now if arrived_at is None else arrived_at
+        if self._spans is not None:
+            if arrived_at is not None:
+                self._spans.begin("queue", since=arrived_at)
+            self._spans.begin("prefill")
+
+    def token_recorded(self) -> None:
+        """Per token: keep it cheap."""
+        self._metrics.generated_tokens.inc()
+        if self._first_token_from is not None:
+            self._metrics.ttft.observe(time.monotonic() - self._first_token_from)
+            self._first_token_from = None
+            if self._spans is not None:
+                self._spans.begin("decode")
+
+    def restart_wanted(self) -> None:
+        """The engine sequence is to run again (a resume, or a drained reader)."""
+        self._restart_from = time.monotonic()
+        if self._spans is not None:
+            self._spans.begin("resume")
+
+    def resumed(self, path: ResumePath) -> None:
+        label = path.name.lower()  # kv_restore, replay, reprefill
+        self._metrics.resumes.labels(path=label).inc()
+        if self._restart_from is not None:
+            self._metrics.resume_latency.labels(path=label).observe(
+                time.monotonic() - self._restart_from
+            )
+            self._restart_from = None
+        if self._spans is not None:
+            self._spans.annotate(resume_path=label)
+            self._spans.begin("decode")
+
+    def paused(self) -> None:
+        if self._spans is not None:
+            self._spans.begin("pause")
+
+    def closed(self, outcome: str) -> None:
+        """Nobody reads and the engine holds nothing: the session object is done."""
+        if self._spans is not None:
+            self._spans.end(outcome=outcome)
+            self._spans = None
+
+
+class _StateCollector(Collector):
+    """Gauges and counters read from their owners when scraped."""
+
+    def __init__(self) -> None:
+        self.sessions: SessionManager | None = None
+        self.engine: Engine | None = None
+        self.transport = TransportFacts()
+
+    def collect(self) -> Iterator[Metric]:
+        yield from self._sessions()
+        yield from self._engine()
+        yield from self._transport()
+
+    def _sessions(self) -> Iterator[Metric]:
+        sessions = self.sessions
+        if sessions is None:
+            return
+        gate = sessions.gate
+        yield _gauge("quicsrv_generations_active", "Engine slots in use", gate.active)
+        yield _gauge(
+            "quicsrv_generations_queued", "Requests and resumes waiting for a slot", gate.queued
+        )
+        live = sessions.live_sessions()
+        yield _gauge("quicsrv_sessions_live", "Sessions running or read now (in memory)", len(live))
+        yield _gauge(
+            "quicsrv_sessions_paused",
+            "Live, unfinished sessions whose engine sequence is paused",
+            sum(1 for s in live if s.paused.is_set() and not s.finished),
+        )
+        yield _gauge(
+            "quicsrv_sessions_stored", "Sessions in the store", sessions.store.usage().sessions
+        )
+        kv = sessions.kv.usage()
+        yield _labelled(
+            GaugeMetricFamily,
+            "quicsrv_kv_store_bytes",
+            "Paused sessions' KV blobs, by where they are",
+            "where",
+            [("memory", kv.memory_bytes), ("disk", kv.disk_bytes)],
+        )
+        yield _labelled(
+            GaugeMetricFamily,
+            "quicsrv_kv_store_blobs",
+            "Paused sessions' KV blobs, by where they are",
+            "where",
+            [("memory", kv.memory_blobs), ("disk", kv.disk_blobs)],
+        )
+        refusals = CounterMetricFamily(
+            "quicsrv_refusals",
+            "New requests refused at admission, by code and client (API key id or connection)",
+            labels=["code", "client"],
+        )
+        # Every connection is a client on an open server: the busiest few get series of their
+        # own, the rest are summed per code, so a scrape's size stays bounded.
+        ranked = sorted(sessions.gate.refusals.items(), key=lambda item: (-item[1], item[0]))
+        others: dict[str, float] = {}
+        for rank, ((code, client), count) in enumerate(ranked):
+            if rank < MAX_REFUSAL_SERIES:
+                refusals.add_metric([code.slug, client], count)
+            else:
+                others[code.slug] = others.get(code.slug, 0) + count
+        for slug, summed in sorted(others.items()):
+            refusals.add_metric([slug, OTHER_CLIENTS], summed)
+        yield refusals
+
+    def _engine(self) -> Iterator[Metric]:
+        engine = self.engine
+        if engine is None:
+            return
+        failure = getattr(engine, "failure", None)
+        yield _gauge("quicsrv_engine_up", "1 while the engine takes work", failure is None)
+        restarts = CounterMetricFamily(
+            "quicsrv_engine_worker_restarts", "Engine worker processes replaced after a death"
+        )
+        restarts.add_metric([], getattr(engine, "restarts", 0))
+        yield restarts
+        extra = getattr(engine, "cpu_extra_buffers", None)
+        if extra is not None:
+            yield _gauge(
+                "quicsrv_engine_cpu_extra_buffers",
+                "1: llama.cpp's extra CPU buffers are on; 0: off (safe mode after the canary, "
+                "or configured off)",
+                bool(extra),
+            )
+
+    def _transport(self) -> Iterator[Metric]:
+        facts = self.transport
+        yield _gauge("quicsrv_connections_open", "QUIC connections open", facts.open_connections())
+        yield _gauge(
+            "quicsrv_accepting", "1 until the server starts shutting down", facts.accepting()
+        )
+        yield _labelled(
+            CounterMetricFamily,
+            "quicsrv_zero_rtt_requests",
+            "Requests that arrived whole in 0-RTT data: RESUME_STREAMs answered (accepted), "
+            "GENERATEs refused with too_early (refused)",
+            "outcome",
+            [
+                ("accepted", facts.early_resumes()),
+                ("refused", facts.early_generates_refused()),
+            ],
+        )
+
+
+def _gauge(name: str, documentation: str, value: float) -> GaugeMetricFamily:
+    return GaugeMetricFamily(name, documentation, value=float(value))
+
+
+def _labelled(
+    family: Callable[..., Any],
+    name: str,
+    documentation: str,
+    label: str,
+    values: Iterable[tuple[str, float]],
+) -> Metric:
+    metric = family(name, documentation, labels=[label])
+    for label_value, value in values:
+        metric.add_metric([label_value], value)
+    return metric  # type: ignore[no-any-return]

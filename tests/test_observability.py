@@ -1,0 +1,203 @@
+"""Metrics, plain routes, JSON logs and tracing set-up, without sockets or the model
+(the end-to-end proof is tests/quicsrv/test_metrics_e2e.py)."""
+
+from __future__ import annotations
+
+import json
+import logging
+import sys
+from types import SimpleNamespace
+
+import pytest
+from prometheus_client.parser import text_string_to_metric_families
+
+from proto import ErrorCode
+from quicsrv.apikeys import ApiKeys, new_key
+from quicsrv.engine import ResumePath
+from quicsrv.logs import JsonFormatter, log_handler
+from quicsrv.metrics import MAX_REFUSAL_SERIES, OTHER_CLIENTS, ServerMetrics
+from quicsrv.tracing import configure_exporter, configured_tracer
+from quicsrv.transport.routes import (
+    PlainRoutes,
+    authorize_metrics,
+    plain_endpoint,
+    readiness,
+)
+
+
+def samples(metrics: ServerMetrics) -> dict[tuple[str, frozenset[tuple[str, str]]], float]:
+    out = {}
+    for family in text_string_to_metric_families(metrics.render().decode()):
+        for sample in family.samples:
+            out[sample.name, frozenset(sample.labels.items())] = sample.value
+    return out
+
+
+def test_each_server_counts_in_its_own_registry():
+    a, b = ServerMetrics(), ServerMetrics()
+    a.request_finished("generate", "ok")
+    assert (
+        samples(a)["quicsrv_requests_total", frozenset({("endpoint", "generate"), ("code", "ok")})]
+        == 1
+    )
+    assert (
+        "quicsrv_requests_total",
+        frozenset({("endpoint", "generate"), ("code", "ok")}),
+    ) not in samples(b)
+
+
+def test_an_inter_token_gap_needs_the_same_sequence_in_consecutive_steps():
+    metrics = ServerMetrics()
+    metrics.engine_stepped([1, 2])  # first step: no previous one
+    metrics.engine_stepped([2, 3])  # 2 again: a gap
+    metrics.engine_stepped([4])  # nobody from the step before (a new sequence after idling)
+    metrics.engine_stepped([4])
+    values = samples(metrics)
+    assert values["quicsrv_decode_steps_total", frozenset()] == 4
+    assert values["quicsrv_decode_step_sequences_sum", frozenset()] == 6
+    assert values["quicsrv_inter_token_seconds_count", frozenset()] == 2
+
+
+def test_a_generation_trace_observes_ttft_once_and_resumes_by_path():
+    metrics = ServerMetrics()
+    trace = metrics.trace(b"\x01" * 16, resumed=False)
+    trace.started(prompt_tokens=7, arrived_at=None)
+    for _ in range(3):
+        trace.token_recorded()
+    trace.restart_wanted()
+    trace.resumed(ResumePath.REPREFILL)
+    trace.resumed(ResumePath.REPLAY)  # no restart asked for: counted, no latency
+    trace.closed("length")
+    values = samples(metrics)
+    assert values["quicsrv_prompt_tokens_total", frozenset()] == 7
+    assert values["quicsrv_generated_tokens_total", frozenset()] == 3
+    assert values["quicsrv_time_to_first_token_seconds_count", frozenset()] == 1
+    assert values["quicsrv_resumes_total", frozenset({("path", "reprefill")})] == 1
+    assert values["quicsrv_resumes_total", frozenset({("path", "replay")})] == 1
+    assert values["quicsrv_resumes_total", frozenset({("path", "kv_restore")})] == 0
+    assert values["quicsrv_resume_seconds_count", frozenset({("path", "reprefill")})] == 1
+    assert ("quicsrv_resume_seconds_count", frozenset({("path", "replay")})) not in values
+
+
+def test_refusals_are_exported_per_code_and_client():
+    metrics = ServerMetrics()
+    gate = SimpleNamespace(
+        active=1,
+        queued=2,
+        refusals={(ErrorCode.CLIENT_LIMIT, "key:alice"): 3, (ErrorCode.OVERLOADED, "conn:7"): 1},
+    )
+    usage = SimpleNamespace(memory_blobs=1, memory_bytes=10, disk_blobs=0, disk_bytes=0)
+    metrics.bind_sessions(
+        SimpleNamespace(  # type: ignore[arg-type]
+            gate=gate,
+            live_sessions=list,
+            store=SimpleNamespace(usage=lambda: SimpleNamespace(sessions=5)),
+            kv=SimpleNamespace(usage=lambda: usage),
+        )
+    )
+    values = samples(metrics)
+    labels = frozenset({("code", "client_limit"), ("client", "key:alice")})
+    assert values["quicsrv_refusals_total", labels] == 3
+    assert (
+        values["quicsrv_refusals_total", frozenset({("code", "overloaded"), ("client", "conn:7")})]
+        == 1
+    )
+    assert values["quicsrv_generations_queued", frozenset()] == 2
+    assert values["quicsrv_kv_store_bytes", frozenset({("where", "memory")})] == 10
+
+
+def test_refusal_series_are_bounded_whatever_the_clients():
+    metrics = ServerMetrics()
+    refusals = {(ErrorCode.OVERLOADED, f"conn:{i}"): 1 for i in range(MAX_REFUSAL_SERIES + 50)}
+    refusals[ErrorCode.CLIENT_LIMIT, "conn:hog"] = 9
+    usage = SimpleNamespace(memory_blobs=0, memory_bytes=0, disk_blobs=0, disk_bytes=0)
+    metrics.bind_sessions(
+        SimpleNamespace(  # type: ignore[arg-type]
+            gate=SimpleNamespace(active=0, queued=0, refusals=refusals),
+            live_sessions=list,
+            store=SimpleNamespace(usage=lambda: SimpleNamespace(sessions=0)),
+            kv=SimpleNamespace(usage=lambda: usage),
+        )
+    )
+    series = {k: v for k, v in samples(metrics).items() if k[0] == "quicsrv_refusals_total"}
+    assert len(series) == MAX_REFUSAL_SERIES + 1
+    assert (
+        series[
+            "quicsrv_refusals_total", frozenset({("code", "client_limit"), ("client", "conn:hog")})
+        ]
+        == 9
+    )
+    others = frozenset({("code", "overloaded"), ("client", OTHER_CLIENTS)})
+    assert series["quicsrv_refusals_total", others] == 51
+    assert sum(series.values()) == sum(refusals.values())
+
+
+def _routes(ready: str | None = None, authorized: bool = True) -> PlainRoutes:
+    return PlainRoutes(
+        metrics=ServerMetrics(), readiness=lambda: ready, authorize_metrics=lambda h: authorized
+    )
+
+
+def test_plain_routes_answer_by_path_and_method():
+    assert _routes().handle(b"GET", b"/healthz", {}).status == 200
+    assert _routes().handle(b"GET", b"/readyz", {}).status == 200
+    not_ready = _routes(ready="shutting down").handle(b"GET", b"/readyz", {})
+    assert (not_ready.status, not_ready.body) == (503, b"not ready: shutting down\n")
+    assert _routes().handle(b"POST", b"/healthz", {}).status == 405
+    assert _routes().handle(b"GET", b"/nope", {}).status == 404
+    refused = _routes(authorized=False).handle(b"GET", b"/metrics", {})
+    assert refused.status == 401 and dict(refused.headers)[b"www-authenticate"]
+    page = _routes().handle(b"GET", b"/metrics?x=1", {})
+    assert page.status == 200 and page.content_type.startswith("text/plain; version=0.0.4")
+    assert plain_endpoint(b"/metrics?x") == "metrics"
+    assert plain_endpoint(b"/v1/generate") is None
+    assert plain_endpoint(None) is None
+
+
+def test_metrics_authorization_follows_the_keys_and_metrics_public():
+    key = new_key()
+    keys = ApiKeys([key])
+    good = {b"authorization": f"Bearer {key}".encode()}
+    assert authorize_metrics({}, api_keys=ApiKeys(), metrics_public=False)  # open server
+    assert not authorize_metrics({}, api_keys=keys, metrics_public=False)
+    assert not authorize_metrics(
+        {b"authorization": b"Bearer x"}, api_keys=keys, metrics_public=False
+    )
+    assert authorize_metrics(good, api_keys=keys, metrics_public=False)
+    assert authorize_metrics({}, api_keys=keys, metrics_public=True)
+
+
+def test_readiness_names_what_is_missing():
+    healthy = SimpleNamespace(failure=None, worker_pid=123)
+    assert readiness(healthy, accepting=True) is None  # type: ignore[arg-type]
+    assert readiness(healthy, accepting=False) == "shutting down"  # type: ignore[arg-type]
+    failed = SimpleNamespace(failure="crash loop", worker_pid=None)
+    assert "crash loop" in readiness(failed, accepting=True)  # type: ignore[arg-type,operator]
+    restarting = SimpleNamespace(failure=None, worker_pid=None)
+    assert "restarting" in readiness(restarting, accepting=True)  # type: ignore[arg-type,operator]
+
+
+def test_json_log_lines_carry_the_known_fields():
+    record = logging.LogRecord("quicsrv", logging.INFO, __file__, 1, "a\nb %d", (3,), None)
+    record.__dict__.update(event="stream_ended", session_id="ab", stream_id=4, duration_s=0.5)
+    line = JsonFormatter().format(record)
+    assert "\n" not in line
+    parsed = json.loads(line)
+    assert parsed["message"] == "a\nb 3"
+    assert (parsed["event"], parsed["session_id"], parsed["stream_id"]) == ("stream_ended", "ab", 4)
+    assert parsed["duration_s"] == 0.5 and parsed["level"] == "info"
+    assert "peer" not in parsed  # absent fields are left out, not null
+    plain = logging.LogRecord("quicsrv", logging.INFO, __file__, 1, "hello", (), None)
+    assert json.loads(JsonFormatter().format(plain))["event"] == "log"
+
+
+def test_log_and_exporter_settings_are_checked():
+    assert isinstance(log_handler("json").formatter, JsonFormatter)
+    assert not isinstance(log_handler("plain").formatter, JsonFormatter)
+    with pytest.raises(ValueError, match="log_format"):
+        log_handler("xml")
+    with pytest.raises(ValueError, match="otel_exporter"):
+        configure_exporter("zipkin")
+    configure_exporter("none")  # nothing to do, nothing set
+    assert configured_tracer() is None  # the API's default provider records nothing
+    assert "opentelemetry" in sys.modules  # installed here, yet off
