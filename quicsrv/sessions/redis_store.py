@@ -36,6 +36,8 @@ from typing import Any
 
 import cbor2
 import redis
+from redis.backoff import ExponentialBackoff
+from redis.retry import Retry
 
 from proto import canonical_cbor
 
@@ -81,10 +83,17 @@ return {meta, redis.call('GET', KEYS[3]) or '', previous}
 """
 
 
-def connect(url: str) -> redis.Redis:
-    """A sync client for ``redis://host:port/db``; raises ``redis.RedisError`` when unreachable
-    (checked once here, so a wrong URL fails at start-up, not at the first resume)."""
-    client: redis.Redis = redis.Redis.from_url(url, socket_timeout=5.0, socket_connect_timeout=5.0)
+def connect(url: str, *, timeout_s: float = 5.0, retries: int = 2) -> redis.Redis:
+    """A sync client for ``redis://host:port/db`` (or ``unix:///path``); raises
+    ``redis.RedisError`` when unreachable (checked once here, so a wrong URL fails at start-up,
+    not at the first resume). ``retries`` with a short backoff ride out a Redis restart; the
+    ticket store asks for none, since it blocks a handshake on the event loop."""
+    client: redis.Redis = redis.Redis.from_url(
+        url,
+        socket_timeout=timeout_s,
+        socket_connect_timeout=timeout_s,
+        retry=Retry(ExponentialBackoff(cap=0.5, base=0.05), retries),
+    )
     client.ping()
     return client
 

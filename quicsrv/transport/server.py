@@ -51,6 +51,7 @@ from ..config import ServerConfig
 from ..engine import Engine
 from ..metrics import TransportFacts
 from ..sessions import RequestRejected, Session, SessionManager
+from ..sessions.redis_store import connect
 from .redis_tickets import RedisTicketStore
 from .routes import PlainResponse, PlainRoutes, authorize_metrics, plain_endpoint, readiness
 from .sockets import AppliedSocketOptions, SocketOptions, open_udp_socket, serve_on_socket
@@ -601,7 +602,12 @@ async def start_server(
     if sessions is None:
         sessions = SessionManager(engine, config.session_settings())
     if tickets is None and sessions.redis is not None:  # shared, like the sessions
-        tickets = RedisTicketStore(sessions.redis, ttl_s=config.ticket_ttl_s)
+        # A client of its own: aioquic asks for tickets on the event loop, so a Redis that
+        # stalls must cost a handshake its 0-RTT within half a second, never retried.
+        tickets = RedisTicketStore(
+            connect(sessions.settings.store_url, timeout_s=0.5, retries=0),
+            ttl_s=config.ticket_ttl_s,
+        )
     if tickets is None:
         tickets = MemoryTicketStore(ttl_s=config.ticket_ttl_s, max_tickets=config.max_tickets)
     sock, applied = open_udp_socket(
