@@ -8,6 +8,7 @@ import logging
 import signal
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 from .config import ServerConfig
@@ -55,6 +56,22 @@ def _parser() -> argparse.ArgumentParser:
         help="seconds without a decode step (while generating) before the worker is replaced",
     )
     serve.add_argument("--data-dir", type=Path, dest="data_dir", help="sessions, KV and MAC keys")
+    serve.add_argument(
+        "--store",
+        help="where sessions, MAC keys and tickets live: file (default, under --data-dir) or "
+        "redis://host:port/db (shared by every process naming it; keep that Redis private)",
+    )
+    serve.add_argument(
+        "--workers",
+        type=int,
+        help="server processes on the port (SO_REUSEPORT; N model copies); >1 needs --store redis",
+    )
+    serve.add_argument(
+        "--kv-shared-dir",
+        type=Path,
+        dest="kv_shared_dir",
+        help="with Redis: paused KV blobs too big for Redis go here (a path every server sees)",
+    )
     serve.add_argument("--session-ttl", type=float, dest="session_ttl_s", help="seconds")
     serve.add_argument(
         "--resume-conflict",
@@ -172,6 +189,9 @@ def main(argv: list[str] | None = None) -> int:
             "cpu_extra_buffers",
             "worker_stall_timeout_s",
             "data_dir",
+            "store",
+            "workers",
+            "kv_shared_dir",
             "session_ttl_s",
             "resume_conflict",
             "inexact_reprefill",
@@ -193,8 +213,12 @@ def main(argv: list[str] | None = None) -> int:
     except ValueError as exc:
         log.error("cannot serve: %s", exc)
         return 2
+    if config.workers > 1:
+        from .workers import run_workers
+
+        return run_workers(config)
     try:
-        asyncio.run(_serve(config))
+        asyncio.run(serve(config))
     except KeyboardInterrupt:
         return 130
     except EngineUnavailable as exc:
@@ -241,7 +265,9 @@ def _rotate_keys(data_dir: Path, previous_key_ttl_s: float) -> int:
     return 0
 
 
-async def _serve(config: ServerConfig) -> None:
+async def serve(config: ServerConfig, announce: Callable[[int], None] | None = None) -> None:
+    """Run one server until SIGINT/SIGTERM; ``announce(port)`` once it listens (default: print
+    the "listening" line that scripts and tests wait for)."""
     from .engine.model import default_model_path
     from .engine.supervisor import WorkerEngine
     from .transport import start_server
@@ -253,10 +279,14 @@ async def _serve(config: ServerConfig) -> None:
         WorkerEngine, config.engine_settings(model_path), config.supervisor_settings()
     )
     running = await start_server(engine, config)
-    host = f"[{config.host}]" if ":" in config.host else config.host
-    print(
-        f"quicsrv listening on {host}:{running.port} (udp, h3) model={model_path.name}", flush=True
-    )
+    if announce is not None:
+        announce(running.port)
+    else:
+        host = f"[{config.host}]" if ":" in config.host else config.host
+        print(
+            f"quicsrv listening on {host}:{running.port} (udp, h3) model={model_path.name}",
+            flush=True,
+        )
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for signum in (signal.SIGINT, signal.SIGTERM):

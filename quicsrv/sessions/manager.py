@@ -33,6 +33,7 @@ from .keys import KeyRing, SharedKeyRing
 from .kvstore import KVStore
 from .redis_store import RedisSessionStore, connect, process_owner_id
 from .session import FlowSettings, Session
+from .shared_kv import SharedKV
 from .store import SessionRecord, SessionStore
 
 __all__ = ["ResumeConflict", "SessionManager", "SessionSettings"]
@@ -73,6 +74,10 @@ class SessionSettings:
     ``redis://host:port/db``: in Redis, shared by every process that names it."""
     lease_s: float = 30.0
     """With Redis: how long a process owns a session after its last write to it."""
+    kv_redis_max_bytes: int = 16 << 20
+    """With Redis: paused KV blobs up to this size are shared through Redis."""
+    kv_shared_dir: Path | None = None
+    """With Redis: larger blobs are shared here (None: not shared; a resume elsewhere replays)."""
 
     def admission_limits(self, engine: Engine) -> AdmissionLimits:
         slots, queue = engine.n_seq_max, engine.max_queued
@@ -132,10 +137,19 @@ class SessionManager:
                 settings.data_dir / "mac-keys.json",
                 previous_key_ttl_s=settings.previous_key_ttl_s,
             )
+        shared_kv = None
+        if self.redis is not None:
+            shared_kv = SharedKV(
+                self.redis,
+                redis_max_bytes=settings.kv_redis_max_bytes,
+                shared_dir=settings.kv_shared_dir,
+                ttl_s=settings.ttl_s,
+            )
         self.kv = KVStore(
             settings.data_dir / "kv",
             memory_budget_bytes=settings.kv_memory_budget_bytes,
             disk_budget_bytes=settings.kv_disk_budget_bytes,
+            shared=shared_kv,
         )
         self._live: dict[bytes, Session] = {}
         self._loop_inbox: LoopInbox | None = None
@@ -309,6 +323,10 @@ class SessionManager:
         if claimed.owner and claimed.owner != store.owner_id:
             log.info("session %s taken over from %s", session_id.hex(), claimed.owner)
         store.adopt(claimed.record)
+        if claimed.record.generated and claimed.record.end is None:
+            # A blob another process paused with, brought here before the answer names the
+            # resume path (kv-restore); a big read, so off the loop.
+            await asyncio.to_thread(self.kv.pull, session_id, len(claimed.record.generated))
         session = self._session(claimed.record)
         self._live[session_id] = session
         return session
@@ -379,6 +397,7 @@ class SessionManager:
             await asyncio.sleep(interval_s)  # a periodic chore, not synchronisation
             if isinstance(self.keys, SharedKeyRing):  # a rotation by another process
                 await asyncio.to_thread(self.keys.refresh)
+                await asyncio.to_thread(self.kv.sweep_shared)
             removed = self.sweep()
             usage = self.usage()
             if usage != logged or removed:
@@ -402,7 +421,9 @@ class SessionManager:
         self.kv.close()
 
     def _expire(self, record: SessionRecord) -> None:
-        self.kv.discard(record.session_id)
+        # Only our copy: another process may have touched the session since (shared copies
+        # expire with the session in Redis, or by age in the shared directory).
+        self.kv.discard(record.session_id, shared=False)
         self.store.remove(record.session_id, expired=True)
 
     def _session(self, record: SessionRecord) -> Session:
