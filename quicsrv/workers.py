@@ -26,7 +26,9 @@ __all__ = ["run_workers", "worker_configs"]
 
 log = logging.getLogger("quicsrv.workers")
 
-_EARLY_DEATH_S = 10.0  # a worker dead this soon after start is broken, not unlucky
+# More deaths than this within the window is a crash loop, not bad luck: stop everything.
+_MAX_REPLACEMENTS = 5
+_REPLACEMENT_WINDOW_S = 600.0
 
 
 def worker_configs(config: ServerConfig, port: int) -> list[ServerConfig]:
@@ -84,18 +86,26 @@ def run_workers(config: ServerConfig) -> int:
             f"pids={','.join(str(p.pid) for p, _, _ in workers)}",
             flush=True,
         )
+        deaths: list[float] = []
         while not stop:
             sentinels = [p.sentinel for p, _, _ in workers]
             multiprocessing.connection.wait(sentinels, timeout=0.5)  # wakes for signals too
-            for i, (process, _ready, started) in enumerate(workers):
+            for i, (process, _ready, _started) in enumerate(workers):
                 if stop or process.is_alive():
                     continue
                 log.error("worker %d (pid %s) exited with %s", i, process.pid, process.exitcode)
-                if time.monotonic() - started < _EARLY_DEATH_S:
-                    log.error("worker %d died right after starting: stopping", i)
+                now = time.monotonic()
+                deaths = [t for t in deaths if now - t < _REPLACEMENT_WINDOW_S] + [now]
+                if len(deaths) > _MAX_REPLACEMENTS:
+                    log.error(
+                        "%d worker deaths in %.0fs: stopping", len(deaths), _REPLACEMENT_WINDOW_S
+                    )
                     return 1
-                # Its sessions are in Redis: the clients' auto-resume lands on any worker.
+                # Its sessions are in Redis: a resume reaching any worker continues them.
                 workers[i] = _start(context, i, configs[i])
+                if not _wait_ready(workers[i][0], workers[i][1]):
+                    log.error("the replacement of worker %d did not start: stopping", i)
+                    return 1
                 log.info("worker %d replaced (pid %s)", i, workers[i][0].pid)
         return 0
     finally:
