@@ -25,10 +25,10 @@ __all__ = ["RedisServer", "redis_server"]
 class RedisServer:
     """A running ``redis-server``; ``url`` names it for ``--store``."""
 
-    def __init__(self, directory: Path, *, bind: str = "") -> None:
+    def __init__(self, directory: Path, *, bind: str = "", port: int = 0) -> None:
         self.socket_path = directory / "redis.sock"
         self.bind = bind
-        self.port = 6390 if bind else 0
+        self.port = port if bind else 0
         command = [
             _binary(),
             "--port", str(self.port),
@@ -92,11 +92,11 @@ def _binary() -> str:
 
 
 @contextlib.contextmanager
-def redis_server(*, bind: str = "") -> Iterator[RedisServer]:
-    """A fresh ``redis-server`` (``bind``: also listen on TCP port 6390 at these addresses)."""
+def redis_server(*, bind: str = "", port: int = 0) -> Iterator[RedisServer]:
+    """A fresh ``redis-server`` (``bind``: also listen on TCP ``port`` at these addresses)."""
     pytest.importorskip("redis")
     with tempfile.TemporaryDirectory(prefix="quicsrv-redis-") as scratch:
-        server = RedisServer(Path(scratch), bind=bind)
+        server = RedisServer(Path(scratch), bind=bind, port=port)
         try:
             yield server
         finally:
