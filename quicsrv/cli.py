@@ -154,6 +154,9 @@ def _parser() -> argparse.ArgumentParser:
     keys.add_argument("action", choices=["rotate"], help="make a new current key")
     keys.add_argument("--data-dir", type=Path, default=Path(".quicsrv"))
     keys.add_argument(
+        "--store", default="file", help="file (the keyring under --data-dir) or redis://..."
+    )
+    keys.add_argument(
         "--previous-key-ttl",
         type=float,
         default=86400.0,
@@ -171,6 +174,8 @@ def main(argv: list[str] | None = None) -> int:
         print(describe(ensure_dev_certs(args.dir)))
         return 0
     if args.command == "keys":
+        if args.store not in ("", "file"):
+            return _rotate_shared_keys(args.store, args.previous_key_ttl)
         return _rotate_keys(args.data_dir, args.previous_key_ttl)
     if args.command == "api-key":
         return _api_key(args)
@@ -261,6 +266,20 @@ def _rotate_keys(data_dir: Path, previous_key_ttl_s: float) -> int:
     print(
         f"rotated {path}: new checkpoints use a new key; older ones verify for "
         f"{previous_key_ttl_s:.0f}s (a running server reloads the file)"
+    )
+    return 0
+
+
+def _rotate_shared_keys(url: str, previous_key_ttl_s: float) -> int:
+    from .sessions.keys import SharedKeyRing
+    from .sessions.manager import KEYRING_KEY
+    from .sessions.redis_store import connect
+
+    ring = SharedKeyRing(connect(url), KEYRING_KEY, previous_key_ttl_s=previous_key_ttl_s)
+    ring.rotate_shared(now_s=time.time())
+    print(
+        f"rotated the keyring in {url.rpartition('@')[2]}: every server sharing it signs with "
+        f"the new key after its next sweep; older checkpoints verify for {previous_key_ttl_s:.0f}s"
     )
     return 0
 

@@ -197,3 +197,59 @@ def test_an_unreachable_redis_costs_a_ticket_not_the_handshake(tmp_path):
     store = RedisTicketStore(client)
     store.add(_ticket(b"label-3"))  # logged, not raised
     assert store.pop(b"label-3") is None
+
+
+def test_quicsrv_keys_rotate_rotates_the_shared_keyring(redis_url, capsys):
+    from quicsrv.cli import main
+
+    ring = SharedKeyRing(connect(redis_url), "quicsrv:mac-keys", previous_key_ttl_s=60.0)
+    old = ring.current
+    assert main(["keys", "rotate", "--store", redis_url]) == 0
+    ring.refresh()
+    assert ring.current != old and old in ring.verifying_keys(now_s=time.time())
+    assert "rotated the keyring" in capsys.readouterr().out
+
+
+def _kv(tmp_path, redis_url, name: str, *, shared_dir=None, redis_max_bytes=1 << 20):
+    from quicsrv.sessions.kvstore import KVStore
+    from quicsrv.sessions.shared_kv import SharedKV
+
+    shared = SharedKV(
+        connect(redis_url), redis_max_bytes=redis_max_bytes, shared_dir=shared_dir, ttl_s=60.0
+    )
+    return KVStore(
+        tmp_path / name, memory_budget_bytes=1 << 20, disk_budget_bytes=1 << 20, shared=shared
+    )
+
+
+@pytest.mark.parametrize("where", ["redis", "directory"])
+def test_a_paused_blob_reaches_another_process(tmp_path, redis_url, where):
+    big = where == "directory"
+    options = dict(shared_dir=tmp_path / "shared", redis_max_bytes=100 if big else 1 << 20)
+    a, b = _kv(tmp_path, redis_url, "a", **options), _kv(tmp_path, redis_url, "b", **options)
+    blob = bytes(range(256)) * 4
+    a.put(b"s" * 16, 7, blob)
+    a.flush().result(timeout=10)
+    assert (tmp_path / "shared" / f"{(b's' * 16).hex()}.kv").exists() is big
+    assert not b.has(b"s" * 16, 7)
+    assert b.get(b"s" * 16, 8) is None  # covers another token count: never restored
+    assert b.pull(b"s" * 16, 7) and b.has(b"s" * 16, 7)
+    assert b.get(b"s" * 16, 7) == blob
+    b.discard(b"s" * 16)  # b's engine holds the cells now: no copy stays shared
+    b.flush().result(timeout=10)
+    assert not a.pull(b"t" * 16, 7)
+    c = _kv(tmp_path, redis_url, "c", **options)
+    assert c.get(b"s" * 16, 7) is None
+    for store in (a, b, c):
+        store.close()
+
+
+def test_a_blob_too_big_for_redis_without_a_directory_is_not_shared(tmp_path, redis_url):
+    a = _kv(tmp_path, redis_url, "a", redis_max_bytes=100)
+    b = _kv(tmp_path, redis_url, "b", redis_max_bytes=100)
+    a.put(b"s" * 16, 7, b"x" * 1000)
+    a.flush().result(timeout=10)
+    assert a.get(b"s" * 16, 7) == b"x" * 1000  # its own copy stays
+    assert b.get(b"s" * 16, 7) is None  # a resume elsewhere replays
+    a.close()
+    b.close()
