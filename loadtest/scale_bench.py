@@ -6,10 +6,11 @@
    from ``connect()`` to the first resumed token. With Redis the resume is also timed on a
    *second* process (the record, token log and KV blob fetched from Redis, the lease taken over).
    Every resumed output is checked against an uninterrupted run.
-2. **Throughput, N=1 vs N=2.** ``--workers 1`` (2 engine threads) and ``--workers 2`` (1 thread
-   each, two model copies) on one port, Redis store; ``--streams`` generations at once, each on
-   its own connection (the kernel spreads connections over the workers by 4-tuple hash);
-   aggregate tokens/s over the wall time of the batch.
+2. **Throughput, N=1 vs N=2.** ``--workers 1`` (2 engine threads) with the file store and with
+   Redis, and ``--workers 2`` (1 thread each, two model copies) on one port with Redis;
+   ``--streams`` generations at once, each on its own connection (the kernel spreads
+   connections over the workers by 4-tuple hash); aggregate tokens/s over the wall time of the
+   batch, runs interleaved across the set-ups.
 
 Run: ``.venv/bin/python -m loadtest.scale_bench [--runs 8] [--streams 8] [--max-tokens 64]``
 Writes ``loadtest/results/scale-<time>.{md,json}`` and prints the table.
@@ -185,33 +186,44 @@ async def _one_stream(port: int, ca: Path, max_tokens: int, seed: int) -> int:
 async def _throughput(
     certs: DevCertPaths, scratch: Path, redis_url: str, streams: int, max_tokens: int, runs: int
 ) -> list[dict[str, Any]]:
-    rows = []
-    for workers in (1, 2):
-        threads = str(max(1, (os.cpu_count() or 1) // workers))
-        extra = ("--store", redis_url, "--workers", str(workers), "--threads", threads)
-        async with _server(certs, scratch / f"tp-{workers}", *extra) as port:
-            await _one_stream(port, certs.ca_cert, 8, 0)  # warm-up
-            rates = []
-            for run in range(runs):
+    """Every set-up up at once (idle servers cost no CPU), runs interleaved so a busy phase
+    of this shared machine hits them alike."""
+    cores = os.cpu_count() or 1
+    setups = [("file", 1), ("redis", 1), ("redis", 2)]
+    rates: dict[tuple[str, int], list[float]] = {setup: [] for setup in setups}
+    async with contextlib.AsyncExitStack() as stack:
+        ports = {}
+        for store, workers in setups:
+            threads = str(max(1, cores // workers))
+            extra = ["--workers", str(workers), "--threads", threads]
+            if store == "redis":
+                extra += ["--store", redis_url]
+            ports[(store, workers)] = await stack.enter_async_context(
+                _server(certs, scratch / f"tp-{store}-{workers}", *extra)
+            )
+            await _one_stream(ports[(store, workers)], certs.ca_cert, 8, 0)  # warm-up
+        for run in range(runs):
+            for setup in setups:
                 started = time.perf_counter()
                 counts = await asyncio.gather(
                     *(
-                        _one_stream(port, certs.ca_cert, max_tokens, run * 100 + i)
+                        _one_stream(ports[setup], certs.ca_cert, max_tokens, run * 100 + i)
                         for i in range(streams)
                     )
                 )
-                rates.append(sum(counts) / (time.perf_counter() - started))
-        rows.append(
-            {
-                "workers": workers,
-                "engine threads each": int(threads),
-                "streams": streams,
-                "runs": runs,
-                "tokens_per_s_median": round(statistics.median(rates), 1),
-                "tokens_per_s_all": [round(r, 1) for r in rates],
-            }
-        )
-    return rows
+                rates[setup].append(sum(counts) / (time.perf_counter() - started))
+    return [
+        {
+            "store": store,
+            "workers": workers,
+            "engine threads each": max(1, cores // workers),
+            "streams": streams,
+            "runs": runs,
+            "tokens_per_s_median": round(statistics.median(rates[(store, workers)]), 1),
+            "tokens_per_s_all": [round(r, 1) for r in rates[(store, workers)]],
+        }
+        for store, workers in setups
+    ]
 
 
 def _table(rows: list[dict[str, Any]]) -> str:
