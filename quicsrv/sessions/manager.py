@@ -455,8 +455,9 @@ class SessionManager:
             return  # a copy handed over already
         if problem is None:
             session.tokens_durable()
-        elif problem == "taken":
+        elif problem == "taken":  # another process resumed it: our copy is stale
             session.hand_over()
+            self.store.remove(record.session_id)
         else:  # the reader may resume once Redis is back: the durable tokens are there
             session.hand_over(failure="the session store failed; resume later")
             self.store.remove(record.session_id)
