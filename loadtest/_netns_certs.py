@@ -51,8 +51,9 @@ def _builder(
     )
 
 
-def issue_certs(directory: Path, address: str) -> BenchCerts:
-    """Write ``ca.pem``, ``server.pem`` and ``server.key`` (for ``address``) into ``directory``."""
+def issue_certs(directory: Path, address: str, *more: str) -> BenchCerts:
+    """Write ``ca.pem``, ``server.pem`` and ``server.key`` (for ``address`` and any ``more``
+    addresses: one certificate for several nodes) into ``directory``."""
     directory.mkdir(parents=True, exist_ok=True)
     ca_key = ec.generate_private_key(ec.SECP256R1())
     ca_name = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, "quicsrv netns bench CA")])
@@ -66,7 +67,9 @@ def issue_certs(directory: Path, address: str) -> BenchCerts:
     )
     key = ec.generate_private_key(ec.SECP256R1())
     name = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, address)])
-    san = x509.SubjectAlternativeName([x509.IPAddress(ipaddress.ip_address(address))])
+    san = x509.SubjectAlternativeName(
+        [x509.IPAddress(ipaddress.ip_address(a)) for a in (address, *more)]
+    )
     cert = (
         _builder(name, ca_name, key.public_key())
         .add_extension(x509.BasicConstraints(ca=False, path_length=None), critical=True)

@@ -73,6 +73,7 @@ class ErrorCode(IntEnum):
     # Our fault, not the peer's.
     INTERNAL_ERROR = 50
     ENGINE_UNAVAILABLE = 51  # the engine worker crashes in a loop; sessions stay resumable
+    STORE_UNAVAILABLE = 52  # the shared session store (Redis) cannot be reached; resume later
     # Access.
     UNAUTHORIZED = 60  # no API key, or one the server does not know
 
@@ -154,6 +155,7 @@ _HTTP_STATUS: dict[ErrorCode, int] = {
     ErrorCode.SESSION_KEY_MISMATCH: 403,
     ErrorCode.INTERNAL_ERROR: 500,
     ErrorCode.ENGINE_UNAVAILABLE: 503,
+    ErrorCode.STORE_UNAVAILABLE: 503,
     ErrorCode.UNAUTHORIZED: 401,
 }
 

@@ -4,13 +4,15 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import dataclasses
 import logging
 import signal
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 
-from .config import ServerConfig
+from .config import ServerConfig, redact_store_url
 from .devcerts import describe, ensure_dev_certs
 from .engine import EngineUnavailable
 from .logs import configure_logging
@@ -63,6 +65,22 @@ def _parser() -> argparse.ArgumentParser:
     )
     serve.add_argument("--model-name", dest="model_name", help="the model id /v1/models lists")
     serve.add_argument("--data-dir", type=Path, dest="data_dir", help="sessions, KV and MAC keys")
+    serve.add_argument(
+        "--store",
+        help="where sessions, MAC keys and tickets live: file (default, under --data-dir) or "
+        "redis://host:port/db (shared by every process naming it; keep that Redis private)",
+    )
+    serve.add_argument(
+        "--workers",
+        type=int,
+        help="server processes on the port (SO_REUSEPORT; N model copies); >1 needs --store redis",
+    )
+    serve.add_argument(
+        "--kv-shared-dir",
+        type=Path,
+        dest="kv_shared_dir",
+        help="with Redis: paused KV blobs too big for Redis go here (a path every server sees)",
+    )
     serve.add_argument("--session-ttl", type=float, dest="session_ttl_s", help="seconds")
     serve.add_argument(
         "--resume-conflict",
@@ -145,6 +163,9 @@ def _parser() -> argparse.ArgumentParser:
     keys.add_argument("action", choices=["rotate"], help="make a new current key")
     keys.add_argument("--data-dir", type=Path, default=Path(".quicsrv"))
     keys.add_argument(
+        "--store", default="file", help="file (the keyring under --data-dir) or redis://..."
+    )
+    keys.add_argument(
         "--previous-key-ttl",
         type=float,
         default=86400.0,
@@ -162,38 +183,13 @@ def main(argv: list[str] | None = None) -> int:
         print(describe(ensure_dev_certs(args.dir)))
         return 0
     if args.command == "keys":
+        if args.store not in ("", "file"):
+            return _rotate_shared_keys(args.store, args.previous_key_ttl)
         return _rotate_keys(args.data_dir, args.previous_key_ttl)
     if args.command == "api-key":
         return _api_key(args)
-    overrides = {
-        k: getattr(args, k)
-        for k in (
-            "host",
-            "port",
-            "model_path",
-            "cert_path",
-            "key_path",
-            "n_seq_max",
-            "context_per_sequence",
-            "n_threads",
-            "batch_invariant",
-            "cpu_extra_buffers",
-            "worker_stall_timeout_s",
-            "data_dir",
-            "session_ttl_s",
-            "resume_conflict",
-            "inexact_reprefill",
-            "max_tokens_ahead",
-            "api_key",
-            "api_keys_file",
-            "max_active_per_client",
-            "max_queued_per_client",
-            "max_queue_wait_s",
-            "log_format",
-            "metrics_public",
-            "otel_exporter",
-        )
-    }
+    # Every serve flag's dest is a ServerConfig field; a flag left out is None (not given).
+    overrides = {f.name: getattr(args, f.name, None) for f in dataclasses.fields(ServerConfig)}
     config = ServerConfig.load(args.config, **overrides)
     try:
         configure_logging(config.log_format)
@@ -201,8 +197,15 @@ def main(argv: list[str] | None = None) -> int:
     except ValueError as exc:
         log.error("cannot serve: %s", exc)
         return 2
+    if (problem := _unreachable_store(config.store)) is not None:
+        log.error("cannot serve: %s", problem)
+        return 2
+    if config.workers > 1:
+        from .workers import run_workers
+
+        return run_workers(config)
     try:
-        asyncio.run(_serve(config))
+        asyncio.run(serve(config))
     except KeyboardInterrupt:
         return 130
     except EngineUnavailable as exc:
@@ -249,7 +252,39 @@ def _rotate_keys(data_dir: Path, previous_key_ttl_s: float) -> int:
     return 0
 
 
-async def _serve(config: ServerConfig) -> None:
+def _rotate_shared_keys(url: str, previous_key_ttl_s: float) -> int:
+    from .sessions.keys import SharedKeyRing
+    from .sessions.manager import KEYRING_KEY
+    from .sessions.redis_store import connect
+
+    ring = SharedKeyRing(connect(url), KEYRING_KEY, previous_key_ttl_s=previous_key_ttl_s)
+    ring.rotate_shared(now_s=time.time())
+    print(
+        f"rotated the keyring in {url.rpartition('@')[2]}: every server sharing it signs with "
+        f"the new key after its next sweep; older checkpoints verify for {previous_key_ttl_s:.0f}s"
+    )
+    return 0
+
+
+def _unreachable_store(url: str) -> str | None:
+    """Why the shared session store at ``url`` cannot be used now (None: it can, or the
+    store is the local file one): checked before anything starts, for a one-line error."""
+    if url in ("", "file"):
+        return None
+    import redis
+
+    from .sessions.redis_store import connect
+
+    try:
+        connect(url, timeout_s=5.0, retries=0).ping()
+    except (redis.RedisError, ValueError) as exc:
+        return f"the session store {redact_store_url(url)} cannot be reached: {exc}"
+    return None
+
+
+async def serve(config: ServerConfig, announce: Callable[[int], None] | None = None) -> None:
+    """Run one server until SIGINT/SIGTERM; ``announce(port)`` once it listens (default: print
+    the "listening" line that scripts and tests wait for)."""
     from .engine.model import default_model_path
     from .engine.supervisor import WorkerEngine
     from .transport import start_server
@@ -261,12 +296,15 @@ async def _serve(config: ServerConfig) -> None:
         WorkerEngine, config.engine_settings(model_path), config.supervisor_settings()
     )
     running = await start_server(engine, config)
-    host = f"[{config.host}]" if ":" in config.host else config.host
-    transports = "udp, h3" + (" + tcp, h2, http/1.1" if running.tcp is not None else "")
-    print(
-        f"quicsrv listening on {host}:{running.port} ({transports}) model={model_path.name}",
-        flush=True,
-    )
+    if announce is not None:
+        announce(running.port)
+    else:
+        host = f"[{config.host}]" if ":" in config.host else config.host
+        transports = "udp, h3" + (" + tcp, h2, http/1.1" if running.tcp is not None else "")
+        print(
+            f"quicsrv listening on {host}:{running.port} ({transports}) model={model_path.name}",
+            flush=True,
+        )
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for signum in (signal.SIGINT, signal.SIGTERM):

@@ -65,6 +65,11 @@ class ServerConfig:
     model_name: str = ""  # the id /v1/models lists; empty: the model file's name, less .gguf
     # Resumable sessions.
     data_dir: Path = Path(".quicsrv")
+    store: str = "file"  # or redis://host:port/db: records, tokens, keys, tickets shared
+    store_lease_s: float = 30.0  # Redis: a process owns a session this long after its last write
+    workers: int = 1  # server processes on one port (SO_REUSEPORT); more than 1 needs Redis
+    kv_redis_max_bytes: int = 16 << 20  # Redis: paused KV blobs up to this size go to Redis
+    kv_shared_dir: Path | None = None  # Redis: larger blobs here (a path every process sees)
     mac_key_hex: str = ""  # empty: <data_dir>/mac-keys.json, created 0600 on first start
     session_ttl_s: float = 3600.0
     max_sessions: int = 10_000
@@ -101,7 +106,7 @@ class ServerConfig:
 
     def describe(self) -> str:
         shown = {
-            k: ("<set>" if k in ("mac_key_hex", "api_key") and v else v)
+            k: ("<set>" if k in ("mac_key_hex", "api_key") and v else _redact(k, v))
             for k, v in dataclasses.asdict(self).items()
         }
         return " ".join(f"{k}={v}" for k, v in shown.items())
@@ -151,6 +156,10 @@ class ServerConfig:
             max_active_per_client=self.max_active_per_client,
             max_queued_per_client=self.max_queued_per_client,
             max_queue_wait_s=self.max_queue_wait_s,
+            store_url=self.store,
+            lease_s=self.store_lease_s,
+            kv_redis_max_bytes=self.kv_redis_max_bytes,
+            kv_shared_dir=self.kv_shared_dir,
             flow=FlowSettings(
                 max_tokens_ahead=self.max_tokens_ahead,
                 high_watermark_bytes=self.send_high_watermark_bytes,
@@ -161,9 +170,28 @@ class ServerConfig:
         )
 
 
+def _redact(name: str, value: Any) -> Any:
+    return redact_store_url(str(value)) if name == "store" else value
+
+
+def redact_store_url(url: str) -> str:
+    """A password in the store URL (redis://:secret@host) is not printed."""
+    if "@" not in url:
+        return url
+    scheme, _, rest = url.partition("://")
+    return f"{scheme}://<credentials>@{rest.rpartition('@')[2]}"
+
+
 def _coerce(name: str, value: Any) -> Any:
     default = next(f.default for f in fields(ServerConfig) if f.name == name)
-    if name in ("cert_path", "key_path", "model_path", "data_dir", "api_keys_file"):
+    if name in (
+        "cert_path",
+        "key_path",
+        "model_path",
+        "data_dir",
+        "api_keys_file",
+        "kv_shared_dir",
+    ):
         return Path(value)
     if isinstance(default, bool):
         return value if isinstance(value, bool) else str(value).lower() in ("1", "true", "yes")

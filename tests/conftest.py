@@ -42,3 +42,22 @@ def cpu_extra_buffers(engine: object) -> bool:
 
     assert isinstance(engine, WorkerEngine)
     return engine.cpu_extra_buffers
+
+
+@pytest.fixture(scope="session")
+def redis_instance() -> Iterator[object]:
+    """One real ``redis-server`` (Unix socket) for the whole test session."""
+    from tests.redis_server import redis_server
+
+    with redis_server() as server:
+        yield server
+
+
+@pytest.fixture
+def redis_url(redis_instance: object) -> str:
+    """The shared store's URL, emptied for this test."""
+    from tests.redis_server import RedisServer
+
+    assert isinstance(redis_instance, RedisServer)
+    redis_instance.flush()
+    return redis_instance.url

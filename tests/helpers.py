@@ -159,16 +159,26 @@ async def raw_connection(port: int, ca: Path) -> AsyncIterator[_RawProtocol]:
 
 @contextlib.asynccontextmanager
 async def server_process(
-    certs: DevCertPaths, data_dir: Path, port: int = 0
+    certs: DevCertPaths,
+    data_dir: Path,
+    port: int = 0,
+    *,
+    extra: list[str] | None = None,
+    host: str = "127.0.0.1",
+    prefix: list[str] | None = None,
 ) -> AsyncIterator[tuple[subprocess.Popen[str], int]]:
-    """``quicsrv serve`` as a real process (to kill -9 it); yields it and its port."""
+    """``quicsrv serve`` as a real process (to kill -9 it); yields it and its port.
+
+    ``extra``: more ``serve`` flags (``--store``, ``--workers``); ``prefix``: a command to run
+    it under (``ip netns exec NS``)."""
     command = [
+        *(prefix or []),
         sys.executable,
         "-m",
         "quicsrv.cli",
         "serve",
         "--host",
-        "127.0.0.1",
+        host,
         "--port",
         str(port),
         "--cert",
@@ -177,6 +187,7 @@ async def server_process(
         str(certs.server_key),
         "--data-dir",
         str(data_dir),
+        *(extra or []),
     ]
     with subprocess.Popen(
         command,

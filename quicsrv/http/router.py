@@ -263,9 +263,9 @@ class Router:
         if path.startswith(_STREAMS_PREFIX):
             session_id = _session_id(path[len(_STREAMS_PREFIX) :])
             if request.method == "DELETE":
-                return self._stop(request, who, session_id)
+                return await self._stop(request, who, session_id)
             _allow(request, "GET", "DELETE")
-            return self._resume(request, who, session_id, query)
+            return await self._resume(request, who, session_id, query)
         raise ApiError(404, f"no such endpoint: {path}", code="not_found")
 
     def _authorize(self, request: HttpRequest) -> ClientId:
@@ -343,7 +343,7 @@ class Router:
             raise
         return session
 
-    def _resume(
+    async def _resume(
         self, request: HttpRequest, who: ClientId, session_id: bytes, query: str
     ) -> EventStream:
         last = request.headers.get(b"last-event-id")
@@ -369,7 +369,9 @@ class Router:
             )
         if not self._accepting():
             raise from_code(ErrorCode.SHUTTING_DOWN, "the server is shutting down")
-        session = self._sessions.reattach(session_id, cursor.index + 1, key_id=who.key_id)
+        session = await self._sessions.reattach_anywhere(
+            session_id, cursor.index + 1, key_id=who.key_id
+        )
         shape = StreamShape(
             session_id=session_id,
             chat=cursor.chat,
@@ -384,8 +386,8 @@ class Router:
             session=session, from_index=from_index, encoder=encoder, client=who.name, fresh=False
         )
 
-    def _stop(self, request: HttpRequest, who: ClientId, session_id: bytes) -> FullResponse:
-        end = self._sessions.cancel(session_id, key_id=who.key_id)
+    async def _stop(self, request: HttpRequest, who: ClientId, session_id: bytes) -> FullResponse:
+        end = await self._sessions.cancel_anywhere(session_id, key_id=who.key_id)
         body = {
             "id": session_id.hex(),
             "object": "stream",

@@ -39,9 +39,11 @@ Receive = Callable[[], Awaitable[Message]]
 Send = Callable[[Message], Awaitable[None]]
 
 
-def open_tcp_socket(host: str, port: int) -> socket.socket:
+def open_tcp_socket(host: str, port: int, *, reuse_port: bool = False) -> socket.socket:
     """A listening TCP socket on ``host:port`` (``::``: dual-stack, as the UDP socket is);
-    raises OSError (EADDRINUSE when the port number is taken over TCP)."""
+    raises OSError (EADDRINUSE when the port number is taken over TCP). ``reuse_port``:
+    SO_REUSEPORT, so several worker processes listen on one port (the kernel spreads the
+    connections between them)."""
     infos = socket.getaddrinfo(host or None, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
     family, _type, _proto, _name, sockaddr = next(
         i for i in infos if i[0] in (socket.AF_INET, socket.AF_INET6)
@@ -51,6 +53,8 @@ def open_tcp_socket(host: str, port: int) -> socket.socket:
         if family == socket.AF_INET6:
             sock.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY, 0)
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        if reuse_port:
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
         sock.bind(sockaddr)
         # Listening before hypercorn starts accepting: a client that connects right after
         # start-up waits in the backlog instead of being refused.

@@ -3,6 +3,10 @@
 Keys live in ``<data_dir>/mac-keys.json`` (created 0600 on first start) unless given by config.
 Rotation (``quicsrv keys rotate``) makes a new current key; the old one keeps verifying for
 ``previous_key_ttl_s``. A running server notices the rewritten file and reloads it.
+
+With a Redis store the keyring is one Redis value instead (:class:`SharedKeyRing`), the same
+JSON, so every process sharing the store signs and verifies with the same keys; servers reread it
+every sweep interval.
 """
 
 from __future__ import annotations
@@ -12,8 +16,12 @@ import os
 import secrets
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
-__all__ = ["KeyRing"]
+if TYPE_CHECKING:
+    import redis
+
+__all__ = ["KeyRing", "SharedKeyRing"]
 
 KEY_BYTES = 32
 
@@ -78,9 +86,12 @@ class KeyRing:
         except (OSError, ValueError):
             pass  # a half-written or vanished file: keep the keys we have
 
+    def to_json(self) -> bytes:
+        return json.dumps([[k.key.hex(), k.retired_at_s] for k in self._keys]).encode()
+
     def save(self, path: Path) -> None:
         path.parent.mkdir(parents=True, exist_ok=True)
-        data = json.dumps([[k.key.hex(), k.retired_at_s] for k in self._keys]).encode()
+        data = self.to_json()
         tmp = path.with_name(f".{path.name}.{secrets.token_hex(4)}")
         fd = os.open(tmp, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o600)
         with os.fdopen(fd, "wb") as f:
@@ -90,6 +101,51 @@ class KeyRing:
         os.replace(tmp, path)
 
 
+class SharedKeyRing(KeyRing):
+    """The keyring as one Redis value: the first process to start creates it (``SET NX``)."""
+
+    def __init__(self, client: redis.Redis, key: str, *, previous_key_ttl_s: float) -> None:
+        self._client, self._redis_key = client, key
+        first = KeyRing([_Key(secrets.token_bytes(KEY_BYTES), None)], previous_key_ttl_s)
+        client.set(key, first.to_json(), nx=True)
+        super().__init__(self._fetch(), previous_key_ttl_s)
+
+    def refresh(self) -> None:
+        """Reread the keys (blocking: call it off the event loop); keep ours on any failure."""
+        import redis
+
+        try:
+            self._keys = self._fetch()
+        except (redis.RedisError, ValueError, KeyError):
+            pass
+
+    def rotate_shared(self, now_s: float) -> None:
+        """Rotate the stored keyring atomically (a concurrent rotation makes this one retry)."""
+        import redis
+
+        while True:
+            with self._client.pipeline() as pipe:
+                try:
+                    pipe.watch(self._redis_key)  # type: ignore[no-untyped-call]
+                    self._keys = _parse(pipe.get(self._redis_key))
+                    self.rotate(now_s)
+                    pipe.multi()
+                    pipe.set(self._redis_key, self.to_json())
+                    pipe.execute()
+                    return
+                except redis.WatchError:
+                    continue
+
+    def _fetch(self) -> list[_Key]:
+        return _parse(self._client.get(self._redis_key))
+
+
 def _read(path: Path) -> list[_Key]:
-    raw = json.loads(path.read_text())
+    return _parse(path.read_bytes())
+
+
+def _parse(data: object) -> list[_Key]:
+    if not isinstance(data, bytes | str):
+        raise ValueError("no keyring stored")
+    raw = json.loads(data)
     return [_Key(bytes.fromhex(k), None if r is None else float(r)) for k, r in raw]

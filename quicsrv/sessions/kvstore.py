@@ -18,8 +18,12 @@ from collections import OrderedDict
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import blake3
+
+if TYPE_CHECKING:
+    from .shared_kv import SharedKV
 
 __all__ = ["KVStore", "KVUsage"]
 
@@ -45,9 +49,15 @@ class KVUsage:
 
 class KVStore:
     def __init__(
-        self, directory: Path, *, memory_budget_bytes: int, disk_budget_bytes: int
+        self,
+        directory: Path,
+        *,
+        memory_budget_bytes: int,
+        disk_budget_bytes: int,
+        shared: SharedKV | None = None,
     ) -> None:
         self._dir = directory
+        self._shared = shared
         self._memory_budget = memory_budget_bytes
         self._disk_budget = disk_budget_bytes
         self._lock = threading.Lock()
@@ -83,6 +93,8 @@ class KVStore:
                 self._memory_bytes -= len(held.data)
                 self._spilling[victim] = held
                 self._writer.submit(self._spill, victim, held)
+        if self._shared is not None:
+            self._writer.submit(self._shared.publish, session, _pack(n_generated, blob))
 
     def get(self, session: bytes, n_generated: int) -> bytes | None:
         """The blob if it covers exactly ``n_generated`` tokens and its checksum holds."""
@@ -95,7 +107,7 @@ class KVStore:
             if held is not None:
                 return held.data if held.n_generated == n_generated else None
             if session not in self._disk:
-                return None
+                return self._get_shared(session, n_generated)
             path = self._path(session)
         try:
             data = path.read_bytes()
@@ -106,15 +118,36 @@ class KVStore:
             log.warning("KV blob %s is stale or damaged; the resume will replay", path.name)
         return blob
 
+    def pull(self, session: bytes, n_generated: int) -> bool:
+        """Bring another process's blob for exactly ``n_generated`` tokens here (blocking: off
+        the loop), so :meth:`has` knows of it; whether there is one now."""
+        if self.has(session, n_generated):
+            return True
+        blob = self._get_shared(session, n_generated)
+        if blob is None:
+            return False
+        with self._lock:
+            self._discard_locked(session)
+            self._memory[session] = _Blob(n_generated, blob)
+            self._memory_bytes += len(blob)
+        return True
+
     def has(self, session: bytes, n_generated: int) -> bool:
         """Whether a blob for exactly ``n_generated`` tokens is probably there (not verified)."""
         with self._lock:
             held = self._memory.get(session) or self._spilling.get(session)
             return held.n_generated == n_generated if held is not None else session in self._disk
 
-    def discard(self, session: bytes) -> None:
+    def discard(self, session: bytes, *, shared: bool = True) -> None:
+        """Forget the session's blob (``shared``: the copy for other processes too)."""
         with self._lock:
             self._discard_locked(session)
+        if shared and self._shared is not None:
+            self._writer.submit(self._shared.delete, session)
+
+    def sweep_shared(self) -> int:
+        """Old shared files left by killed processes (blocking)."""
+        return self._shared.sweep() if self._shared is not None else 0
 
     def usage(self) -> KVUsage:
         with self._lock:
@@ -136,6 +169,12 @@ class KVStore:
     def _path(self, session: bytes) -> Path:
         return self._dir / f"{session.hex()}.kv"
 
+    def _get_shared(self, session: bytes, n_generated: int) -> bytes | None:
+        if self._shared is None:
+            return None
+        data = self._shared.fetch(session)
+        return None if data is None else _unpack(data, n_generated)
+
     def _discard_locked(self, session: bytes) -> None:
         held = self._memory.pop(session, None)
         if held is not None:
@@ -150,7 +189,7 @@ class KVStore:
 
     def _spill(self, session: bytes, held: _Blob) -> None:
         blob = held.data
-        data = _HEADER.pack(_MAGIC, held.n_generated, len(blob), blake3.blake3(blob).digest())
+        data = _header(held.n_generated, blob)
         size = len(data) + len(blob)
         with self._lock:
             if self._spilling.get(session) is not held:
@@ -190,6 +229,14 @@ class KVStore:
 class _Blob:
     n_generated: int
     data: bytes
+
+
+def _header(n_generated: int, blob: bytes) -> bytes:
+    return _HEADER.pack(_MAGIC, n_generated, len(blob), blake3.blake3(blob).digest())
+
+
+def _pack(n_generated: int, blob: bytes) -> bytes:
+    return _header(n_generated, blob) + blob
 
 
 def _unpack(data: bytes, n_generated: int) -> bytes | None:

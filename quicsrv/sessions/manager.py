@@ -19,6 +19,8 @@ from dataclasses import dataclass
 from enum import StrEnum
 from pathlib import Path
 
+import redis
+
 import proto
 from proto import ErrorCode
 
@@ -27,14 +29,18 @@ from ..metrics import ServerMetrics
 from .admission import AdmissionLimits, FairGate, Slot
 from .generation import RequestRejected, build_request
 from .inbox import LoopInbox
-from .keys import KeyRing
+from .keys import KeyRing, SharedKeyRing
 from .kvstore import KVStore
+from .redis_store import RedisSessionStore, connect, process_owner_id
 from .session import FlowSettings, Session
+from .shared_kv import SharedKV
 from .store import SessionEnd, SessionRecord, SessionStore
 
 __all__ = ["ResumeConflict", "SessionManager", "SessionSettings"]
 
 log = logging.getLogger(__name__)
+
+KEYRING_KEY = "quicsrv:mac-keys"
 
 
 class ResumeConflict(StrEnum):
@@ -63,6 +69,15 @@ class SessionSettings:
     """0: a quarter of the engine's queue (at least 1)."""
     max_queue_wait_s: float = 120.0
     """A new request that cannot start within this long ends with ``deadline_exceeded``."""
+    store_url: str = ""
+    """Where records, token logs and MAC keys live: "" (or "file"): under ``data_dir``;
+    ``redis://host:port/db``: in Redis, shared by every process that names it."""
+    lease_s: float = 30.0
+    """With Redis: how long a process owns a session after its last write to it."""
+    kv_redis_max_bytes: int = 16 << 20
+    """With Redis: paused KV blobs up to this size are shared through Redis."""
+    kv_shared_dir: Path | None = None
+    """With Redis: larger blobs are shared here (None: not shared; a resume elsewhere replays)."""
 
     def admission_limits(self, engine: Engine) -> AdmissionLimits:
         slots, queue = engine.n_seq_max, engine.max_queued
@@ -88,28 +103,62 @@ class SessionManager:
         self.metrics.bind_sessions(self)
         self.settings = settings
         self._clock = clock
+        self.redis: redis.Redis | None = None
+        """The shared store's client (None: the file store)."""
+        self.store: SessionStore
+        if settings.store_url not in ("", "file"):
+            self.redis = connect(settings.store_url)
+            self.store = RedisSessionStore(
+                self.redis,
+                owner_id=process_owner_id(),
+                lease_s=settings.lease_s,
+                ttl_s=settings.ttl_s,
+                max_sessions=settings.max_sessions,
+                max_disk_bytes=settings.max_disk_bytes,
+                clock=clock,
+            )
+            self.store.on_appended = self._on_appended
+        else:
+            self.store = SessionStore(
+                settings.data_dir / "sessions",
+                ttl_s=settings.ttl_s,
+                max_sessions=settings.max_sessions,
+                max_disk_bytes=settings.max_disk_bytes,
+                clock=clock,
+            )
         if settings.mac_key is not None:
             self.keys = KeyRing.from_secret(settings.mac_key)
+        elif self.redis is not None:
+            self.keys = SharedKeyRing(
+                self.redis, KEYRING_KEY, previous_key_ttl_s=settings.previous_key_ttl_s
+            )
         else:
             self.keys = KeyRing.load_or_create(
                 settings.data_dir / "mac-keys.json",
                 previous_key_ttl_s=settings.previous_key_ttl_s,
             )
-        self.store = SessionStore(
-            settings.data_dir / "sessions",
-            ttl_s=settings.ttl_s,
-            max_sessions=settings.max_sessions,
-            max_disk_bytes=settings.max_disk_bytes,
-            clock=clock,
-        )
+        shared_kv = None
+        if self.redis is not None:
+            shared_kv = SharedKV(
+                self.redis,
+                redis_max_bytes=settings.kv_redis_max_bytes,
+                shared_dir=settings.kv_shared_dir,
+                ttl_s=settings.ttl_s,
+            )
         self.kv = KVStore(
             settings.data_dir / "kv",
             memory_budget_bytes=settings.kv_memory_budget_bytes,
             disk_budget_bytes=settings.kv_disk_budget_bytes,
+            shared=shared_kv,
         )
         self._live: dict[bytes, Session] = {}
         self._loop_inbox: LoopInbox | None = None
         self.gate = FairGate(settings.admission_limits(engine))
+
+    @property
+    def shared(self) -> bool:
+        """Whether other processes share these sessions (resumes: :meth:`resume_shared`)."""
+        return isinstance(self.store, RedisSessionStore)
 
     def live(self, session_id: bytes) -> Session | None:
         """The session's live object, if it runs or is attached (tests and stats)."""
@@ -226,11 +275,123 @@ class SessionManager:
         ``key_id``: the API key the request presented (None on an open server); a session
         started with a key resumes only with that key.
         """
+        session = self._live.get(frame.session_id)
+        record = session.record if session is not None else self.store.get(frame.session_id)
+        self._check_resume(frame, header_session, record, session, key_id)
+        assert record is not None
+        if session is None:
+            session = self._session(record)
+            self._live[frame.session_id] = session
+        return session
+
+    async def resume_shared(
+        self,
+        frame: proto.ResumeStream,
+        header_session: bytes | None,
+        *,
+        key_id: str | None = None,
+    ) -> Session:
+        """:meth:`resume` with the Redis store: the record is read from Redis, checked, and
+        only then taken over (its lease moved here), so a peer that cannot show the snapshot
+        hash never moves a session. A copy of it still live here but owned elsewhere meanwhile
+        is stale: it is handed over and replaced."""
+
+        def check(record: SessionRecord | None) -> None:
+            self._check_resume(frame, header_session, record, None, key_id)
+
+        return await self._take_over(
+            frame.session_id, check, lambda: self.resume(frame, header_session, key_id=key_id)
+        )
+
+    async def reattach_anywhere(
+        self, session_id: bytes, from_index: int, *, key_id: str | None = None
+    ) -> Session:
+        """:meth:`reattach`, taking the session over from another process when the store is
+        shared (an SSE reader may reconnect to any of them)."""
+        if not self.shared:
+            return self.reattach(session_id, from_index, key_id=key_id)
+
+        def check(record: SessionRecord | None) -> None:
+            record = self._require_current(session_id, record, None)
+            index = min(from_index, len(record.generated)) if record.end else from_index
+            self._check_admit(None, record, index, key_id)
+
+        return await self._take_over(
+            session_id, check, lambda: self.reattach(session_id, from_index, key_id=key_id)
+        )
+
+    async def cancel_anywhere(self, session_id: bytes, *, key_id: str | None = None) -> SessionEnd:
+        """:meth:`cancel`, taking the session over first when the store is shared."""
+        if self.shared:
+
+            def check(record: SessionRecord | None) -> None:
+                record = self._require_current(session_id, record, None)
+                if key_id is not None and record.owner and not _same(key_id, record.owner):
+                    raise RequestRejected(
+                        ErrorCode.SESSION_KEY_MISMATCH,
+                        "the session was started with another API key",
+                    )
+
+            await self._take_over(session_id, check, lambda: self._find(session_id)[0])
+        return self.cancel(session_id, key_id=key_id)
+
+    async def _take_over(
+        self,
+        session_id: bytes,
+        check: Callable[[SessionRecord | None], None],
+        here: Callable[[], Session | None],
+    ) -> Session:
+        """Read ``session_id`` from Redis, ``check`` it, then claim its lease for this process
+        (``here()`` when this process owns it already). ``check`` raises to refuse."""
+        store = self.store
+        assert isinstance(store, RedisSessionStore)
+        try:
+            fetched = await asyncio.wrap_future(store.fetch(session_id))
+            live = self._live.get(session_id)
+            if live is not None and not live.handed_over:
+                if fetched is not None and fetched.owner == store.owner_id:
+                    session = here()
+                    if session is not None:
+                        return session
+            check(fetched.record if fetched is not None else None)
+            if live is not None and not live.handed_over:
+                # Written elsewhere since: stale. Stopped before the claim, so whatever it
+                # still had on its way to Redis lands before the claim reads the log.
+                live.hand_over()
+            claimed = await asyncio.wrap_future(store.claim(session_id))
+        except redis.RedisError as exc:
+            log.error("session %s: redis: %s", session_id.hex(), exc)
+            raise RequestRejected(
+                ErrorCode.STORE_UNAVAILABLE, "the session store cannot be reached"
+            ) from None
+        if claimed is None:
+            raise RequestRejected(ErrorCode.SESSION_EXPIRED, "the session has expired")
+        # The log only grows: what was checked above is a prefix of what was claimed.
+        check(claimed.record)
+        if claimed.owner and claimed.owner != store.owner_id:
+            log.info("session %s taken over from %s", session_id.hex(), claimed.owner)
+        store.adopt(claimed.record)
+        if claimed.record.generated and claimed.record.end is None:
+            # A blob another process paused with, brought here before the answer names the
+            # resume path (kv-restore); a big read, so off the loop.
+            await asyncio.to_thread(self.kv.pull, session_id, len(claimed.record.generated))
+        session = self._session(claimed.record)
+        self._live[session_id] = session
+        return session
+
+    def _check_resume(
+        self,
+        frame: proto.ResumeStream,
+        header_session: bytes | None,
+        record: SessionRecord | None,
+        session: Session | None,
+        key_id: str | None,
+    ) -> None:
         if header_session is not None and header_session != frame.session_id:
             raise RequestRejected(
                 ErrorCode.INVALID_FIELD, "the quicsrv-session header and RESUME_STREAM disagree"
             )
-        session, record = self._find(frame.session_id)
+        record = self._require_current(frame.session_id, record, session)
         # The hash names a prefix the server persisted before telling anyone its hash, so a
         # hash index past what is recorded cannot be genuine.
         hash_index = frame.checkpoint_index
@@ -241,7 +402,7 @@ class SessionManager:
             raise RequestRejected(
                 ErrorCode.HASH_MISMATCH, "the snapshot hash does not verify for this session"
             )
-        return self._admit_resume(session, record, frame.last_index + 1, key_id)
+        self._check_admit(session, record, frame.last_index + 1, key_id)
 
     def reattach(self, session_id: bytes, from_index: int, *, key_id: str | None = None) -> Session:
         """Like :meth:`resume`, for a caller that already authenticated ``session_id`` and
@@ -252,7 +413,11 @@ class SessionManager:
         session, record = self._find(session_id)
         if record.end is not None:
             from_index = min(from_index, len(record.generated))
-        return self._admit_resume(session, record, from_index, key_id)
+        self._check_admit(session, record, from_index, key_id)
+        if session is None:
+            session = self._session(record)
+            self._live[record.session_id] = session
+        return session
 
     def cancel(self, session_id: bytes, *, key_id: str | None = None) -> SessionEnd:
         """End a generation for good (an explicit stop): the engine sequence and its saved KV
@@ -274,6 +439,12 @@ class SessionManager:
         """The live session (if any) and record of ``session_id``; raises unknown/expired."""
         session = self._live.get(session_id)
         record = session.record if session is not None else self.store.get(session_id)
+        return session, self._require_current(session_id, record, session)
+
+    def _require_current(
+        self, session_id: bytes, record: SessionRecord | None, session: Session | None
+    ) -> SessionRecord:
+        """``record`` if it exists and has not expired; raises unknown/expired otherwise."""
         if record is None:
             if self.store.was_expired(session_id):
                 raise RequestRejected(ErrorCode.SESSION_EXPIRED, "the session has expired")
@@ -281,15 +452,15 @@ class SessionManager:
         if session is None and record.expires_at_s <= self._clock():
             self._expire(record)
             raise RequestRejected(ErrorCode.SESSION_EXPIRED, "the session has expired")
-        return session, record
+        return record
 
-    def _admit_resume(
+    def _check_admit(
         self,
         session: Session | None,
         record: SessionRecord,
         from_index: int,
         key_id: str | None,
-    ) -> Session:
+    ) -> None:
         """The checks only an authenticated resumer may learn the outcome of."""
         if key_id is not None and record.owner and not _same(key_id, record.owner):
             raise RequestRejected(
@@ -310,10 +481,6 @@ class SessionManager:
                 raise RequestRejected(
                     ErrorCode.SESSION_BUSY, "another stream is reading this session"
                 )
-        if session is None:
-            session = self._session(record)
-            self._live[record.session_id] = session
-        return session
 
     # --- upkeep -------------------------------------------------------------------------
 
@@ -329,6 +496,9 @@ class SessionManager:
         logged = ""
         while True:
             await asyncio.sleep(interval_s)  # a periodic chore, not synchronisation
+            if isinstance(self.keys, SharedKeyRing):  # a rotation by another process
+                await asyncio.to_thread(self.keys.refresh)
+                await asyncio.to_thread(self.kv.sweep_shared)
             removed = self.sweep()
             usage = self.usage()
             if usage != logged or removed:
@@ -352,7 +522,9 @@ class SessionManager:
         self.kv.close()
 
     def _expire(self, record: SessionRecord) -> None:
-        self.kv.discard(record.session_id)
+        # Only our copy: another process may have touched the session since (shared copies
+        # expire with the session in Redis, or by age in the shared directory).
+        self.kv.discard(record.session_id, shared=False)
         self.store.remove(record.session_id, expired=True)
 
     def _session(self, record: SessionRecord) -> Session:
@@ -377,6 +549,19 @@ class SessionManager:
             self._loop_inbox = LoopInbox(loop)
             self._engine.deliver_on(loop)
         return self._loop_inbox
+
+    def _on_appended(self, record: SessionRecord, problem: str | None) -> None:
+        session = self._live.get(record.session_id)
+        if session is None or session.record is not record:
+            return  # a copy handed over already
+        if problem is None:
+            session.tokens_durable()
+        elif problem == "taken":  # another process resumed it: our copy is stale
+            session.hand_over()
+            self.store.remove(record.session_id)
+        else:  # the reader may resume once Redis is back: the durable tokens are there
+            session.hand_over(failure="the session store failed; resume later")
+            self.store.remove(record.session_id)
 
     def _forget(self, session: Session) -> None:
         if self._live.get(session.session_id) is session:

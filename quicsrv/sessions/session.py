@@ -140,6 +140,7 @@ class Session:
         self.pauses = 0
         self.paused = asyncio.Event()  # set while the engine sequence is paused (tests, stats)
         self.idle = asyncio.Event()  # set once nobody reads and the engine holds nothing
+        self._handed_over = False
 
     @property
     def session_id(self) -> bytes:
@@ -152,6 +153,11 @@ class Session:
     @property
     def attached(self) -> bool:
         return self._attachment is not None
+
+    @property
+    def handed_over(self) -> bool:
+        """Another process owns the session now (or the store failed): this copy is stale."""
+        return self._handed_over
 
     @property
     def running(self) -> bool:
@@ -247,6 +253,32 @@ class Session:
         self._stop_restarting()
         self._check_idle()
 
+    def tokens_durable(self) -> None:
+        """The store confirmed more tokens (the Redis store, a batch later): send them."""
+        if not self._handed_over:
+            self._pump()
+
+    def hand_over(self, failure: str | None = None) -> None:
+        """This process may no longer write the session: another one took it over (the newest
+        attach wins across processes too; the reader's stream ends with ``superseded``), or the
+        shared store failed (``failure``: the reader gets ERROR(store_unavailable) and may
+        resume). Generation stops; this object is stale from now on."""
+        if self._handed_over:
+            return
+        self._handed_over = True
+        attachment, self._attachment = self._attachment, None
+        if attachment is not None:
+            frame: proto.Frame = (
+                proto.End(reason=EndReason.SUPERSEDED)
+                if failure is None
+                else proto.Error(code=proto.ErrorCode.STORE_UNAVAILABLE, message=failure)
+            )
+            attachment.port.send_frame(frame, True)
+        if self._handle is not None and self._state is _EngineState.RUNNING:
+            self._handle.pause(capture_kv=False)
+        self._stop_restarting()
+        self._check_idle()
+
     def on_transport_progress(self) -> None:
         """Acknowledgements arrived: update the reader's position and the engine's allowance."""
         attachment = self._attachment
@@ -289,6 +321,8 @@ class Session:
 
     def _on_token(self, index: int, token_id: int, piece: bytes) -> None:
         record = self.record
+        if self._handed_over:
+            return  # another process writes this session now
         if record.end is not None or index != len(record.generated):
             return  # a token decoded after a stop sequence matched: not part of the output
         self._store.append_token(record, token_id)  # persisted before anyone is sent it
@@ -350,6 +384,8 @@ class Session:
     # --- internals ----------------------------------------------------------------------
 
     def _record_end(self, end: SessionEnd) -> None:
+        if self._handed_over:
+            return  # the process that owns the session now records its end
         self.record.end = end
         self._tail = self._end_tail()
         self._store.save(self.record)
@@ -369,6 +405,8 @@ class Session:
         """Start (or restart) the engine sequence if a reader is there and has room."""
         attachment = self._attachment
         if self.finished or self._state is not _EngineState.IDLE or attachment is None:
+            return
+        if self._handed_over:
             return
         room = self._allowance(attachment) - len(self.record.generated)
         # Hysteresis: a paused sequence restarts only once the reader has caught up by half
@@ -456,7 +494,9 @@ class Session:
             return
         generated, texts = self.record.generated, self._texts
         every = self._flow.checkpoint_every_tokens
-        while attachment.next_index < len(texts):
+        # Only what the store holds durably goes out (the file store: every token at once).
+        sendable = min(len(texts), self._store.durable_tokens(self.record))
+        while attachment.next_index < sendable:
             i = attachment.next_index
             frame = proto.Token(index=i, token_id=generated[i], text=texts[i])
             attachment.port.send_frame(frame, False)

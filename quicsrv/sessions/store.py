@@ -142,7 +142,7 @@ class SessionStore:
 
     def __init__(
         self,
-        directory: Path,
+        directory: Path | None,
         *,
         ttl_s: float,
         max_sessions: int,
@@ -162,8 +162,9 @@ class SessionStore:
         self._disk_bytes = 0
         # One thread, so the files change in the order they were asked to.
         self._writer = ThreadPoolExecutor(max_workers=1, thread_name_prefix="session-writer")
-        directory.mkdir(parents=True, exist_ok=True, mode=0o700)
-        self._load()
+        if directory is not None:  # None: a subclass keeps the records elsewhere
+            directory.mkdir(parents=True, exist_ok=True, mode=0o700)
+            self._load()
 
     def __len__(self) -> int:
         return len(self._records)
@@ -199,6 +200,10 @@ class SessionStore:
         record.expires_at_s = self._clock() + self.ttl_s
         self._records.move_to_end(record.session_id)
         self.save(record)
+
+    def durable_tokens(self, record: SessionRecord) -> int:
+        """How many of the record's tokens a crash would not lose: only those may be sent."""
+        return len(record.generated)  # each append is a write(2) before it returns
 
     def append_token(self, record: SessionRecord, token: int) -> None:
         """Record a generated token; call before the token is sent to anyone."""
@@ -258,12 +263,15 @@ class SessionStore:
         self._logs.clear()
 
     def _meta_path(self, session: bytes) -> Path:
+        assert self._dir is not None
         return self._dir / f"{session.hex()}.meta"
 
     def _tokens_path(self, session: bytes) -> Path:
+        assert self._dir is not None
         return self._dir / f"{session.hex()}.tokens"
 
     def _load(self) -> None:
+        assert self._dir is not None
         for leftover in self._dir.glob(".*.tmp"):
             leftover.unlink(missing_ok=True)
         loaded = []

@@ -57,7 +57,9 @@ from ..http.router import Router
 from ..http.tcp import TcpListener, open_tcp_socket, start_tcp_listener
 from ..metrics import TransportFacts
 from ..sessions import RequestRejected, Session, SessionManager
+from ..sessions.redis_store import connect
 from .h3_routed import RoutedStreams
+from .redis_tickets import RedisTicketStore
 from .routes import PLAIN_PATHS, PlainRoutes, authorize_metrics, readiness
 from .sockets import AppliedSocketOptions, SocketOptions, open_udp_socket, serve_on_socket
 from .tickets import MemoryTicketStore, TicketStore
@@ -93,7 +95,7 @@ class _Request:
     rejected: bool = False
     session: Session | None = None
     port: _StreamPort | None = None
-    starting: asyncio.Task[None] | None = None  # a GENERATE being tokenized or queued
+    starting: asyncio.Task[None] | None = None  # a GENERATE queued, or a resume reading Redis
 
 
 class _StreamPort:
@@ -320,7 +322,6 @@ class _H3ServerProtocol(QuicConnectionProtocol):
             raise proto.MissingField("the request body holds no frame")
         frame = request.frames[0]
         sessions = self._app.sessions
-        extra: list[tuple[bytes, bytes]] = []
         early = not self._handshake_done  # the whole request arrived as 0-RTT data
         if request.path == GENERATE_PATH:
             if not isinstance(frame, proto.Generate):
@@ -340,9 +341,36 @@ class _H3ServerProtocol(QuicConnectionProtocol):
             return
         if not isinstance(frame, proto.ResumeStream):
             raise proto.UnexpectedFrame(f"expected RESUME_STREAM, got {frame.frame_type.name}")
-        session = sessions.resume(
-            frame, _parse_session_header(request.session_header), key_id=request.key_id
-        )
+        header = _parse_session_header(request.session_header)
+        if sessions.shared:  # the record is read from Redis: off this call, on a task
+            request.starting = asyncio.get_running_loop().create_task(
+                self._resume_shared(request, frame, header, early)
+            )
+            return
+        session = sessions.resume(frame, header, key_id=request.key_id)
+        self._answer_resume(request, session, frame, early)
+
+    async def _resume_shared(
+        self, request: _Request, frame: proto.ResumeStream, header: bytes | None, early: bool
+    ) -> None:
+        try:
+            session = await self._app.sessions.resume_shared(frame, header, key_id=request.key_id)
+        except RequestRejected as exc:
+            self._reject(request, exc.code, exc.message, exc.retry_after_s)
+            return
+        except Exception:  # a bug: the peer still gets an answer, the log the traceback
+            log.exception("peer %s stream %d: resume failed", self._peer, request.stream_id)
+            self._reject(request, ErrorCode.INTERNAL_ERROR, "internal error")
+            return
+        if self._requests.get(request.stream_id) is not request:
+            session.abandon()  # the stream went away meanwhile; the session stays resumable
+            return
+        self._answer_resume(request, session, frame, early)
+
+    def _answer_resume(
+        self, request: _Request, session: Session, frame: proto.ResumeStream, early: bool
+    ) -> None:
+        extra: list[tuple[bytes, bytes]] = []
         if early:
             self._app.early_resumes += 1
             extra.append((EARLY_DATA_HEADER, b"1"))
@@ -597,6 +625,13 @@ async def start_server(
     configuration.load_cert_chain(config.cert_path, config.key_path)
     if sessions is None:
         sessions = SessionManager(engine, config.session_settings())
+    if tickets is None and sessions.redis is not None:  # shared, like the sessions
+        # A client of its own: aioquic asks for tickets on the event loop, so a Redis that
+        # stalls must cost a handshake its 0-RTT within half a second, never retried.
+        tickets = RedisTicketStore(
+            connect(sessions.settings.store_url, timeout_s=0.5, retries=0),
+            ttl_s=config.ticket_ttl_s,
+        )
     if tickets is None:
         tickets = MemoryTicketStore(ttl_s=config.ticket_ttl_s, max_tickets=config.max_tickets)
     sock, applied, tcp_sock = _open_sockets(config)
@@ -673,7 +708,10 @@ def _open_sockets(
         if not config.tcp_listener:
             return sock, applied, None
         try:
-            return sock, applied, open_tcp_socket(config.host, int(sock.getsockname()[1]))
+            tcp = open_tcp_socket(
+                config.host, int(sock.getsockname()[1]), reuse_port=config.udp_reuse_port
+            )
+            return sock, applied, tcp
         except OSError as exc:
             sock.close()
             if exc.errno != errno.EADDRINUSE or attempt == attempts - 1:

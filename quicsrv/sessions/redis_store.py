@@ -1,0 +1,332 @@
+"""Session records, token logs and leases in Redis, so any process sharing it can resume.
+
+Keys, under a prefix (``quicsrv:`` by default), each expiring with its session (``PEXPIREAT``
+the record's ``expires_at_s``, renewed whenever the record is saved):
+
+* ``<p>s:<id>:meta``: canonical CBOR of the record without its tokens (the file store's
+  ``.meta``);
+* ``<p>s:<id>:tok``: the token log, 4 bytes a token, ``APPEND``-ed each step;
+* ``<p>s:<id>:lease``: the id of the process that owns the session, expiring ``lease_s`` after
+  its last write (``PX``).
+
+One owner at a time: every write is a Lua script that first checks the lease. A process whose
+lease was taken over (a resume reached another process: the newest attach wins, across
+processes as within one) has its write refused, and its session ends its reader's stream with
+``superseded`` and stops generating. A lease that expired (its owner died) is simply taken.
+
+Durability without blocking the loop: the commands run on the store's one writer thread with
+the sync client, in the order they were asked for. Token appends of all sessions are gathered
+and sent as one pipeline per batch; a token is *durable* once Redis confirmed it, and
+:class:`Session` sends a reader only durable tokens, so whatever a client was sent survives a
+``kill -9`` of its server, exactly as with the file store's ``write(2)`` before each send.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import secrets
+import socket
+import threading
+from array import array
+from collections.abc import Callable
+from concurrent.futures import Future
+from dataclasses import dataclass
+from typing import Any
+
+import cbor2
+import redis
+from redis.backoff import ExponentialBackoff
+from redis.retry import Retry
+
+from proto import canonical_cbor
+
+from .store import _TOKEN, SessionRecord, SessionStore
+
+__all__ = ["DEFAULT_PREFIX", "RedisSessionStore", "connect", "process_owner_id"]
+
+log = logging.getLogger(__name__)
+
+DEFAULT_PREFIX = "quicsrv:"
+
+# KEYS: lease, meta, tokens. ARGV: owner, lease_ms, meta, expires_at_ms.
+_SAVE = """
+local owner = redis.call('GET', KEYS[1])
+if owner and owner ~= ARGV[1] then return 0 end
+redis.call('SET', KEYS[1], ARGV[1], 'PX', ARGV[2])
+redis.call('SET', KEYS[2], ARGV[3], 'PXAT', ARGV[4])
+redis.call('PEXPIREAT', KEYS[3], ARGV[4])
+return 1
+"""
+
+# KEYS: lease, tokens. ARGV: owner, lease_ms, bytes already logged, new bytes, expires_at_ms.
+# Returns 1, or 0 when another process owns the session, or -1 when the log is not the length
+# this process believes (it lost the lease and the session moved on meanwhile).
+_APPEND = """
+local owner = redis.call('GET', KEYS[1])
+if owner and owner ~= ARGV[1] then return 0 end
+if redis.call('STRLEN', KEYS[2]) ~= tonumber(ARGV[3]) then return -1 end
+redis.call('SET', KEYS[1], ARGV[1], 'PX', ARGV[2])
+redis.call('APPEND', KEYS[2], ARGV[4])
+redis.call('PEXPIREAT', KEYS[2], ARGV[5])
+return 1
+"""
+
+# KEYS: lease, meta, tokens. ARGV: owner, lease_ms. Take the session over, whoever owned it,
+# and return what the record is at that instant: nothing else can append after the takeover.
+_CLAIM = """
+local meta = redis.call('GET', KEYS[2])
+if not meta then return false end
+local previous = redis.call('GET', KEYS[1]) or ''
+redis.call('SET', KEYS[1], ARGV[1], 'PX', ARGV[2])
+return {meta, redis.call('GET', KEYS[3]) or '', previous}
+"""
+
+
+def connect(url: str, *, timeout_s: float = 5.0, retries: int = 2) -> redis.Redis:
+    """A sync client for ``redis://host:port/db`` (or ``unix:///path``); raises
+    ``redis.RedisError`` when unreachable (checked once here, so a wrong URL fails at start-up,
+    not at the first resume). ``retries`` with a short backoff ride out a Redis restart; the
+    ticket store asks for none, since it blocks a handshake on the event loop."""
+    client: redis.Redis = redis.Redis.from_url(
+        url,
+        socket_timeout=timeout_s,
+        socket_connect_timeout=timeout_s,
+        retry=Retry(ExponentialBackoff(cap=0.5, base=0.05), retries),
+    )
+    client.ping()
+    return client
+
+
+def process_owner_id() -> str:
+    """Names this process in leases: host and pid for people, random bits for uniqueness."""
+    import os
+
+    return f"{socket.gethostname()}:{os.getpid()}:{secrets.token_hex(4)}"
+
+
+@dataclass(frozen=True, slots=True)
+class Fetched:
+    """A record as read from Redis, and which process owned it then ("" if nobody)."""
+
+    record: SessionRecord
+    owner: str
+
+
+@dataclass(slots=True)
+class _PendingAppend:
+    record: SessionRecord
+    offset: int  # tokens logged (or on their way) before these
+    data: bytearray
+    expires_at_ms: int
+
+
+class RedisSessionStore(SessionStore):
+    """A :class:`SessionStore` whose records live in Redis: see the module docstring.
+
+    The inherited in-memory index holds the records this process knows (started, resumed or
+    fetched); Redis holds every process's. Removing a record forgets it here only: Redis
+    expires it with its session, and another process may still own it.
+    """
+
+    def __init__(
+        self,
+        client: redis.Redis,
+        *,
+        owner_id: str,
+        lease_s: float,
+        ttl_s: float,
+        max_sessions: int,
+        max_disk_bytes: int,
+        clock: Callable[[], float],
+        prefix: str = DEFAULT_PREFIX,
+    ) -> None:
+        super().__init__(
+            None,
+            ttl_s=ttl_s,
+            max_sessions=max_sessions,
+            max_disk_bytes=max_disk_bytes,
+            clock=clock,
+        )
+        self._redis = client
+        self.owner_id = owner_id
+        self._lease_ms = max(1, int(lease_s * 1000))
+        self._prefix = prefix
+        self._save_script = client.register_script(_SAVE)
+        self._append_script = client.register_script(_APPEND)
+        self._claim_script = client.register_script(_CLAIM)
+        self._lock = threading.Lock()  # guards _pending: the loop adds, the writer takes
+        self._pending: dict[bytes, _PendingAppend] = {}
+        self._durable: dict[bytes, int] = {}
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self.on_appended: Callable[[SessionRecord, str | None], None] | None = None
+        """Called on the loop after each batch, per session: ``None`` when its tokens are
+        durable, else why not: "taken" (another process owns it now) or Redis's error."""
+
+    # --- what the sessions ask (event loop) ---------------------------------------------
+
+    def durable_tokens(self, record: SessionRecord) -> int:
+        return self._durable.get(record.session_id, len(record.generated))
+
+    def append_token(self, record: SessionRecord, token: int) -> None:
+        session = record.session_id
+        self._durable.setdefault(session, len(record.generated))
+        record.generated.append(token)
+        self._disk_bytes += _TOKEN.size
+        if self._loop is None:
+            self._loop = asyncio.get_running_loop()
+        with self._lock:
+            pending = self._pending.get(session)
+            first = not self._pending
+            if pending is None:
+                # Every earlier token is durable or in a batch the writer sends first.
+                offset = len(record.generated) - 1
+                pending = self._pending[session] = _PendingAppend(
+                    record, offset, bytearray(), int(record.expires_at_s * 1000)
+                )
+            pending.data += _TOKEN.pack(token)
+            pending.expires_at_ms = int(record.expires_at_s * 1000)
+        if first:  # one batch job at a time gathers every session's tokens
+            self._writer.submit(self._flush_appends)
+
+    def close_log(self, record: SessionRecord) -> None:
+        pass  # nothing held open
+
+    def touch(self, record: SessionRecord) -> None:
+        if self._records.get(record.session_id) is record:  # else a stale copy: not ours
+            super().touch(record)
+
+    def save(self, record: SessionRecord) -> Future[None]:
+        if self._records.get(record.session_id) is not record:
+            return self.flush()
+        data = canonical_cbor(record._meta())
+        old = self._meta_bytes.get(record.session_id, 0)
+        self._meta_bytes[record.session_id] = len(data)
+        self._disk_bytes += len(data) - old
+        return self._writer.submit(
+            self._save_meta, record.session_id, data, int(record.expires_at_s * 1000)
+        )
+
+    def remove(self, session: bytes, *, expired: bool = False) -> None:
+        record = self._records.pop(session, None)
+        if record is None:
+            return
+        self._durable.pop(session, None)
+        self._disk_bytes -= self._meta_bytes.pop(session, 0) + _TOKEN.size * len(record.generated)
+        if expired:
+            self._expired[session] = None
+            while len(self._expired) > 65536:
+                self._expired.popitem(last=False)
+
+    def adopt(self, record: SessionRecord) -> None:
+        """Know ``record`` (just fetched or claimed) here, replacing any older copy."""
+        self.remove(record.session_id)
+        self._records[record.session_id] = record
+        self._durable[record.session_id] = len(record.generated)
+        self._disk_bytes += _TOKEN.size * len(record.generated)
+
+    def fetch(self, session: bytes) -> Future[Fetched | None]:
+        """Read a record and its owner, without taking it (on the writer thread, in order)."""
+        return self._writer.submit(self._fetch, session)
+
+    def claim(self, session: bytes) -> Future[Fetched | None]:
+        """Take the lease over, whoever held it, and read the record at that instant."""
+        return self._writer.submit(self._claim, session)
+
+    def close(self) -> None:
+        self._writer.shutdown(wait=True)
+        self._redis.close()
+
+    # --- the writer thread --------------------------------------------------------------
+
+    def _keys(self, session: bytes) -> tuple[str, str, str]:
+        base = f"{self._prefix}s:{session.hex()}"
+        return f"{base}:lease", f"{base}:meta", f"{base}:tok"
+
+    def _save_meta(self, session: bytes, data: bytes, expires_at_ms: int) -> None:
+        lease, meta, tokens = self._keys(session)
+        try:
+            saved = self._save_script(
+                keys=[lease, meta, tokens],
+                args=[self.owner_id, self._lease_ms, data, expires_at_ms],
+            )
+        except redis.RedisError as exc:
+            log.error("cannot save session %s to redis: %s", session.hex(), exc)
+            return
+        if not saved:
+            log.info("session %s is owned by another process: not saved", session.hex())
+
+    def _flush_appends(self) -> None:
+        with self._lock:
+            batch, self._pending = self._pending, {}
+        if not batch:
+            return
+        sessions = list(batch)
+        try:
+            pipe = self._redis.pipeline(transaction=False)
+            for session in sessions:
+                pending = batch[session]
+                lease, _, tokens = self._keys(session)
+                self._append_script(
+                    keys=[lease, tokens],
+                    args=[
+                        self.owner_id,
+                        self._lease_ms,
+                        pending.offset * _TOKEN.size,
+                        bytes(pending.data),
+                        pending.expires_at_ms,
+                    ],
+                    client=pipe,
+                )
+            results: list[Any] = pipe.execute(raise_on_error=False)
+        except redis.RedisError as exc:
+            log.error("cannot append tokens to redis: %s", exc)
+            results = [exc] * len(sessions)
+        outcome: list[tuple[SessionRecord, str | None, int]] = []
+        for session, result in zip(sessions, results, strict=True):
+            pending = batch[session]
+            problem = None
+            if isinstance(result, Exception):
+                log.error("token append of session %s failed: %s", session.hex(), result)
+                problem = f"the session store failed: {result}"
+            elif result != 1:
+                log.info("session %s was taken over by another process", session.hex())
+                problem = "taken"
+            done = pending.offset + len(pending.data) // _TOKEN.size
+            outcome.append((pending.record, problem, done))
+        loop = self._loop
+        if loop is not None and not loop.is_closed():
+            loop.call_soon_threadsafe(self._appended, outcome)
+
+    def _fetch(self, session: bytes) -> Fetched | None:
+        lease, meta, tokens = self._keys(session)
+        raw_meta, raw_tokens, owner = self._redis.mget([meta, tokens, lease])
+        if raw_meta is None:
+            return None
+        return _decode(raw_meta, raw_tokens or b"", owner or b"")
+
+    def _claim(self, session: bytes) -> Fetched | None:
+        lease, meta, tokens = self._keys(session)
+        found = self._claim_script(keys=[lease, meta, tokens], args=[self.owner_id, self._lease_ms])
+        if not found:
+            return None
+        raw_meta, raw_tokens, owner = found
+        return _decode(raw_meta, raw_tokens, owner)
+
+    # --- back on the loop ---------------------------------------------------------------
+
+    def _appended(self, outcome: list[tuple[SessionRecord, str | None, int]]) -> None:
+        for record, problem, done in outcome:
+            session = record.session_id
+            if problem is None and self._records.get(session) is record:
+                self._durable[session] = max(self._durable.get(session, 0), done)
+            if self.on_appended is not None:
+                self.on_appended(record, problem)
+
+
+def _decode(raw_meta: Any, raw_tokens: Any, owner: Any) -> Fetched:
+    raw_meta, raw_tokens = bytes(raw_meta), bytes(raw_tokens)
+    raw_tokens = raw_tokens[: len(raw_tokens) - len(raw_tokens) % _TOKEN.size]
+    tokens = array("I", (t for (t,) in _TOKEN.iter_unpack(raw_tokens)))
+    record = SessionRecord._from_meta(cbor2.loads(raw_meta), tokens)
+    return Fetched(record, owner.decode() if isinstance(owner, bytes) else owner)
