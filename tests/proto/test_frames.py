@@ -469,6 +469,7 @@ def test_http_status_is_an_error_status_for_every_code() -> None:
             assert code in {
                 ErrorCode.INTERNAL_ERROR,
                 ErrorCode.ENGINE_UNAVAILABLE,
+                ErrorCode.STORE_UNAVAILABLE,
                 ErrorCode.OVERLOADED,
                 ErrorCode.DEADLINE_EXCEEDED,
                 ErrorCode.SHUTTING_DOWN,
