@@ -35,7 +35,8 @@ StreamLimitsWriter = Callable[[QuicPacketBuilder, QuicPacketSpace, QuicStream], 
 
 
 def replace_stream_limits_writer(
-    quic: QuicConnection, writer: Callable[[StreamLimitsWriter, QuicPacketBuilder, QuicPacketSpace, QuicStream], None]
+    quic: QuicConnection,
+    writer: Callable[[StreamLimitsWriter, QuicPacketBuilder, QuicPacketSpace, QuicStream], None],
 ) -> None:
     """Route aioquic's MAX_STREAM_DATA decisions through ``writer(default, builder, space,
     stream)``, which may call ``default`` (aioquic's own) for streams it does not manage."""

@@ -26,6 +26,7 @@ from aioquic.tls import SessionTicket
 from cryptography.x509 import load_pem_x509_certificates
 
 import proto
+from proto import http3
 
 from ._errors import (
     ConnectTimeout,
@@ -42,7 +43,7 @@ from ._events import (
     GenerationResult,
     ResumePosition,
 )
-from ._generation import RESUME_PATH, SESSION_HEADER, Generation, collect, read_response
+from ._generation import RESUME_PATH, Generation, collect, read_response
 from ._options import (
     API_KEY_ENV,
     DEFAULT_CA,
@@ -71,8 +72,7 @@ __all__ = [
     "PlainResponse",
 ]
 
-GENERATE_PATH = "/v1/generate"
-CONTENT_TYPE = "application/vnd.quicsrv.frames"
+GENERATE_PATH = http3.GENERATE_PATH.decode()
 
 MessageLike = proto.ChatMessage | Mapping[str, str]
 #: The largest plain response body :meth:`Client.get` accepts (a /metrics page is a few KiB).
@@ -480,7 +480,7 @@ class Client:
             (b":path", path.encode()),
         ]
         if self.config.api_key:
-            headers.append((b"authorization", f"Bearer {self.config.api_key}".encode()))
+            headers.append((http3.AUTHORIZATION_HEADER, f"Bearer {self.config.api_key}".encode()))
         status, response_headers, body = 0, {}, bytearray()
         complete = False
         timed_out = {
@@ -545,12 +545,12 @@ class Client:
             (b":scheme", b"https"),
             (b":authority", self.authority.encode()),
             (b":path", path.encode()),
-            (b"content-type", CONTENT_TYPE.encode()),
+            (b"content-type", http3.CONTENT_TYPE),
         ]
         if session_id is not None:
-            headers.append((SESSION_HEADER.encode(), session_id.encode()))
+            headers.append((http3.SESSION_HEADER, session_id.encode()))
         if self.config.api_key:
-            headers.append((b"authorization", f"Bearer {self.config.api_key}".encode()))
+            headers.append((http3.AUTHORIZATION_HEADER, f"Bearer {self.config.api_key}".encode()))
         try:
             protocol.h3.send_headers(stream_id, headers)
             protocol.h3.send_data(stream_id, proto.encode_frame(frame), end_stream=True)

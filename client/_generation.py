@@ -18,6 +18,7 @@ from typing import Protocol, cast
 from aioquic.h3.events import DataReceived, HeadersReceived
 
 import proto
+from proto import http3
 
 from ._errors import (
     NetworkError,
@@ -42,20 +43,14 @@ from ._reconnect import ReconnectPolicy
 from ._stats import ClientStats
 
 __all__ = [
-    "EARLY_DATA_HEADER",
     "RESUME_PATH",
-    "RESUME_PATH_HEADER",
-    "SESSION_HEADER",
     "Generation",
     "RequestSender",
     "collect",
     "read_response",
 ]
 
-RESUME_PATH = "/v1/resume"
-SESSION_HEADER = "quicsrv-session"
-RESUME_PATH_HEADER = "quicsrv-resume-path"
-EARLY_DATA_HEADER = "quicsrv-early-data"
+RESUME_PATH = http3.RESUME_PATH.decode()
 
 
 class RequestSender(Protocol):
@@ -351,11 +346,11 @@ def _parse_headers(
                 raise ProtocolError(
                     f"bad :status {value!r}", proto.ErrorCode.MALFORMED_PAYLOAD
                 ) from None
-        elif name == SESSION_HEADER.encode():
+        elif name == http3.SESSION_HEADER:
             session = value.decode("ascii", errors="replace")
-        elif name == RESUME_PATH_HEADER.encode():
+        elif name == http3.RESUME_PATH_HEADER:
             resume_path = value.decode("ascii", errors="replace")
-        elif name == EARLY_DATA_HEADER.encode():
+        elif name == http3.EARLY_DATA_HEADER:
             early = value == b"1"
     if status is None:
         raise ProtocolError("response has no :status", proto.ErrorCode.MALFORMED_PAYLOAD)

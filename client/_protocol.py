@@ -9,7 +9,6 @@ from typing import Any
 from aioquic.asyncio.protocol import QuicConnectionProtocol
 from aioquic.h3.connection import H3Connection
 from aioquic.h3.events import DataReceived, H3Event, HeadersReceived
-from aioquic.quic.connection import MAX_STREAM_DATA_FRAME_CAPACITY, QuicConnection
 from aioquic.quic.events import (
     ConnectionTerminated,
     HandshakeCompleted,
@@ -17,11 +16,13 @@ from aioquic.quic.events import (
     StreamDataReceived,
     StreamReset,
 )
-from aioquic.quic.packet import QuicFrameType
 from aioquic.quic.packet_builder import QuicPacketBuilder
 from aioquic.quic.recovery import QuicPacketSpace
 from aioquic.quic.stream import QuicStream
 
+from proto.http3 import H3_REQUEST_CANCELLED
+
+from . import _aioquic_internals as internals
 from ._errors import NetworkError, TransportError
 
 __all__ = ["H3_REQUEST_CANCELLED", "StreamItem", "H3Protocol"]
@@ -30,9 +31,6 @@ __all__ = ["H3_REQUEST_CANCELLED", "StreamItem", "H3Protocol"]
 MAX_ACK_DELAY_S = 0.025
 #: How long the client may sit on an acknowledgement (the default; ``Client(ack_delay_s=)``).
 DEFAULT_ACK_DELAY_S = 0.02
-
-#: HTTP/3 error code used when the consumer abandons a generation (RFC 9114 §8.1).
-H3_REQUEST_CANCELLED = 0x10C
 
 StreamItem = tuple[H3Event, int] | Exception  # an event and the stream offset it reaches
 
@@ -56,31 +54,28 @@ class H3Protocol(QuicConnectionProtocol):
         self.handshake: HandshakeCompleted | None = None
         self._read_window = read_window_bytes
         self._consumed: dict[int, int] = {}
-        self._default_stream_limits = self._quic._write_stream_limits
-        self._quic._write_stream_limits = self._write_stream_limits  # type: ignore[method-assign]
+        internals.replace_stream_limits_writer(self._quic, self._write_stream_limits)
         self._ack_delay_s = ack_delay_s
 
     def _write_stream_limits(
-        self, builder: QuicPacketBuilder, space: QuicPacketSpace, stream: QuicStream
+        self,
+        default: internals.StreamLimitsWriter,
+        builder: QuicPacketBuilder,
+        space: QuicPacketSpace,
+        stream: QuicStream,
     ) -> None:
         consumed = None if stream.stream_id is None else self._consumed.get(stream.stream_id)
         if consumed is None or stream.stream_id is None:
-            self._default_stream_limits(builder=builder, space=space, stream=stream)
+            default(builder, space, stream)
             return
         target = consumed + self._read_window
         # Grow in half-window steps, so one MAX_STREAM_DATA frame covers many reads.
         if target - stream.max_stream_data_local >= self._read_window // 2:
             stream.max_stream_data_local = target
         if stream.max_stream_data_local_sent != stream.max_stream_data_local:
-            quic: QuicConnection = self._quic
-            buf = builder.start_frame(
-                QuicFrameType.MAX_STREAM_DATA,
-                capacity=MAX_STREAM_DATA_FRAME_CAPACITY,
-                handler=quic._on_max_stream_data_delivery,
-                handler_args=(stream,),
+            internals.write_max_stream_data(
+                self._quic, builder, stream, stream.max_stream_data_local
             )
-            buf.push_uint_var(stream.stream_id)
-            buf.push_uint_var(stream.max_stream_data_local)
             stream.max_stream_data_local_sent = stream.max_stream_data_local
 
     def _delay_acks(self) -> None:
@@ -93,19 +88,15 @@ class H3Protocol(QuicConnectionProtocol):
         (aioquic: 25 ms), which the sender's loss timers already allow for. Set once the
         handshake is done: handshake packets are still acknowledged at once.
         """
-        if not hasattr(self._quic, "_ack_delay"):  # aioquic changed: keep its default
-            return
-        self._quic._ack_delay = min(self._ack_delay_s, MAX_ACK_DELAY_S)
+        internals.set_ack_delay(self._quic, min(self._ack_delay_s, MAX_ACK_DELAY_S))
 
     def mark_consumed(self, stream_id: int, offset: int) -> None:
         """The application has read the stream up to ``offset``: maybe widen its window."""
         if stream_id not in self._consumed or offset <= self._consumed[stream_id]:
             return
         self._consumed[stream_id] = offset
-        stream = self._quic._streams.get(stream_id)
-        if stream is not None and (
-            offset + self._read_window - stream.max_stream_data_local >= self._read_window // 2
-        ):
+        window = internals.stream_window(self._quic, stream_id)
+        if window is not None and offset + self._read_window - window >= self._read_window // 2:
             self.transmit()
 
     async def wait_connected(self) -> None:
@@ -163,8 +154,7 @@ class H3Protocol(QuicConnectionProtocol):
                 )
         offset = 0
         if isinstance(event, StreamDataReceived):
-            stream = self._quic._streams.get(event.stream_id)
-            offset = stream.receiver.starting_offset() if stream is not None else 0
+            offset = internals.received_offset(self._quic, event.stream_id)
         for h3_event in self.h3.handle_event(event):
             if isinstance(h3_event, HeadersReceived | DataReceived):
                 stream_queue = self.streams.get(h3_event.stream_id)

@@ -11,12 +11,14 @@ passed on are :data:`TESTED_AIOQUIC_VERSIONS`, and pyproject.toml pins that rang
 
 from __future__ import annotations
 
+from aioquic.asyncio.server import QuicServer
 from aioquic.quic.connection import QuicConnection
 
 __all__ = [
     "TESTED_AIOQUIC_VERSIONS",
     "has_unfinished_requests",
     "peer_address",
+    "server_port",
     "stream_offsets",
 ]
 
@@ -51,3 +53,10 @@ def has_unfinished_requests(quic: QuicConnection) -> bool:
         for stream_id, stream in quic._streams.items()
         if stream_id % 4 == 0
     )
+
+
+def server_port(server: QuicServer) -> int:
+    """The UDP port a running :class:`QuicServer` listens on (port 0 asked the kernel)."""
+    transport = server._transport
+    assert transport is not None, "the server is not listening"
+    return int(transport.get_extra_info("sockname")[1])

@@ -13,7 +13,7 @@ import asyncio
 import contextlib
 import logging
 from dataclasses import dataclass, field
-from typing import Any, Protocol
+from typing import Protocol
 
 from aioquic.h3.connection import H3Connection
 from aioquic.h3.events import DataReceived, HeadersReceived
@@ -31,8 +31,6 @@ __all__ = ["H3Host", "RoutedStreams"]
 
 log = logging.getLogger("quicsrv")
 
-H3_NO_ERROR = 0x100
-
 
 class H3Host(Protocol):
     """What the connection protocol lends this module."""
@@ -40,7 +38,8 @@ class H3Host(Protocol):
     @property
     def h3(self) -> H3Connection | None: ...
 
-    def quic_stream(self, stream_id: int) -> Any: ...
+    def stream_offsets(self, stream_id: int) -> tuple[int, int] | None:
+        """``(sent, acknowledged)`` offsets of ``stream_id``; None once it is gone."""
 
     def stop_stream(self, stream_id: int) -> None:
         """Ask the peer to stop sending on ``stream_id`` (its body is not needed)."""
@@ -76,12 +75,12 @@ class _QuicSink:
         self._owner.send_body(self._stream_id, data, end_stream)
 
     def sent_offset(self) -> int:
-        stream = self._owner.host.quic_stream(self._stream_id)
-        return 0 if stream is None else int(stream.sender._buffer_stop)
+        offsets = self._owner.host.stream_offsets(self._stream_id)
+        return 0 if offsets is None else offsets[0]
 
     def acked_offset(self) -> int:
-        stream = self._owner.host.quic_stream(self._stream_id)
-        return 0 if stream is None else int(stream.sender._buffer_start)
+        offsets = self._owner.host.stream_offsets(self._stream_id)
+        return 0 if offsets is None else offsets[1]
 
 
 class RoutedStreams:

@@ -1,22 +1,23 @@
-"""The HTTP/3 server: routes request streams to sessions and maps every error to a frame.
+"""The HTTP/3 server: the aioquic adapter between QUIC connections and the sessions.
 
 ``POST /v1/generate`` (body: one GENERATE frame) starts a session; ``POST /v1/resume`` (session
 id in the ``quicsrv-session`` header, body: one RESUME_STREAM frame) attaches to one. Either
-response is ``200`` with TOKEN/CHECKPOINT ... END frames. Every path of the HTTP API (OpenAI's
-``/v1/chat/completions`` and the rest, ``/metrics``, ``/healthz``, ``/readyz``) goes to the one
-router shared with the TCP listener (:mod:`.h3_routed`, :mod:`quicsrv.http.router`). Peer
-errors become an HTTP status plus an ERROR frame in exactly one place
-(:meth:`_H3ServerProtocol._reject`); the connection and other streams go on.
+response is ``200`` with TOKEN/CHECKPOINT ... END frames. What a request on those paths becomes,
+the 0-RTT policy and the mapping of every error (unexpected ones included) to a status and an
+ERROR frame are decided sans-I/O in :mod:`.requests`; this module feeds it H3 events and
+performs its actions. Every path of the HTTP API (OpenAI's ``/v1/chat/completions`` and the
+rest, ``/metrics``, ``/healthz``, ``/readyz``) goes to the one router shared with the TCP
+listener (:mod:`.h3_routed`, :mod:`quicsrv.http.router`). The connection and other streams go
+on whatever one request does.
 
 aioquic has no "writable" event, so flow control is watched from the other end: after every
 datagram (which may carry ACKs) each attached session compares the stream's sent and
-acknowledged offsets and pauses or resumes its engine sequence accordingly.
+acknowledged offsets (read in :mod:`.aioquic_internals`, the one place aioquic's private state
+is touched) and pauses or resumes its engine sequence accordingly.
 
 0-RTT (RFC 8446 §8, RFC 8470): tickets are single-use (the store's ``pop`` is the fetcher), so a
-replayed first flight finds no ticket and its early data is discarded. On top of that, a request
-that completes before the handshake does is answered only if replaying it is harmless: a
-RESUME_STREAM is idempotent (it attaches to an existing session); a GENERATE would start
-compute, so it gets ``too_early`` (425) and the client sends it again after the handshake.
+replayed first flight finds no ticket and its early data is discarded; on top of that only
+requests whose replay is harmless are answered from early data (see :mod:`.requests`).
 aioquic delivers early data as ordinary stream events, so the handshake is tracked here.
 """
 
@@ -29,7 +30,9 @@ import itertools
 import logging
 import socket
 from collections import Counter
-from dataclasses import dataclass, field
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -49,8 +52,16 @@ from aioquic.quic.events import (
 
 import proto
 from proto import ErrorCode
+from proto.http3 import (
+    EARLY_DATA_HEADER,
+    H3_NO_ERROR,
+    H3_REQUEST_CANCELLED,
+    NATIVE_PATHS,
+    RESUME_PATH_HEADER,
+    SESSION_HEADER,
+)
 
-from ..apikeys import AccessDenied, ApiKeys, ClientId
+from ..apikeys import ApiKeys
 from ..config import ServerConfig
 from ..engine import Engine
 from ..http.router import Router
@@ -58,8 +69,19 @@ from ..http.tcp import TcpListener, open_tcp_socket, start_tcp_listener
 from ..metrics import TransportFacts
 from ..sessions import RequestRejected, Session, SessionManager
 from ..sessions.redis_store import connect
+from . import aioquic_internals
 from .h3_routed import RoutedStreams
 from .redis_tickets import RedisTicketStore
+from .requests import (
+    Action,
+    IncomingRequest,
+    Reject,
+    RequestIntake,
+    StartGeneration,
+    StartResume,
+    error_response,
+    rejection_for,
+)
 from .routes import PLAIN_PATHS, PlainRoutes, authorize_metrics, readiness
 from .sockets import AppliedSocketOptions, SocketOptions, open_udp_socket, serve_on_socket
 from .tickets import MemoryTicketStore, TicketStore
@@ -68,31 +90,12 @@ __all__ = ["QuicServerApp", "RunningServer", "start_server"]
 
 log = logging.getLogger("quicsrv")
 
-CONTENT_TYPE = b"application/vnd.quicsrv.frames"
-GENERATE_PATH = b"/v1/generate"
-RESUME_PATH = b"/v1/resume"
-SESSION_HEADER = b"quicsrv-session"
-RESUME_PATH_HEADER = b"quicsrv-resume-path"
-EARLY_DATA_HEADER = b"quicsrv-early-data"
-AUTHORIZATION_HEADER = b"authorization"
-#: The client abandoned the request on purpose (RFC 9114 §8.1): no KV snapshot is worth keeping.
-H3_REQUEST_CANCELLED = 0x10C
-H3_NO_ERROR = 0x100
-
 
 @dataclass(eq=False)
-class _Request:
-    stream_id: int
-    path: bytes
-    session_header: bytes | None
-    decoder: proto.FrameDecoder
-    arrived_at: float
-    client: str
-    """Whose request it is, for per-client limits: its API key id, else its connection."""
-    key_id: str | None = None
-    """The API key it presented (None on an open server)."""
-    frames: list[proto.Frame] = field(default_factory=list)
-    rejected: bool = False
+class _Answering:
+    """A native request past its intake: starting, or streaming its session's frames."""
+
+    request: IncomingRequest
     session: Session | None = None
     port: _StreamPort | None = None
     starting: asyncio.Task[None] | None = None  # a GENERATE queued, or a resume reading Redis
@@ -109,12 +112,12 @@ class _StreamPort:
         self._protocol.send_data(self._stream_id, proto.encode_frame(frame), end_stream)
 
     def sent_offset(self) -> int:
-        stream = self._protocol.quic_stream(self._stream_id)
-        return 0 if stream is None else stream.sender._buffer_stop
+        offsets = self._protocol.stream_offsets(self._stream_id)
+        return 0 if offsets is None else offsets[0]
 
     def acked_offset(self) -> int:
-        stream = self._protocol.quic_stream(self._stream_id)
-        return 0 if stream is None else stream.sender._buffer_start
+        offsets = self._protocol.stream_offsets(self._stream_id)
+        return 0 if offsets is None else offsets[1]
 
 
 class QuicServerApp:
@@ -189,15 +192,23 @@ class _AppFacts(TransportFacts):
 
 
 class _H3ServerProtocol(QuicConnectionProtocol):
+    """The aioquic adapter: feeds H3 events to the request intake and the HTTP API's router,
+    performs what they decide, and watches acknowledgements for the attached sessions."""
+
     def __init__(self, *args: Any, app: QuicServerApp, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         self._app = app
         self._h3: H3Connection | None = None
-        self._requests: dict[int, _Request] = {}
+        self._answering: dict[int, _Answering] = {}
         self._transmit_scheduled = False
         self._handshake_done = False
         # Without API keys, a client is its connection (a number never reused by this process).
         self._connection_client = f"conn:{next(app.connection_ids)}"
+        self._intake = RequestIntake(
+            api_keys=app.api_keys,
+            connection=self._connection_client,
+            max_request_bytes=app.config.max_request_bytes,
+        )
         # The HTTP API's streams (OpenAI endpoints, operators' endpoints) on this connection.
         self._routed = RoutedStreams(self, app.router, self._connection_client)
         app.connections.add(self)
@@ -205,11 +216,11 @@ class _H3ServerProtocol(QuicConnectionProtocol):
 
     @property
     def _peer(self) -> str:
-        address = self._quic._network_paths[0].addr if self._quic._network_paths else None
+        address = aioquic_internals.peer_address(self._quic)
         return f"{address[0]}:{address[1]}" if address else "?"
 
-    def quic_stream(self, stream_id: int) -> Any:
-        return self._quic._streams.get(stream_id)
+    def stream_offsets(self, stream_id: int) -> tuple[int, int] | None:
+        return aioquic_internals.stream_offsets(self._quic, stream_id)
 
     @property
     def h3(self) -> H3Connection | None:
@@ -229,9 +240,9 @@ class _H3ServerProtocol(QuicConnectionProtocol):
     def datagram_received(self, data: bytes | str, addr: Any) -> None:
         super().datagram_received(data, addr)
         # The datagram may have acknowledged stream data: let readers' sessions catch up.
-        for request in list(self._requests.values()):
-            if request.session is not None:
-                request.session.on_transport_progress()
+        for answering in list(self._answering.values()):
+            if answering.session is not None:
+                answering.session.on_transport_progress()
         self._routed.transport_progress()
 
     def quic_event_received(self, event: QuicEvent) -> None:
@@ -258,194 +269,136 @@ class _H3ServerProtocol(QuicConnectionProtocol):
 
     def _h3_event_received(self, event: H3Event) -> None:
         if isinstance(event, HeadersReceived):
-            self._headers_received(event)
+            path = dict(event.headers).get(b":path")
+            if path not in NATIVE_PATHS and self._app.router.owns(path):
+                self._routed.headers_received(event)  # the HTTP API, shared with TCP
+                return
+            now = asyncio.get_running_loop().time()
+            action = self._intake.headers_received(event, now=now, accepting=self._app.accepting)
         elif isinstance(event, DataReceived):
             self._routed.data_received(event)
-            request = self._requests.get(event.stream_id)
-            if request is None or request.rejected or request.session is not None:
-                return
-            try:
-                request.frames.extend(request.decoder.feed(event.data))
-                if len(request.frames) > 1:
-                    raise proto.UnexpectedFrame("the request body holds more than one frame")
-                if event.stream_ended:
-                    request.decoder.end_of_stream()
-                    self._start(request)
-            except proto.ProtocolError as exc:
-                self._reject(request, exc.error_code, exc.message)
-            except RequestRejected as exc:
-                self._reject(request, exc.code, exc.message, exc.retry_after_s)
-
-    def _headers_received(self, event: HeadersReceived) -> None:
-        headers = dict(event.headers)
-        method, path = headers.get(b":method"), headers.get(b":path")
-        native = path in (GENERATE_PATH, RESUME_PATH)
-        if not native and self._app.router.owns(path):  # the HTTP API, shared with TCP
-            self._routed.headers_received(event)
+            action = self._intake.data_received(event, early=not self._handshake_done)
+        else:
             return
-        denied: AccessDenied | None = None
-        try:
-            who = self._app.api_keys.authorize(
-                headers.get(AUTHORIZATION_HEADER), connection=self._connection_client
-            )
-        except AccessDenied as exc:
-            denied, who = exc, ClientId(name=self._connection_client, key_id=None)
-        request = _Request(
-            stream_id=event.stream_id,
-            path=path or b"",
-            session_header=headers.get(SESSION_HEADER),
-            decoder=proto.FrameDecoder(max_payload_bytes=self._app.config.max_request_bytes),
-            arrived_at=asyncio.get_running_loop().time(),
-            client=who.name,
-            key_id=who.key_id,
-        )
-        self._requests[event.stream_id] = request
-        if denied is not None:
-            # Before anything else: an unauthenticated peer learns nothing about paths.
-            self._reject(
-                request,
-                ErrorCode.UNAUTHORIZED,
-                denied.message,
-                extra_headers=[(b"www-authenticate", b'Bearer realm="quicsrv"')],
-            )
-        elif path not in (GENERATE_PATH, RESUME_PATH):
-            self._reject(request, ErrorCode.NOT_FOUND, f"no such path: {path!r}")
-        elif method != b"POST":
-            self._reject(request, ErrorCode.METHOD_NOT_ALLOWED, f"{path!r} takes POST")
-        elif not self._app.accepting:
-            self._reject(request, ErrorCode.SHUTTING_DOWN, "the server is shutting down")
-        elif event.stream_ended:
-            self._reject(request, ErrorCode.MISSING_FIELD, "the request has no body frame")
+        if action is not None:
+            self._perform(action)
 
-    def _start(self, request: _Request) -> None:
-        if not request.frames:
-            raise proto.MissingField("the request body holds no frame")
-        frame = request.frames[0]
-        sessions = self._app.sessions
-        early = not self._handshake_done  # the whole request arrived as 0-RTT data
-        if request.path == GENERATE_PATH:
-            if not isinstance(frame, proto.Generate):
-                raise proto.UnexpectedFrame(f"expected GENERATE, got {frame.frame_type.name}")
-            if early:
-                self._app.early_generates_refused += 1
-                raise RequestRejected(
-                    ErrorCode.TOO_EARLY,
-                    "GENERATE is not accepted in 0-RTT data: send it after the handshake",
-                    retry_after_s=0.0,
-                )
+    def _perform(self, action: Action) -> None:
+        if isinstance(action, Reject):
+            self._reject(action)
+            return
+        request = action.request
+        answering = _Answering(request)
+        self._answering[request.stream_id] = answering
+        if isinstance(action, StartGeneration):
             # Tokenizing (and rendering a chat template) takes milliseconds per thousand
             # tokens: off the loop, which meanwhile serves every other stream.
-            request.starting = asyncio.get_running_loop().create_task(
-                self._start_generation(request, frame)
+            answering.starting = asyncio.get_running_loop().create_task(
+                self._guarded(answering, partial(self._start_generation, answering, action.frame))
             )
-            return
-        if not isinstance(frame, proto.ResumeStream):
-            raise proto.UnexpectedFrame(f"expected RESUME_STREAM, got {frame.frame_type.name}")
-        header = _parse_session_header(request.session_header)
-        if sessions.shared:  # the record is read from Redis: off this call, on a task
-            request.starting = asyncio.get_running_loop().create_task(
-                self._resume_shared(request, frame, header, early)
+        elif self._app.sessions.shared:  # the record is read from Redis: on a task
+            answering.starting = asyncio.get_running_loop().create_task(
+                self._guarded(answering, partial(self._resume_shared, answering, action))
             )
-            return
-        session = sessions.resume(frame, header, key_id=request.key_id)
-        self._answer_resume(request, session, frame, early)
+        else:
+            try:
+                session = self._app.sessions.resume(
+                    action.frame, action.header_session, key_id=request.key_id
+                )
+            except Exception as exc:  # refusals and bugs alike: an answer, never a hang
+                self._reject(rejection_for(exc, request))
+                return
+            self._answer_resume(answering, session, action)
 
-    async def _resume_shared(
-        self, request: _Request, frame: proto.ResumeStream, header: bytes | None, early: bool
-    ) -> None:
+    async def _guarded(self, answering: _Answering, start: Callable[[], Awaitable[None]]) -> None:
+        """Run a request's asynchronous start; whatever it raises becomes the answer."""
         try:
-            session = await self._app.sessions.resume_shared(frame, header, key_id=request.key_id)
-        except RequestRejected as exc:
-            self._reject(request, exc.code, exc.message, exc.retry_after_s)
-            return
-        except Exception:  # a bug: the peer still gets an answer, the log the traceback
-            log.exception("peer %s stream %d: resume failed", self._peer, request.stream_id)
-            self._reject(request, ErrorCode.INTERNAL_ERROR, "internal error")
-            return
-        if self._requests.get(request.stream_id) is not request:
+            await start()
+        except asyncio.CancelledError:
+            raise
+        except Exception as exc:
+            if self._answering.get(answering.request.stream_id) is answering:
+                self._reject(rejection_for(exc, answering.request))
+
+    async def _resume_shared(self, answering: _Answering, action: StartResume) -> None:
+        request = answering.request
+        session = await self._app.sessions.resume_shared(
+            action.frame, action.header_session, key_id=request.key_id
+        )
+        if self._answering.get(request.stream_id) is not answering:
             session.abandon()  # the stream went away meanwhile; the session stays resumable
             return
-        self._answer_resume(request, session, frame, early)
+        self._answer_resume(answering, session, action)
 
-    def _answer_resume(
-        self, request: _Request, session: Session, frame: proto.ResumeStream, early: bool
-    ) -> None:
+    def _answer_resume(self, answering: _Answering, session: Session, action: StartResume) -> None:
         extra: list[tuple[bytes, bytes]] = []
-        if early:
+        if action.early:
             self._app.early_resumes += 1
             extra.append((EARLY_DATA_HEADER, b"1"))
         path = session.planned_resume_path()
         extra.append((RESUME_PATH_HEADER, b"none" if path is None else path.value.encode()))
-        self._respond(request, session, frame.last_index + 1, extra)
+        self._respond(answering, session, action.frame.last_index + 1, extra)
 
-    async def _start_generation(self, request: _Request, frame: proto.Generate) -> None:
+    async def _start_generation(self, answering: _Answering, frame: proto.Generate) -> None:
         sessions = self._app.sessions
+        request = answering.request
+        prepared = await asyncio.to_thread(sessions.prepare, frame)
+        if self._answering.get(request.stream_id) is not answering:
+            return  # the stream went away meanwhile: nothing was started
+        loop = asyncio.get_running_loop()
+        slot = await sessions.admit(
+            request.client,
+            waited_s=loop.time() - request.arrived_at,
+            deadline_ms=frame.deadline_ms,
+        )
+        if self._answering.get(request.stream_id) is not answering or not self._app.accepting:
+            slot.release()
+            if not self._app.accepting:
+                raise RequestRejected(ErrorCode.SHUTTING_DOWN, "the server is shutting down")
+            return
+        session = sessions.start(
+            frame,
+            prepared,
+            slot=slot,
+            owner=request.key_id or "",
+            arrived_at=request.arrived_at,
+        )
+        # The session id goes out once its record is on disk: whoever learns it can resume
+        # it, even after a kill -9 of this process.
         try:
-            prepared = await asyncio.to_thread(sessions.prepare, frame)
-            if self._requests.get(request.stream_id) is not request:
-                return  # the stream went away meanwhile: nothing was started
-            loop = asyncio.get_running_loop()
-            slot = await sessions.admit(
-                request.client,
-                waited_s=loop.time() - request.arrived_at,
-                deadline_ms=frame.deadline_ms,
-            )
-            if self._requests.get(request.stream_id) is not request or not self._app.accepting:
-                slot.release()
-                if not self._app.accepting:
-                    raise RequestRejected(ErrorCode.SHUTTING_DOWN, "the server is shutting down")
-                return
-            session = sessions.start(
-                frame,
-                prepared,
-                slot=slot,
-                owner=request.key_id or "",
-                arrived_at=request.arrived_at,
-            )
-            # The session id goes out once its record is on disk: whoever learns it can
-            # resume it, even after a kill -9 of this process.
-            try:
-                await sessions.persisted()
-            except asyncio.CancelledError:  # the stream went away meanwhile
-                session.abandon()
-                raise
-            if self._requests.get(request.stream_id) is not request:
-                session.abandon()
-                return
-        except RequestRejected as exc:
-            self._reject(request, exc.code, exc.message, exc.retry_after_s)
+            await sessions.persisted()
+        except asyncio.CancelledError:  # the stream went away meanwhile
+            session.abandon()
+            raise
+        if self._answering.get(request.stream_id) is not answering:
+            session.abandon()
             return
-        except Exception:  # a bug: the peer still gets an answer, the log the traceback
-            log.exception(
-                "peer %s stream %d: starting a generation failed", self._peer, request.stream_id
-            )
-            self._reject(request, ErrorCode.INTERNAL_ERROR, "internal error")
-            return
-        self._respond(request, session, 0, [])
+        self._respond(answering, session, 0, [])
 
     def _respond(
         self,
-        request: _Request,
+        answering: _Answering,
         session: Session,
         from_index: int,
         extra: list[tuple[bytes, bytes]],
     ) -> None:
         """200 with the session id, then the session's frames from ``from_index`` on."""
-        request.session = session
-        request.port = _StreamPort(self, request.stream_id)
-        self._app.metrics.request_finished(_endpoint(request.path), "ok")
-        self._send_headers(
-            request.stream_id, 200, [(SESSION_HEADER, session.session_id.hex().encode()), *extra]
-        )
-        session.attach(request.port, from_index, request.client)
-
-    def _send_headers(
-        self, stream_id: int, status: int, extra: list[tuple[bytes, bytes]] | None = None
-    ) -> None:
+        request = answering.request
+        answering.session = session
+        answering.port = _StreamPort(self, request.stream_id)
+        self._app.metrics.request_finished(request.endpoint, "ok")
         assert self._h3 is not None
-        headers = [(b":status", str(status).encode()), (b"content-type", CONTENT_TYPE)]
-        self._h3.send_headers(stream_id, headers + (extra or []))
+        self._h3.send_headers(
+            request.stream_id,
+            [
+                (b":status", b"200"),
+                (b"content-type", proto.http3.CONTENT_TYPE),
+                (SESSION_HEADER, session.session_id.hex().encode()),
+                *extra,
+            ],
+        )
         self._transmit_soon()
+        session.attach(answering.port, from_index, request.client)
 
     def send_data(self, stream_id: int, data: bytes, end_stream: bool) -> None:
         assert self._h3 is not None
@@ -455,12 +408,12 @@ class _H3ServerProtocol(QuicConnectionProtocol):
             self._detach(stream_id, capture_kv=True)
             return
         if end_stream:
-            request = self._requests.pop(stream_id, None)
-            if request is not None and request.session is not None:
-                self._log_stream_ended(request, request.session)
+            answering = self._answering.pop(stream_id, None)
+            if answering is not None and answering.session is not None:
+                self._log_stream_ended(answering.request, answering.session)
         self._transmit_soon()
 
-    def _log_stream_ended(self, request: _Request, session: Session) -> None:
+    def _log_stream_ended(self, request: IncomingRequest, session: Session) -> None:
         duration_s = asyncio.get_running_loop().time() - request.arrived_at
         session_id = session.session_id.hex()
         log.info(
@@ -488,81 +441,56 @@ class _H3ServerProtocol(QuicConnectionProtocol):
         self._transmit_scheduled = False
         self.transmit()
 
-    def _reject(
-        self,
-        request: _Request,
-        code: ErrorCode,
-        message: str,
-        retry_after_s: float | None = None,
-        *,
-        extra_headers: list[tuple[bytes, bytes]] | None = None,
-    ) -> None:
-        """The one place a peer error becomes a response: status + ERROR frame, stream ended."""
+    def _reject(self, reject: Reject) -> None:
+        """Send a rejection (status + ERROR frame, stream ended), counted and logged."""
+        request = reject.request
         log.info(
             "peer %s stream %d: %s: %s",
             self._peer,
             request.stream_id,
-            code.slug,
-            message,
+            reject.code.slug,
+            reject.message,
             extra={
                 "event": "request_rejected",
                 "peer": self._peer,
                 "stream_id": request.stream_id,
-                "code": code.slug,
+                "code": reject.code.slug,
                 "duration_s": round(asyncio.get_running_loop().time() - request.arrived_at, 6),
             },
         )
-        self._app.refusals[code] += 1
-        self._app.metrics.request_finished(_endpoint(request.path), code.slug)
-        request.rejected = True
-        self._requests.pop(request.stream_id, None)
-        frame = proto.Error(code=code, message=message, retry_after_s=retry_after_s)
+        self._app.refusals[reject.code] += 1
+        if reject.code is ErrorCode.TOO_EARLY:
+            self._app.early_generates_refused += 1
+        self._app.metrics.request_finished(request.endpoint, reject.code.slug)
+        self._answering.pop(request.stream_id, None)
+        headers, body = error_response(reject)
         try:
-            self._send_headers(request.stream_id, proto.http_status_for(code), extra_headers)
             assert self._h3 is not None
-            self._h3.send_data(request.stream_id, proto.encode_frame(frame), end_stream=True)
+            self._h3.send_headers(request.stream_id, headers)
+            self._h3.send_data(request.stream_id, body, end_stream=True)
         except Exception:  # the stream is already gone; nothing to answer
             return
         self._transmit_soon()
 
     def _detach(self, stream_id: int, *, capture_kv: bool) -> None:
-        request = self._requests.pop(stream_id, None)
-        if request is None:
+        self._intake.forget(stream_id)
+        answering = self._answering.pop(stream_id, None)
+        if answering is None:
             return
-        if request.starting is not None and not request.starting.done():
-            request.starting.cancel()  # gives its place in the queue (or its slot) back
-        if request.session is not None and request.port is not None:
-            request.session.detach(request.port, capture_kv=capture_kv)
+        if answering.starting is not None and not answering.starting.done():
+            answering.starting.cancel()  # gives its place in the queue (or its slot) back
+        if answering.session is not None and answering.port is not None:
+            answering.session.detach(answering.port, capture_kv=capture_kv)
 
     def _detach_all(self) -> None:
-        for stream_id in list(self._requests):
+        for stream_id in list(self._answering):
             self._detach(stream_id, capture_kv=True)
+        self._intake.forget_all()
         self._routed.close_all()
 
     @property
     def has_unacked_requests(self) -> bool:
-        # Client-initiated bidirectional streams are the requests (RFC 9000 §2.1).
-        streams = self._quic._streams
-        return any(not s.sender.is_finished for i, s in streams.items() if i % 4 == 0)
-
-
-def _endpoint(path: bytes) -> str:
-    """The ``endpoint`` label of a request path (bounded: anything unknown is "other")."""
-    return {GENERATE_PATH: "generate", RESUME_PATH: "resume"}.get(path, "other")
-
-
-def _parse_session_header(value: bytes | None) -> bytes | None:
-    if value is None:
-        return None
-    try:
-        session = bytes.fromhex(value.decode("ascii"))
-    except (UnicodeDecodeError, ValueError):
-        session = b""
-    if len(session) != proto.SESSION_ID_BYTES:
-        raise RequestRejected(
-            ErrorCode.INVALID_FIELD, "the quicsrv-session header is not a 32-digit hex id"
-        )
-    return session
+        return aioquic_internals.has_unfinished_requests(self._quic)
 
 
 @dataclass
@@ -577,9 +505,7 @@ class RunningServer:
 
     @property
     def port(self) -> int:
-        transport = self.server._transport
-        assert transport is not None
-        return int(transport.get_extra_info("sockname")[1])
+        return aioquic_internals.server_port(self.server)
 
     @property
     def sessions(self) -> SessionManager:

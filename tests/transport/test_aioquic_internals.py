@@ -5,10 +5,13 @@ add the version to their TESTED_AIOQUIC_VERSIONS and widen the pin in pyproject.
 
 from __future__ import annotations
 
+import asyncio
+import socket
 import ssl
 from importlib.metadata import version
 
 import pytest
+from aioquic.asyncio.server import QuicServer
 from aioquic.h3.connection import H3_ALPN
 from aioquic.quic.configuration import QuicConfiguration
 from aioquic.quic.connection import QuicConnection
@@ -130,3 +133,18 @@ def test_client_sets_the_ack_delay(pair: tuple[QuicConnection, QuicConnection, C
     client, _server, _clock = pair
     assert client_internals.set_ack_delay(client, 0.02)
     assert client._ack_delay == 0.02
+
+
+@pytest.mark.asyncio
+async def test_server_port_is_the_bound_one(certs: DevCertPaths) -> None:
+    configuration = QuicConfiguration(is_client=False, alpn_protocols=H3_ALPN)
+    configuration.load_cert_chain(certs.server_cert, certs.server_key)
+    server = QuicServer(configuration=configuration)
+    loop = asyncio.get_running_loop()
+    sock = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+    sock.bind(("127.0.0.1", 0))
+    await loop.create_datagram_endpoint(lambda: server, sock=sock)
+    try:
+        assert server_internals.server_port(server) == sock.getsockname()[1]
+    finally:
+        server.close()
