@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import asyncio
-import contextlib
+import logging
 from typing import Any
 
 from aioquic.asyncio.protocol import QuicConnectionProtocol
@@ -26,6 +26,8 @@ from . import _aioquic_internals as internals
 from ._errors import NetworkError, TransportError
 
 __all__ = ["H3_REQUEST_CANCELLED", "StreamItem", "H3Protocol"]
+
+log = logging.getLogger("client.protocol")
 
 #: The ``max_ack_delay`` transport parameter aioquic advertises (25 ms), in seconds.
 MAX_ACK_DELAY_S = 0.025
@@ -167,12 +169,13 @@ class H3Protocol(QuicConnectionProtocol):
         """Abort a request the consumer no longer wants: RESET_STREAM and STOP_SENDING."""
         if self.terminated is not None:
             return
-        with contextlib.suppress(Exception):
-            self._quic.reset_stream(stream_id, H3_REQUEST_CANCELLED)
-        with contextlib.suppress(Exception):
-            self._quic.stop_stream(stream_id, H3_REQUEST_CANCELLED)
-        with contextlib.suppress(Exception):
-            self.transmit()
+        # Either direction may be over already (the server finished, or reset it first).
+        for cancel in (self._quic.reset_stream, self._quic.stop_stream):
+            try:
+                cancel(stream_id, H3_REQUEST_CANCELLED)
+            except Exception as exc:
+                log.debug("stream %d: %s: %r", stream_id, cancel.__name__, exc)
+        self.transmit()
 
 
 def consume_result(future: asyncio.Future[None]) -> None:

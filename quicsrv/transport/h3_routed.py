@@ -10,7 +10,6 @@ the session pauses on, as for native streams.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 from dataclasses import dataclass, field
 from typing import Protocol
@@ -150,7 +149,8 @@ class RoutedStreams:
         assert h3 is not None
         try:
             h3.send_data(stream_id, data, end_stream)
-        except Exception:  # the peer reset the stream or closed the connection meanwhile
+        except Exception as exc:  # the peer reset the stream or closed the connection meanwhile
+            log.debug("stream %d: gone while sending: %r", stream_id, exc)
             self.stream_gone(stream_id, capture_kv=True)
             return
         if end_stream:
@@ -215,8 +215,10 @@ class RoutedStreams:
             (b"content-type", content_type.encode()),
             *extra,
         ]
-        with contextlib.suppress(Exception):  # the stream is already gone: nothing to answer
+        try:
             h3.send_headers(stream_id, headers)
-            self.host.transmit_soon()
-            return True
-        return False
+        except Exception as exc:  # the stream is already gone: nothing to answer
+            log.debug("stream %d: gone before its answer: %r", stream_id, exc)
+            return False
+        self.host.transmit_soon()
+        return True

@@ -227,8 +227,10 @@ class _H3ServerProtocol(QuicConnectionProtocol):
         return self._h3
 
     def stop_stream(self, stream_id: int) -> None:
-        with contextlib.suppress(Exception):  # the stream may already be gone
+        try:
             self._quic.stop_stream(stream_id, H3_NO_ERROR)
+        except Exception as exc:  # the stream may already be gone
+            log.debug("stream %d: not stopped: %r", stream_id, exc)
 
     def transmit_soon(self) -> None:
         self._transmit_soon()
@@ -404,7 +406,8 @@ class _H3ServerProtocol(QuicConnectionProtocol):
         assert self._h3 is not None
         try:
             self._h3.send_data(stream_id, data, end_stream)
-        except Exception:  # the peer reset the stream or closed the connection meanwhile
+        except Exception as exc:  # the peer reset the stream or closed the connection meanwhile
+            log.debug("peer %s stream %d: gone while sending: %r", self._peer, stream_id, exc)
             self._detach(stream_id, capture_kv=True)
             return
         if end_stream:
@@ -462,13 +465,17 @@ class _H3ServerProtocol(QuicConnectionProtocol):
         if reject.code is ErrorCode.TOO_EARLY:
             self._app.early_generates_refused += 1
         self._app.metrics.request_finished(request.endpoint, reject.code.slug)
-        self._answering.pop(request.stream_id, None)
+        stream_id = request.stream_id
+        self._answering.pop(stream_id, None)
         headers, body = error_response(reject)
         try:
             assert self._h3 is not None
-            self._h3.send_headers(request.stream_id, headers)
-            self._h3.send_data(request.stream_id, body, end_stream=True)
-        except Exception:  # the stream is already gone; nothing to answer
+            self._h3.send_headers(stream_id, headers)
+            self._h3.send_data(stream_id, body, end_stream=True)
+        except Exception as exc:  # the stream is already gone; nothing to answer
+            log.debug(
+                "peer %s stream %d: gone before its answer: %r", self._peer, request.stream_id, exc
+            )
             return
         self._transmit_soon()
 

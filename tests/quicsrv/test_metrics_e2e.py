@@ -241,3 +241,45 @@ async def test_metrics_public_needs_no_key(engine, certs):
     assert response.status == 200
     assert "quicsrv_generations_active" in response.text
     assert getattr(info.value, "http_status", None) == 401
+
+
+@pytest.mark.parametrize("http2", [False, True], ids=["http1.1", "http2"])
+async def test_metrics_over_the_tcp_listener_count_the_http_api(engine, certs, http2):
+    """/metrics on the TCP listener too, behind the API key: a completion over TCP moves it."""
+    from tests.http.helpers import tcp_client
+
+    key = new_key()
+    async with running_server(engine, certs, api_key=key) as server:
+        async with tcp_client(server, certs, http2=http2) as anonymous:
+            refused = await anonymous.get("/metrics")
+        async with tcp_client(server, certs, http2=http2, authorization=f"Bearer {key}") as tcp:
+
+            async def scrape_tcp() -> Samples:
+                response = await tcp.get("/metrics")
+                assert response.status_code == 200, response.text
+                assert response.headers["alt-svc"].startswith("h3=")
+                samples: Samples = {}
+                for family in text_string_to_metric_families(response.text):
+                    for sample in family.samples:
+                        samples[sample.name, frozenset(sample.labels.items())] = sample.value
+                return samples
+
+            before = await scrape_tcp()
+            models = (await tcp.get("/v1/models")).json()
+            completion = await tcp.post(
+                "/v1/completions",
+                json={
+                    "model": models["data"][0]["id"],
+                    "prompt": "The capital of France is",
+                    "max_tokens": 5,
+                    "temperature": 0,
+                },
+            )
+            after = await scrape_tcp()
+    assert refused.status_code == 401
+    assert completion.status_code == 200, completion.text
+    generated = completion.json()["usage"]["completion_tokens"]
+    assert 1 <= generated <= 5, completion.json()
+    assert delta(before, after, "quicsrv_requests_total", endpoint="completions", code="ok") == 1
+    assert delta(before, after, "quicsrv_requests_total", endpoint="models", code="ok") == 1
+    assert delta(before, after, "quicsrv_generated_tokens_total") == generated
