@@ -228,3 +228,45 @@ async def test_a_ticket_from_one_process_is_accepted_once_by_any(certs, tmp_path
         assert not await _resumed_with(port_b, ca, ticket)
         fresh = await _ticket(port_b, ca)
         assert await _resumed_with(port_a, ca, fresh)
+
+
+async def test_an_sse_stream_cut_on_one_process_resumes_on_another(certs, tmp_path, redis_url):
+    """The OpenAI API's resumable SSE over the shared store: a chat stream started on process
+    A, cut, continued on process B by its Last-Event-ID (B takes the session over), and then
+    stopped on A with DELETE (A takes it back): the text equals an uninterrupted run."""
+    import httpx
+
+    from tests.http.helpers import events_text, tcp_stream, tls_context
+
+    body = {
+        "model": "SmolLM2-135M-Instruct.Q4_1",
+        "messages": [{"role": "user", "content": "Name three rivers."}],
+        "max_tokens": 32,
+        "ignore_eos": True,
+        "stream": True,
+        "temperature": 0,
+    }
+    async with _servers(certs, tmp_path, redis_url) as [(_a, port_a), (_b, port_b)]:
+
+        def tcp(port: int) -> httpx.AsyncClient:
+            return httpx.AsyncClient(
+                base_url=f"https://localhost:{port}", verify=tls_context(certs), timeout=WAIT_S
+            )
+
+        async with tcp(port_a) as on_a:
+            _, reference = await tcp_stream(on_a, "POST", "/v1/chat/completions", json=body)
+            cut, before = await tcp_stream(
+                on_a, "POST", "/v1/chat/completions", json=body, stop_after=6
+            )
+        session = cut.headers["quicsrv-session"]
+        last_id = [e.id for e in before if e.id is not None][-1]
+        async with tcp(port_b) as on_b:
+            _, after = await tcp_stream(
+                on_b, "GET", f"/v1/streams/{session}", headers={"last-event-id": last_id}
+            )
+        async with tcp(port_a) as on_a:
+            stopped = await on_a.delete(f"/v1/streams/{session}")
+    assert events_text(reference) == events_text(before) + events_text(after)
+    assert after[-1].data == "[DONE]"
+    assert stopped.status_code == 200, stopped.text
+    assert stopped.json()["status"] == "finished"
