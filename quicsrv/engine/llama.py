@@ -247,7 +247,6 @@ class LlamaEngine(ModelFacts):
         self._closing = False
         self._failed = False
         self.tokens_generated_total = 0  # every sampled token, for tests and stats
-        self.decode_calls_total = 0
         self._thread = threading.Thread(target=self._run, name="llama-engine", daemon=True)
         self._thread.start()
 
@@ -403,7 +402,6 @@ class LlamaEngine(ModelFacts):
         self._observer.decode_finished()
         if status != 0:
             raise RuntimeError(f"llama_decode failed with status {status}")
-        self.decode_calls_total += 1
         for i, (sequence, _token, _position, logits) in enumerate(entries):
             if logits:
                 self._sample(sequence, i)
