@@ -31,7 +31,7 @@ from .generation import RequestRejected, build_request
 from .inbox import LoopInbox
 from .keys import KeyRing, SharedKeyRing
 from .kvstore import KVStore
-from .redis_store import RedisSessionStore, connect, process_owner_id
+from .redis_store import RedisSessionStore, connect, connect_async, process_owner_id
 from .session import FlowSettings, Session
 from .shared_kv import SharedKV
 from .store import SessionEnd, SessionRecord, SessionStore
@@ -116,6 +116,7 @@ class SessionManager:
                 max_sessions=settings.max_sessions,
                 max_disk_bytes=settings.max_disk_bytes,
                 clock=clock,
+                reader=connect_async(settings.store_url),
             )
             self.store.on_appended = self._on_appended
         else:
@@ -346,7 +347,7 @@ class SessionManager:
         store = self.store
         assert isinstance(store, RedisSessionStore)
         try:
-            fetched = await asyncio.wrap_future(store.fetch(session_id))
+            fetched = await store.fetch(session_id)
             live = self._live.get(session_id)
             if live is not None and not live.handed_over:
                 if fetched is not None and fetched.owner == store.owner_id:
@@ -520,6 +521,14 @@ class SessionManager:
     def close(self) -> None:
         self.store.close()
         self.kv.close()
+
+    async def aclose(self) -> None:
+        """:meth:`close` from the event loop (the shared store's asyncio client closes too)."""
+        if isinstance(self.store, RedisSessionStore):
+            await self.store.aclose()
+            self.kv.close()
+            return
+        self.close()
 
     def _expire(self, record: SessionRecord) -> None:
         # Only our copy: another process may have touched the session since (shared copies

@@ -36,6 +36,8 @@ from typing import Any
 
 import cbor2
 import redis
+import redis.asyncio
+from redis.asyncio.retry import Retry as AsyncRetry
 from redis.backoff import ExponentialBackoff
 from redis.retry import Retry
 
@@ -43,7 +45,7 @@ from proto import canonical_cbor
 
 from .store import _TOKEN, SessionRecord, SessionStore
 
-__all__ = ["DEFAULT_PREFIX", "RedisSessionStore", "connect", "process_owner_id"]
+__all__ = ["DEFAULT_PREFIX", "RedisSessionStore", "connect", "connect_async", "process_owner_id"]
 
 log = logging.getLogger(__name__)
 
@@ -98,6 +100,19 @@ def connect(url: str, *, timeout_s: float = 5.0, retries: int = 2) -> redis.Redi
     return client
 
 
+def connect_async(url: str, *, timeout_s: float = 5.0, retries: int = 2) -> redis.asyncio.Redis:
+    """An asyncio client for the same URL, for what the event loop awaits directly: reads that
+    order against nothing this process writes (a resume's first look at a record). It connects
+    on first use."""
+    client: redis.asyncio.Redis = redis.asyncio.Redis.from_url(
+        url,
+        socket_timeout=timeout_s,
+        socket_connect_timeout=timeout_s,
+        retry=AsyncRetry(ExponentialBackoff(cap=0.5, base=0.05), retries),
+    )
+    return client
+
+
 def process_owner_id() -> str:
     """Names this process in leases: host and pid for people, random bits for uniqueness."""
     import os
@@ -139,6 +154,7 @@ class RedisSessionStore(SessionStore):
         max_sessions: int,
         max_disk_bytes: int,
         clock: Callable[[], float],
+        reader: redis.asyncio.Redis | None = None,
         prefix: str = DEFAULT_PREFIX,
     ) -> None:
         super().__init__(
@@ -149,6 +165,7 @@ class RedisSessionStore(SessionStore):
             clock=clock,
         )
         self._redis = client
+        self._reader = reader
         self.owner_id = owner_id
         self._lease_ms = max(1, int(lease_s * 1000))
         self._prefix = prefix
@@ -225,9 +242,18 @@ class RedisSessionStore(SessionStore):
         self._durable[record.session_id] = len(record.generated)
         self._disk_bytes += _TOKEN.size * len(record.generated)
 
-    def fetch(self, session: bytes) -> Future[Fetched | None]:
-        """Read a record and its owner, without taking it (on the writer thread, in order)."""
-        return self._writer.submit(self._fetch, session)
+    async def fetch(self, session: bytes) -> Fetched | None:
+        """Read a record and its owner, without taking it: with the asyncio client, on the
+        loop (nothing to order it against: whatever the check of it decides, the takeover that
+        may follow goes through the writer thread, after this process's own writes); without
+        one, on the writer thread."""
+        if self._reader is None:
+            return await asyncio.wrap_future(self._writer.submit(self._fetch, session))
+        lease, meta, tokens = self._keys(session)
+        raw_meta, raw_tokens, owner = await self._reader.mget([meta, tokens, lease])
+        if raw_meta is None:
+            return None
+        return _decode(raw_meta, raw_tokens or b"", owner or b"")
 
     def claim(self, session: bytes) -> Future[Fetched | None]:
         """Take the lease over, whoever held it, and read the record at that instant."""
@@ -236,6 +262,12 @@ class RedisSessionStore(SessionStore):
     def close(self) -> None:
         self._writer.shutdown(wait=True)
         self._redis.close()
+
+    async def aclose(self) -> None:
+        """:meth:`close`, and the asyncio client's connections too."""
+        if self._reader is not None:
+            await self._reader.aclose()
+        await asyncio.to_thread(self.close)
 
     # --- the writer thread --------------------------------------------------------------
 

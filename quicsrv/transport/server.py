@@ -535,7 +535,7 @@ class RunningServer:
         if self.tcp is not None:
             await self.tcp.shutdown(grace_s)
         self.server.close()
-        self.app.sessions.close()
+        await self.app.sessions.aclose()
         self.app.metrics.unbind_engine(self.app.engine)
 
 

@@ -19,7 +19,7 @@ redis = pytest.importorskip("redis")
 
 from aioquic.tls import CipherSuite, SessionTicket  # noqa: E402
 
-from quicsrv.sessions.redis_store import RedisSessionStore, connect  # noqa: E402
+from quicsrv.sessions.redis_store import RedisSessionStore, connect, connect_async  # noqa: E402
 from quicsrv.transport.redis_tickets import RedisTicketStore  # noqa: E402
 
 
@@ -45,6 +45,7 @@ class _Appended:
 def _store(url: str, owner: str, *, lease_s: float = 30.0) -> RedisSessionStore:
     return RedisSessionStore(
         connect(url),
+        reader=connect_async(url),
         owner_id=owner,
         lease_s=lease_s,
         ttl_s=60.0,
@@ -71,7 +72,7 @@ async def test_another_process_reads_the_record_and_its_durable_tokens(redis_url
     record.end = SessionEnd(EndReason.LENGTH, 3)
     await asyncio.wrap_future(a.save(record))
 
-    fetched = await asyncio.wrap_future(b.fetch(record.session_id))
+    fetched = await b.fetch(record.session_id)
     assert fetched is not None and fetched.owner == "a"
     assert list(fetched.record.generated) == [11, 12, 13]
     assert fetched.record.end == SessionEnd(EndReason.LENGTH, 3)
@@ -81,7 +82,7 @@ async def test_another_process_reads_the_record_and_its_durable_tokens(redis_url
     ttls = [client.pttl(k) for k in client.keys(f"quicsrv:s:{record.session_id.hex()}:*")]
     assert len(ttls) == 3 and all(t > 0 for t in ttls)
     for store in (a, b):
-        store.close()
+        await store.aclose()
 
 
 @pytest.mark.asyncio
@@ -100,11 +101,11 @@ async def test_a_takeover_stops_the_old_owner_writing(redis_url):
 
     a.append_token(record, 2)  # the old owner still decodes: refused, and told so
     assert await appended.wait(record, 2) == [None, "taken"]
-    again = await asyncio.wrap_future(b.fetch(record.session_id))
+    again = await b.fetch(record.session_id)
     assert again is not None and again.owner == "b"
     assert list(again.record.generated) == [1]
     for store in (a, b):
-        store.close()
+        await store.aclose()
 
 
 @pytest.mark.asyncio
@@ -120,15 +121,15 @@ async def test_an_expired_lease_is_simply_taken(redis_url):
     assert claimed is not None and claimed.owner == ""
     assert client.get(lease) == b"b"
     for store in (a, b):
-        store.close()
+        await store.aclose()
 
 
 @pytest.mark.asyncio
 async def test_claiming_an_unknown_session_finds_nothing(redis_url):
     b = _store(redis_url, "b")
     assert await asyncio.wrap_future(b.claim(b"x" * 16)) is None
-    assert await asyncio.wrap_future(b.fetch(b"x" * 16)) is None
-    b.close()
+    assert await b.fetch(b"x" * 16) is None
+    await b.aclose()
 
 
 def test_the_keyring_is_shared_and_rotations_reach_every_process(redis_url):
