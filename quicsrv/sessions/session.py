@@ -370,7 +370,10 @@ class Session:
         self._trace.paused()
         log.debug("session %s paused at %d tokens", self.session_id.hex(), n_generated)
         attachment = self._attachment
-        if attachment is not None and attachment.next_index == len(self.record.generated):
+        recorded = len(self.record.generated)
+        # The engine may have run past the record (tokens after a stop sequence, or decoded by
+        # a stale copy): those have no checkpoint, and signing one raised here before.
+        if attachment is not None and attachment.next_index == recorded == n_generated:
             self._send_checkpoint(attachment, n_generated - 1)
         self._maybe_run()
         self._check_idle()
