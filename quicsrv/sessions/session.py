@@ -15,7 +15,6 @@ import logging
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from enum import Enum
 from typing import TYPE_CHECKING, Protocol
 
 import proto
@@ -36,6 +35,15 @@ from .admission import FairGate, Slot
 from .inbox import LoopInbox
 from .keys import KeyRing
 from .kvstore import KVStore
+from .lifecycle import (
+    HOLDS_SEQUENCE,
+    IDLE,
+    STALE,
+    SessionEvent,
+    SessionState,
+    allows,
+    next_state,
+)
 from .snapshot import PrefixSigner
 from .store import SessionEnd, SessionRecord, SessionStore
 from .text import TextAssembler
@@ -77,12 +85,6 @@ class FlowSettings:
     """Rebuild missing KV by one chunked prefill (fast, not bit-exact) instead of the replay."""
 
 
-class _EngineState(Enum):
-    IDLE = "idle"  # no engine sequence: not started, paused, or finished
-    STARTING = "starting"  # fetching the KV blob before submitting
-    RUNNING = "running"
-
-
 @dataclass(eq=False)
 class _Attachment:
     port: StreamPort
@@ -94,7 +96,8 @@ class _Attachment:
 
 class Session:
     """See the module docstring. Engine callbacks arrive on the engine thread; all else on
-    the event loop."""
+    the event loop. Its state moves only along :mod:`.lifecycle`'s table (``_transition``);
+    the engine handle is live exactly in the states of ``HOLDS_SEQUENCE``."""
 
     def __init__(
         self,
@@ -128,7 +131,7 @@ class Session:
         self._text = TextAssembler(record.stop)
         self._texts = [self._text.push(engine.piece(t)) for t in record.generated]
         self._tail = self._end_tail() if record.end is not None else ""
-        self._state = _EngineState.IDLE
+        self._state = SessionState.ENDED if record.end is not None else SessionState.CREATED
         self._handle: SequenceHandle | None = None
         self._attachment: _Attachment | None = None
         self._retry: asyncio.TimerHandle | None = None
@@ -140,7 +143,6 @@ class Session:
         self.pauses = 0
         self.paused = asyncio.Event()  # set while the engine sequence is paused (tests, stats)
         self.idle = asyncio.Event()  # set once nobody reads and the engine holds nothing
-        self._handed_over = False
 
     @property
     def session_id(self) -> bytes:
@@ -157,11 +159,16 @@ class Session:
     @property
     def handed_over(self) -> bool:
         """Another process owns the session now (or the store failed): this copy is stale."""
-        return self._handed_over
+        return self._state in STALE
 
     @property
     def running(self) -> bool:
-        return self._state is not _EngineState.IDLE
+        return self._state not in IDLE
+
+    @property
+    def state(self) -> SessionState:
+        """Where this object is in its lifecycle (tests, stats)."""
+        return self._state
 
     @property
     def acknowledged_tokens(self) -> int:
@@ -185,7 +192,7 @@ class Session:
 
     def planned_resume_path(self) -> ResumePath | None:
         """How the next engine start will rebuild the KV cells (None: nothing to rebuild)."""
-        if self.finished or self._state is not _EngineState.IDLE or not self.record.generated:
+        if self.finished or self._state not in IDLE or not self.record.generated:
             return None
         if self._kv.has(self.session_id, len(self.record.generated)):
             return ResumePath.KV_RESTORE
@@ -193,6 +200,7 @@ class Session:
 
     def attach(self, port: StreamPort, from_index: int, client: str = "") -> None:
         """A stream of ``client`` reads this session's frames from token ``from_index`` on."""
+        self._transition(SessionEvent.ATTACHED)
         if client:
             self.client = client
         old = self._attachment
@@ -212,17 +220,17 @@ class Session:
         """The stream went away: pause the engine (nobody reads) but keep the session."""
         if self._attachment is None or self._attachment.port is not port:
             return
+        left = self._transition(SessionEvent.DETACHED)
         self._attachment = None
         self._store.touch(self.record)
-        if self._handle is not None and self._state is _EngineState.RUNNING:
-            self._handle.pause(capture_kv=capture_kv)
+        self._pause_sequence(left, capture_kv=capture_kv)
         self._stop_restarting()
         self._check_idle()
 
     def abandon(self) -> None:
         """Its stream went away before it was told the session id: stop spending compute."""
-        if self._handle is not None and self._state is _EngineState.RUNNING:
-            self._handle.pause(capture_kv=False)
+        left = self._transition(SessionEvent.ABANDONED)
+        self._pause_sequence(left, capture_kv=False)
         self._check_idle()
 
     def cancel(self) -> None:
@@ -231,7 +239,8 @@ class Session:
         generated so far, and a reader gets the rest of them and then END(cancelled)."""
         if self.finished:
             return
-        if self._handle is not None and self._state is _EngineState.RUNNING:
+        left = self._transition(SessionEvent.CANCELLED)
+        if left in HOLDS_SEQUENCE and self._handle is not None:
             self._handle.cancel()  # its late tokens are dropped: the record has ended
         self._stop_restarting()
         self._record_end(SessionEnd(EndReason.CANCELLED, len(self.record.generated)))
@@ -240,6 +249,7 @@ class Session:
 
     def end_for_shutdown(self) -> None:
         """Tell the reader the server is going; the session stays resumable from disk."""
+        left = self._transition(SessionEvent.SHUT_DOWN)
         attachment, self._attachment = self._attachment, None
         if attachment is not None:
             end = proto.End(
@@ -248,14 +258,13 @@ class Session:
                 completion_tokens=attachment.next_index,
             )
             attachment.port.send_frame(end, True)
-        if self._handle is not None and self._state is _EngineState.RUNNING:
-            self._handle.pause(capture_kv=False)
+        self._pause_sequence(left, capture_kv=False)
         self._stop_restarting()
         self._check_idle()
 
     def tokens_durable(self) -> None:
         """The store confirmed more tokens (the Redis store, a batch later): send them."""
-        if not self._handed_over:
+        if not self.handed_over:
             self._pump()
 
     def hand_over(self, failure: str | None = None) -> None:
@@ -263,9 +272,9 @@ class Session:
         attach wins across processes too; the reader's stream ends with ``superseded``), or the
         shared store failed (``failure``: the reader gets ERROR(store_unavailable) and may
         resume). Generation stops; this object is stale from now on."""
-        if self._handed_over:
+        if self.handed_over:
             return
-        self._handed_over = True
+        left = self._transition(SessionEvent.OWNERSHIP_LOST)
         attachment, self._attachment = self._attachment, None
         if attachment is not None:
             frame: proto.Frame = (
@@ -274,8 +283,7 @@ class Session:
                 else proto.Error(code=proto.ErrorCode.STORE_UNAVAILABLE, message=failure)
             )
             attachment.port.send_frame(frame, True)
-        if self._handle is not None and self._state is _EngineState.RUNNING:
-            self._handle.pause(capture_kv=False)
+        self._pause_sequence(left, capture_kv=False)
         self._stop_restarting()
         self._check_idle()
 
@@ -292,7 +300,7 @@ class Session:
             attachment.blocked = True
         elif unacked <= self._flow.low_watermark_bytes:
             attachment.blocked = False
-        if self._state is _EngineState.RUNNING and self._handle is not None:
+        if self._state in HOLDS_SEQUENCE and self._handle is not None:
             self._handle.allow(self._allowance(attachment))
         else:
             self._maybe_run()
@@ -321,7 +329,7 @@ class Session:
 
     def _on_token(self, index: int, token_id: int, piece: bytes) -> None:
         record = self.record
-        if self._handed_over:
+        if self.handed_over:
             return  # another process writes this session now
         if record.end is not None or index != len(record.generated):
             return  # a token decoded after a stop sequence matched: not part of the output
@@ -329,13 +337,14 @@ class Session:
         self._trace.token_recorded()
         self._texts.append(self._text.push(piece))
         if self._text.stopped:
+            self._transition(SessionEvent.STOP_MATCHED)
             if self._handle is not None:
                 self._handle.cancel()
             self._record_end(SessionEnd(EndReason.STOP, index + 1))
         self._pump()
 
     def _on_finished(self, reason: FinishReason, completion_tokens: int) -> None:
-        self._state = _EngineState.IDLE
+        self._transition(_FINISH_EVENTS[reason])
         self._handle = None
         self._release_slot()
         if reason is FinishReason.FAILED:
@@ -353,7 +362,7 @@ class Session:
         self._check_idle()
 
     def _on_paused(self, n_generated: int) -> None:
-        self._state = _EngineState.IDLE
+        self._transition(SessionEvent.ENGINE_PAUSED)
         self._handle = None
         self._release_slot()
         self.pauses += 1
@@ -361,7 +370,10 @@ class Session:
         self._trace.paused()
         log.debug("session %s paused at %d tokens", self.session_id.hex(), n_generated)
         attachment = self._attachment
-        if attachment is not None and attachment.next_index == len(self.record.generated):
+        recorded = len(self.record.generated)
+        # The engine may have run past the record (tokens after a stop sequence, or decoded by
+        # a stale copy): those have no checkpoint, and signing one raised here before.
+        if attachment is not None and attachment.next_index == recorded == n_generated:
             self._send_checkpoint(attachment, n_generated - 1)
         self._maybe_run()
         self._check_idle()
@@ -383,8 +395,20 @@ class Session:
 
     # --- internals ----------------------------------------------------------------------
 
+    def _transition(self, event: SessionEvent) -> SessionState:
+        """Move along the lifecycle table (IllegalTransition off it); returns the state left,
+        which decides the side effects that follow."""
+        left = self._state
+        self._state = next_state(left, event)
+        return left
+
+    def _pause_sequence(self, left: SessionState, *, capture_kv: bool) -> None:
+        """Ask the engine to pause the sequence, if the state ``left`` held one."""
+        if left in HOLDS_SEQUENCE and self._handle is not None:
+            self._handle.pause(capture_kv=capture_kv)
+
     def _record_end(self, end: SessionEnd) -> None:
-        if self._handed_over:
+        if self.handed_over:
             return  # the process that owns the session now records its end
         self.record.end = end
         self._tail = self._end_tail()
@@ -404,26 +428,24 @@ class Session:
     def _maybe_run(self) -> None:
         """Start (or restart) the engine sequence if a reader is there and has room."""
         attachment = self._attachment
-        if self.finished or self._state is not _EngineState.IDLE or attachment is None:
-            return
-        if self._handed_over:
-            return
+        if attachment is None or not allows(self._state, SessionEvent.RESUME_QUEUED):
+            return  # nobody to run for, or it runs, waits to, has ended or is stale
         room = self._allowance(attachment) - len(self.record.generated)
         # Hysteresis: a paused sequence restarts only once the reader has caught up by half
         # the allowance, so a slow reader costs one restore per max_tokens_ahead / 2 tokens
         # rather than one per token.
         if room < max(1, self._flow.max_tokens_ahead // 2):
             return
-        self._state = _EngineState.STARTING
+        self._transition(SessionEvent.RESUME_QUEUED)
         self._trace.restart_wanted()
         self._restarting = self._loop.create_task(self._restart())
 
     def _stop_restarting(self) -> None:
-        """The reader left while the restart waited for a slot or the KV blob: give up."""
+        """The reader left while the restart waited for a slot or the KV blob: give up (the
+        event that called this has moved the state on already)."""
         task, self._restarting = self._restarting, None
         if task is not None and not task.done():
             task.cancel()
-            self._state = _EngineState.IDLE
 
     async def _restart(self) -> None:
         # A session coming back goes ahead of new requests, but waits its turn among the
@@ -435,7 +457,7 @@ class Session:
             kv = await asyncio.to_thread(self._kv.get, self.session_id, n_generated)
         self._restarting = None
         if self._attachment is None or self.finished:
-            self._state = _EngineState.IDLE  # the reader left meanwhile
+            self._transition(SessionEvent.RESUME_DROPPED)  # the reader left meanwhile
             self._release_slot()
             self._check_idle()
             return
@@ -448,12 +470,12 @@ class Session:
                 )
             )
         except EngineUnavailable as exc:
-            self._state = _EngineState.IDLE
+            self._transition(SessionEvent.RESUME_DROPPED)
             self._release_slot()
             self._fail_reader(str(exc))
             return
         except EngineError as exc:
-            self._state = _EngineState.IDLE
+            self._transition(SessionEvent.RESUME_DROPPED)
             self._release_slot()
             retry = getattr(exc, "retry_after_s", 1.0)
             log.info("session %s waits to resume: %s", self.session_id.hex(), exc)
@@ -472,7 +494,7 @@ class Session:
             resume=resume,
         )
         self._handle = self._engine.submit(request, self)
-        self._state = _EngineState.RUNNING
+        self._transition(SessionEvent.SUBMITTED)
         self.paused.clear()
         self.idle.clear()
         attachment = self._attachment
@@ -512,6 +534,7 @@ class Session:
                 completion_tokens=end.completion_tokens,
                 text=self._tail,
             )
+            self._transition(SessionEvent.READER_ENDED)
             attachment.port.send_frame(frame_end, True)
             self._attachment = None
             self._store.touch(self.record)
@@ -531,12 +554,13 @@ class Session:
         (its tokens are on disk), so the client can come back once the engine is."""
         attachment, self._attachment = self._attachment, None
         if attachment is not None:  # it was sent every token already: _pump runs per token
+            self._transition(SessionEvent.READER_FAILED)
             error = proto.Error(code=proto.ErrorCode.ENGINE_UNAVAILABLE, message=message)
             attachment.port.send_frame(error, True)
         self._check_idle()
 
     def _check_idle(self) -> None:
-        if self._attachment is None and self._state is _EngineState.IDLE:
+        if self._attachment is None and self._state in IDLE:
             self._release_slot()
             if self._retry is not None:
                 self._retry.cancel()
@@ -545,3 +569,13 @@ class Session:
             self.idle.set()
             self._trace.closed(self.record.end.reason.value if self.record.end else "detached")
             self._on_idle(self)
+
+
+# What each engine finish report is, for the lifecycle: the record ends only on a natural end.
+_FINISH_EVENTS = {
+    FinishReason.LENGTH: SessionEvent.ENGINE_COMPLETED,
+    FinishReason.EOS: SessionEvent.ENGINE_COMPLETED,
+    FinishReason.CANCELLED: SessionEvent.ENGINE_STOPPED,
+    FinishReason.SHUTDOWN: SessionEvent.ENGINE_STOPPED,
+    FinishReason.FAILED: SessionEvent.ENGINE_FAILED,
+}
