@@ -17,9 +17,10 @@ processes as within one) has its write refused, and its session ends its reader'
 Durability without blocking the loop: the writes run on the store's one writer thread with
 the sync client, in the order they were asked for; a resume's first read of a record, which
 orders against nothing, is awaited on the loop through the asyncio client. Token appends of all
-sessions are gathered and sent as one pipeline per batch; a token is *durable* once Redis confirmed it, and
-:class:`Session` sends a reader only durable tokens, so whatever a client was sent survives a
-``kill -9`` of its server, exactly as with the file store's ``write(2)`` before each send.
+sessions are gathered and sent as one pipeline per batch; a token is *durable* once Redis
+confirmed it, and :class:`Session` sends a reader only durable tokens, so whatever a client was
+sent survives a ``kill -9`` of its server, exactly as with the file store's ``write(2)`` before
+each send.
 """
 
 from __future__ import annotations
