@@ -13,9 +13,9 @@ import threading
 import time
 from collections.abc import Callable, Iterable
 
-from quicsrv.config import ServerConfig
+from quicsrv.config import ServerConfig, engine_settings_for
 from quicsrv.engine import FinishReason, SamplingParams, SequenceRequest
-from quicsrv.engine.llama import EngineSettings, LlamaEngine
+from quicsrv.engine.llama import LlamaEngine
 
 from ._bench_machine import CpuMeter
 from ._bench_servers import ServerSettings
@@ -85,8 +85,8 @@ def measure_engine(
     # ``quicsrv serve`` takes its chunk from ServerConfig, whatever EngineSettings defaults to.
     chunk = ServerConfig().prefill_chunk_tokens if prefill_chunk is None else prefill_chunk
     engine = LlamaEngine(
-        EngineSettings(
-            model_path=settings.model_path,
+        engine_settings_for(
+            settings.model_path,
             n_seq_max=settings.parallel,
             context_per_sequence=settings.context_per_sequence,
             n_batch=settings.n_batch,

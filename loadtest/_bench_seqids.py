@@ -15,8 +15,8 @@ from collections.abc import Sequence
 
 import llama_cpp
 
+from quicsrv.config import probe_cpu_extra_buffers
 from quicsrv.engine import default_model_path
-from quicsrv.engine.supervisor import probe_cpu_extra_buffers
 
 from ._bench_machine import CpuMeter
 from ._bench_raw import _RawEngine

@@ -29,10 +29,9 @@ from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
-from quicsrv.config import ServerConfig
+from quicsrv.config import ServerConfig, probe_cpu_extra_buffers
 from quicsrv.devcerts import ensure_dev_certs
 from quicsrv.engine import default_model_path
-from quicsrv.engine.supervisor import probe_cpu_extra_buffers
 
 from ._bench_engine import ENGINE, measure_engine
 from ._bench_load import run_quicsrv_load, run_sse_load

@@ -14,6 +14,7 @@ import time
 from pathlib import Path
 
 from loadtest._bench_stats import PROMPTS
+from quicsrv.config import engine_settings_for, probe_cpu_extra_buffers
 from quicsrv.engine import (
     FinishReason,
     PausedState,
@@ -22,8 +23,7 @@ from quicsrv.engine import (
     SequenceRequest,
     default_model_path,
 )
-from quicsrv.engine.llama import EngineSettings, LlamaEngine
-from quicsrv.engine.supervisor import probe_cpu_extra_buffers
+from quicsrv.engine.llama import LlamaEngine
 
 
 class _Sink:
@@ -66,8 +66,8 @@ def _first_divergence(a: list[int], b: list[int]) -> int | None:
 def measure(batch_invariant: bool, max_tokens: int) -> dict[str, object]:
     model = default_model_path()
     engine = LlamaEngine(
-        EngineSettings(
-            model_path=model,
+        engine_settings_for(
+            model,
             batch_invariant=batch_invariant,
             cpu_extra_buffers=probe_cpu_extra_buffers(model),
         )

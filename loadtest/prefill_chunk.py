@@ -21,10 +21,10 @@ from dataclasses import asdict, dataclass
 from datetime import UTC, datetime
 from pathlib import Path
 
+from quicsrv.config import ServerConfig, engine_settings_for, probe_cpu_extra_buffers
 from quicsrv.engine import FinishReason, SamplingParams, SequenceRequest
 from quicsrv.engine import default_model_path as _default_model_path
-from quicsrv.engine.llama import EngineSettings, LlamaEngine
-from quicsrv.engine.supervisor import probe_cpu_extra_buffers
+from quicsrv.engine.llama import LlamaEngine
 
 from ._bench_machine import CpuMeter, wait_until_quiet
 from ._bench_report import pick
@@ -169,11 +169,11 @@ def measure(
 ) -> list[ChunkRun]:
     # The engine wants a chunk to fit beside one token of every sequence it could hold
     # (chunk <= n_batch - n_seq_max); only chunks above 504 need more than the default 512.
-    n_seq_max = EngineSettings(model_path=model).n_seq_max
+    n_seq_max = ServerConfig().n_seq_max
     n_batch = max(512, chunk + n_seq_max)
     engine = LlamaEngine(
-        EngineSettings(
-            model_path=model,
+        engine_settings_for(
+            model,
             prefill_chunk=chunk,
             n_batch=n_batch,
             cpu_extra_buffers=probe_cpu_extra_buffers(model),

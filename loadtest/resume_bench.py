@@ -32,12 +32,16 @@ from pathlib import Path
 from typing import Any
 
 from client import Client, SessionStarted, TokenReceived
-from quicsrv.config import ServerConfig
+from quicsrv.config import (
+    ServerConfig,
+    engine_settings_for,
+    probe_cpu_extra_buffers,
+    session_settings_for,
+)
 from quicsrv.devcerts import ensure_dev_certs
 from quicsrv.engine import default_model_path
-from quicsrv.engine.llama import EngineSettings, LlamaEngine
-from quicsrv.engine.supervisor import probe_cpu_extra_buffers
-from quicsrv.sessions import FlowSettings, SessionManager, SessionSettings
+from quicsrv.engine.llama import LlamaEngine
+from quicsrv.sessions import SessionManager, SessionSettings
 from quicsrv.transport import RunningServer, start_server
 
 PROMPT = "Write a long, detailed history of the city of Rome, century by century."
@@ -54,11 +58,12 @@ class Sample:
 
 def _settings(data_dir: Path, path: str, ahead: int) -> SessionSettings:
     no_kv = path != "kv-restore"
-    return SessionSettings(
-        data_dir=data_dir,
+    return session_settings_for(
+        data_dir,
         kv_memory_budget_bytes=0 if no_kv else 1 << 30,
         kv_disk_budget_bytes=0 if no_kv else 1 << 30,
-        flow=FlowSettings(max_tokens_ahead=ahead, inexact_reprefill=path == "re-prefill"),
+        max_tokens_ahead=ahead,
+        inexact_reprefill=path == "re-prefill",
     )
 
 
@@ -132,8 +137,8 @@ async def run(contexts: list[int], runs: int) -> dict[str, Any]:
     max_context = max(contexts) + 256
     model = default_model_path()
     engine = LlamaEngine(
-        EngineSettings(
-            model_path=model,
+        engine_settings_for(
+            model,
             n_seq_max=4,
             context_per_sequence=max_context + 128,
             cpu_extra_buffers=probe_cpu_extra_buffers(model),

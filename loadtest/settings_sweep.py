@@ -27,6 +27,7 @@ from datetime import UTC, datetime
 from pathlib import Path
 
 from loadtest._bench_stats import PROMPTS
+from quicsrv.config import engine_settings_for, probe_cpu_extra_buffers
 from quicsrv.engine import (
     FinishReason,
     PausedState,
@@ -36,8 +37,7 @@ from quicsrv.engine import (
     SequenceRequest,
     default_model_path,
 )
-from quicsrv.engine.llama import EngineSettings, LlamaEngine
-from quicsrv.engine.supervisor import probe_cpu_extra_buffers
+from quicsrv.engine.llama import LlamaEngine
 
 
 class _Sink:
@@ -133,8 +133,8 @@ def measure(
     model: Path, extra_buffers: bool, flash_attn: bool, kv_unified: bool, args: argparse.Namespace
 ) -> Row:
     engine = LlamaEngine(
-        EngineSettings(
-            model_path=model,
+        engine_settings_for(
+            model,
             flash_attn=flash_attn,
             kv_unified=kv_unified,
             cpu_extra_buffers=extra_buffers,

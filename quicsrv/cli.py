@@ -9,10 +9,19 @@ import logging
 import signal
 import sys
 import time
+import tomllib
 from collections.abc import Callable
 from pathlib import Path
 
-from .config import ServerConfig, redact_store_url
+from .config import (
+    ConfigError,
+    CpuExtraBuffers,
+    LogFormat,
+    OtelExporter,
+    ResumeConflict,
+    ServerConfig,
+    redact_store_url,
+)
 from .devcerts import describe, ensure_dev_certs
 from .engine import EngineUnavailable
 from .logs import configure_logging
@@ -45,7 +54,7 @@ def _parser() -> argparse.ArgumentParser:
     )
     serve.add_argument(
         "--cpu-extra-buffers",
-        choices=["auto", "on", "off"],
+        choices=[c.value for c in CpuExtraBuffers],
         dest="cpu_extra_buffers",
         help="llama.cpp's extra CPU weight buffers (AMX, repacking); auto: on unless the "
         "start-up canary crashes the engine worker",
@@ -84,7 +93,7 @@ def _parser() -> argparse.ArgumentParser:
     serve.add_argument("--session-ttl", type=float, dest="session_ttl_s", help="seconds")
     serve.add_argument(
         "--resume-conflict",
-        choices=["supersede", "refuse"],
+        choices=[c.value for c in ResumeConflict],
         dest="resume_conflict",
         help="a resume of a session another stream reads: end that stream, or refuse",
     )
@@ -132,7 +141,7 @@ def _parser() -> argparse.ArgumentParser:
     )
     serve.add_argument(
         "--log-format",
-        choices=["plain", "json"],
+        choices=[c.value for c in LogFormat],
         dest="log_format",
         help="plain lines (default) or one JSON object per line",
     )
@@ -145,7 +154,7 @@ def _parser() -> argparse.ArgumentParser:
     )
     serve.add_argument(
         "--otel-exporter",
-        choices=["none", "console", "otlp"],
+        choices=[c.value for c in OtelExporter],
         dest="otel_exporter",
         help="OpenTelemetry spans per generation (needs the `otel` extra); default none",
     )
@@ -190,11 +199,12 @@ def main(argv: list[str] | None = None) -> int:
         return _api_key(args)
     # Every serve flag's dest is a ServerConfig field; a flag left out is None (not given).
     overrides = {f.name: getattr(args, f.name, None) for f in dataclasses.fields(ServerConfig)}
-    config = ServerConfig.load(args.config, **overrides)
     try:
+        config = ServerConfig.load(args.config, **overrides)
+        config.flow_settings()  # cross-field checks, before anything starts
         configure_logging(config.log_format)
         configure_exporter(config.otel_exporter)
-    except ValueError as exc:
+    except (ConfigError, ValueError, OSError, tomllib.TOMLDecodeError) as exc:
         log.error("cannot serve: %s", exc)
         return 2
     if (problem := _unreachable_store(config.store)) is not None:

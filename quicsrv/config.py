@@ -1,20 +1,65 @@
-"""The one typed server configuration: defaults, then a TOML file, then QUICSRV_* variables."""
+"""The one typed server configuration: defaults, then a TOML file, then QUICSRV_* variables.
+
+Every default the server has is written here, once, with its reason; the engine, session,
+supervisor and socket settings are derived from a :class:`ServerConfig` (``*_settings()``) and
+have no defaults of their own for what it configures. Values from TOML, the environment or the
+command line are parsed strictly: a boolean is true/false, yes/no, on/off or 1/0; a choice is
+one of its enum's values; anything else is a :class:`ConfigError` naming the key.
+"""
 
 from __future__ import annotations
 
 import dataclasses
 import os
 import tomllib
+import types
+import typing
 from dataclasses import dataclass, fields
+from enum import Enum, StrEnum
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
+
+from .engine.supervisor import CpuExtraBuffers
+from .logs import LogFormat
+from .sessions.manager import ResumeConflict
+from .tracing import OtelExporter
 
 if TYPE_CHECKING:
     from .engine.llama import EngineSettings
     from .engine.supervisor import SupervisorSettings
-    from .sessions import SessionSettings
+    from .sessions import FlowSettings, SessionSettings
+    from .transport.sockets import SocketOptions
 
-__all__ = ["ServerConfig"]
+__all__ = [
+    "CongestionControl",
+    "ConfigError",
+    "CpuExtraBuffers",
+    "LogFormat",
+    "OtelExporter",
+    "ResumeConflict",
+    "ServerConfig",
+    "engine_settings_for",
+    "probe_cpu_extra_buffers",
+    "redact_store_url",
+    "session_settings_for",
+    "socket_options_for",
+    "supervisor_settings_for",
+]
+
+
+class ConfigError(ValueError):
+    """A configuration value that cannot be used: names the key and what it accepts."""
+
+
+class CongestionControl(StrEnum):
+    """aioquic's congestion controllers."""
+
+    RENO = "reno"
+    CUBIC = "cubic"
+
+
+_TRUE = frozenset({"1", "true", "yes", "on"})
+_FALSE = frozenset({"0", "false", "no", "off"})
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -40,7 +85,7 @@ class ServerConfig:
     flash_attn: bool = True  # fastest exact setting: loadtest/settings_sweep.py
     kv_unified: bool = False  # faster at 8 streams, but resumes are no longer exact
     # The engine worker process and its supervision.
-    cpu_extra_buffers: str = "auto"  # "on", "off", or "auto": on unless the start-up canary crashes
+    cpu_extra_buffers: CpuExtraBuffers = CpuExtraBuffers.AUTO  # on unless the canary crashes
     worker_start_timeout_s: float = 300.0
     worker_stall_timeout_s: float = 60.0
     worker_max_restarts: int = 5
@@ -50,11 +95,13 @@ class ServerConfig:
     idle_timeout_s: float = 60.0
     shutdown_grace_s: float = 5.0
     # Transport: UDP socket, congestion control, flow-control windows, 0-RTT tickets.
+    # A few MB holds a burst from many connections (the usual kernel default, 208 KiB, holds
+    # about a hundred datagrams); the kernel may clamp it (net.core.rmem_max / wmem_max).
     udp_recv_buffer_bytes: int = 4 << 20
     udp_send_buffer_bytes: int = 4 << 20
     udp_pmtu_probe: bool = True
     udp_reuse_port: bool = False
-    congestion_control: str = "cubic"  # aioquic's "reno" or "cubic"
+    congestion_control: CongestionControl = CongestionControl.CUBIC
     max_data_bytes: int = 1 << 20  # what a client may send us per connection (requests)
     max_stream_data_bytes: int = 1 << 20
     ticket_ttl_s: float = 86400.0
@@ -77,7 +124,8 @@ class ServerConfig:
     kv_memory_budget_bytes: int = 256 << 20
     kv_disk_budget_bytes: int = 4 << 30
     session_sweep_interval_s: float = 30.0
-    resume_conflict: str = "supersede"  # or "refuse": a resume of a session being read fails
+    # "refuse": a resume of a session another stream is reading fails with session_busy.
+    resume_conflict: ResumeConflict = ResumeConflict.SUPERSEDE
     inexact_reprefill: bool = False
     max_tokens_ahead: int = 64
     send_high_watermark_bytes: int = 32 * 1024
@@ -85,8 +133,8 @@ class ServerConfig:
     checkpoint_every_tokens: int = 16
     # Observability.
     metrics_public: bool = False  # GET /metrics without an API key even when keys are configured
-    log_format: str = "plain"  # or "json": one JSON object per line
-    otel_exporter: str = "none"  # "console" or "otlp": OpenTelemetry spans (the `otel` extra)
+    log_format: LogFormat = LogFormat.PLAIN
+    otel_exporter: OtelExporter = OtelExporter.NONE  # spans need the `otel` extra
 
     @classmethod
     def load(cls, toml_path: Path | None = None, **overrides: Any) -> ServerConfig:
@@ -101,8 +149,9 @@ class ServerConfig:
         values.update({k: v for k, v in overrides.items() if v is not None})
         unknown = set(values) - {f.name for f in fields(cls)}
         if unknown:
-            raise ValueError(f"unknown configuration keys: {', '.join(sorted(unknown))}")
-        return cls(**{k: _coerce(k, v) for k, v in values.items()})
+            raise ConfigError(f"unknown configuration keys: {', '.join(sorted(unknown))}")
+        hints = typing.get_type_hints(cls)
+        return cls(**{k: _parse(k, hints[k], v) for k, v in values.items()})
 
     def describe(self) -> str:
         shown = {
@@ -128,10 +177,10 @@ class ServerConfig:
         )
 
     def supervisor_settings(self) -> SupervisorSettings:
-        from .engine.supervisor import CpuExtraBuffers, SupervisorSettings
+        from .engine.supervisor import SupervisorSettings
 
         return SupervisorSettings(
-            cpu_extra_buffers=CpuExtraBuffers(self.cpu_extra_buffers),
+            cpu_extra_buffers=self.cpu_extra_buffers,
             start_timeout_s=self.worker_start_timeout_s,
             stall_timeout_s=self.worker_stall_timeout_s,
             max_restarts=self.worker_max_restarts,
@@ -139,10 +188,8 @@ class ServerConfig:
         )
 
     def session_settings(self) -> SessionSettings:
-        from .sessions import FlowSettings, ResumeConflict, SessionSettings
+        from .sessions import SessionSettings
 
-        if self.send_low_watermark_bytes >= self.send_high_watermark_bytes:
-            raise ValueError("send_low_watermark_bytes must be below send_high_watermark_bytes")
         return SessionSettings(
             data_dir=self.data_dir,
             ttl_s=self.session_ttl_s,
@@ -151,7 +198,7 @@ class ServerConfig:
             kv_memory_budget_bytes=self.kv_memory_budget_bytes,
             kv_disk_budget_bytes=self.kv_disk_budget_bytes,
             max_tokens_limit=self.max_tokens_limit,
-            on_conflict=ResumeConflict(self.resume_conflict),
+            on_conflict=self.resume_conflict,
             mac_key=bytes.fromhex(self.mac_key_hex) if self.mac_key_hex else None,
             max_active_per_client=self.max_active_per_client,
             max_queued_per_client=self.max_queued_per_client,
@@ -160,14 +207,65 @@ class ServerConfig:
             lease_s=self.store_lease_s,
             kv_redis_max_bytes=self.kv_redis_max_bytes,
             kv_shared_dir=self.kv_shared_dir,
-            flow=FlowSettings(
-                max_tokens_ahead=self.max_tokens_ahead,
-                high_watermark_bytes=self.send_high_watermark_bytes,
-                low_watermark_bytes=self.send_low_watermark_bytes,
-                checkpoint_every_tokens=self.checkpoint_every_tokens,
-                inexact_reprefill=self.inexact_reprefill,
-            ),
+            flow=self.flow_settings(),
         )
+
+    def flow_settings(self) -> FlowSettings:
+        from .sessions import FlowSettings
+
+        if self.send_low_watermark_bytes >= self.send_high_watermark_bytes:
+            raise ConfigError("send_low_watermark_bytes must be below send_high_watermark_bytes")
+        return FlowSettings(
+            max_tokens_ahead=self.max_tokens_ahead,
+            high_watermark_bytes=self.send_high_watermark_bytes,
+            low_watermark_bytes=self.send_low_watermark_bytes,
+            checkpoint_every_tokens=self.checkpoint_every_tokens,
+            inexact_reprefill=self.inexact_reprefill,
+        )
+
+    def socket_options(self) -> SocketOptions:
+        from .transport.sockets import SocketOptions
+
+        return SocketOptions(
+            recv_buffer_bytes=self.udp_recv_buffer_bytes,
+            send_buffer_bytes=self.udp_send_buffer_bytes,
+            pmtu_probe=self.udp_pmtu_probe,
+            reuse_port=self.udp_reuse_port,
+        )
+
+
+def engine_settings_for(model_path: Path, **changes: Any) -> EngineSettings:
+    """The default configuration's engine settings for ``model_path``, with ``changes`` (for
+    tools and tests that drive an engine without a server)."""
+    return dataclasses.replace(ServerConfig().engine_settings(model_path), **changes)
+
+
+def supervisor_settings_for(**changes: Any) -> SupervisorSettings:
+    """The default configuration's supervisor settings, with ``changes``."""
+    return dataclasses.replace(ServerConfig().supervisor_settings(), **changes)
+
+
+def session_settings_for(data_dir: Path, **changes: Any) -> SessionSettings:
+    """The default configuration's session settings under ``data_dir``, with ``changes``;
+    :class:`~quicsrv.sessions.FlowSettings` fields may be given among them."""
+    base = ServerConfig(data_dir=data_dir).session_settings()
+    flow_fields = {f.name for f in fields(base.flow)}
+    flow = {k: changes.pop(k) for k in list(changes) if k in flow_fields}
+    return dataclasses.replace(base, flow=dataclasses.replace(base.flow, **flow), **changes)
+
+
+def socket_options_for(**changes: Any) -> SocketOptions:
+    """The default configuration's UDP socket options, with ``changes``."""
+    return dataclasses.replace(ServerConfig().socket_options(), **changes)
+
+
+def probe_cpu_extra_buffers(model_path: Path, config: ServerConfig | None = None) -> bool:
+    """Whether llama.cpp's extra CPU buffers survive the start-up canary on this machine (a
+    worker process takes the risk: :func:`quicsrv.engine.supervisor.probe_cpu_extra_buffers`)."""
+    from .engine.supervisor import probe_cpu_extra_buffers as probe
+
+    config = config or ServerConfig()
+    return probe(config.engine_settings(model_path), config.supervisor_settings())
 
 
 def _redact(name: str, value: Any) -> Any:
@@ -182,21 +280,42 @@ def redact_store_url(url: str) -> str:
     return f"{scheme}://<credentials>@{rest.rpartition('@')[2]}"
 
 
-def _coerce(name: str, value: Any) -> Any:
-    default = next(f.default for f in fields(ServerConfig) if f.name == name)
-    if name in (
-        "cert_path",
-        "key_path",
-        "model_path",
-        "data_dir",
-        "api_keys_file",
-        "kv_shared_dir",
-    ):
+def _parse(name: str, kind: Any, value: Any) -> Any:
+    """``value`` (from TOML, an environment variable or the command line) as field ``name``'s
+    ``kind``; raises :class:`ConfigError` naming the key and what it accepts."""
+    if isinstance(kind, types.UnionType):  # "X | None": TOML and the environment give X
+        (kind,) = [k for k in typing.get_args(kind) if k is not type(None)]
+    if isinstance(kind, type) and issubclass(kind, Enum):
+        try:
+            return kind(value)
+        except ValueError:
+            choices = ", ".join(str(member.value) for member in kind)
+            raise ConfigError(f"{name}: {value!r} is not one of {choices}") from None
+    if kind is bool:
+        if isinstance(value, bool):
+            return value
+        word = str(value).strip().lower()
+        if word in _TRUE | _FALSE:
+            return word in _TRUE
+        raise ConfigError(f"{name}: {value!r} is not a boolean (true/false, yes/no, on/off, 1/0)")
+    if kind in (int, float):
+        if isinstance(value, bool):
+            raise ConfigError(f"{name}: {value!r} is not a number")
+        try:
+            number = kind(value)
+        except (TypeError, ValueError):
+            raise ConfigError(
+                f"{name}: {value!r} is not {'an integer' if kind is int else 'a number'}"
+            ) from None
+        if kind is int and isinstance(value, float) and value != number:
+            raise ConfigError(f"{name}: {value!r} is not an integer")
+        return number
+    if kind is Path:
+        if not isinstance(value, str | Path):
+            raise ConfigError(f"{name}: {value!r} is not a path")
         return Path(value)
-    if isinstance(default, bool):
-        return value if isinstance(value, bool) else str(value).lower() in ("1", "true", "yes")
-    if isinstance(default, int):
-        return int(value)
-    if isinstance(default, float):
-        return float(value)
-    return value
+    if kind is str:
+        if not isinstance(value, str):
+            raise ConfigError(f"{name}: {value!r} is not a string")
+        return value
+    raise AssertionError(f"no parser for {name}: {kind!r}")  # a new field type: add it above

@@ -11,13 +11,28 @@ from __future__ import annotations
 import json
 import logging
 from datetime import UTC, datetime
+from enum import StrEnum
 
-__all__ = ["FIELDS", "JsonFormatter", "configure_logging", "current_log_format", "log_handler"]
+__all__ = [
+    "FIELDS",
+    "JsonFormatter",
+    "LogFormat",
+    "configure_logging",
+    "current_log_format",
+    "log_handler",
+]
 
 #: The ``extra`` fields a JSON line carries when a log call gives them.
 FIELDS = ("event", "session_id", "stream_id", "peer", "code", "duration_s", "resume_path")
 PLAIN_FORMAT = "%(asctime)s %(name)s %(message)s"
-LOG_FORMATS = ("plain", "json")
+
+
+class LogFormat(StrEnum):
+    PLAIN = "plain"
+    JSON = "json"  # one JSON object per line
+
+
+LOG_FORMATS = tuple(f.value for f in LogFormat)
 
 
 class JsonFormatter(logging.Formatter):

@@ -16,9 +16,10 @@ has the KV cells back; attribute ``quicsrv.resume_path``).
 from __future__ import annotations
 
 import time
+from enum import StrEnum
 from typing import Any
 
-__all__ = ["GenerationSpans", "configure_exporter", "configured_tracer"]
+__all__ = ["GenerationSpans", "OtelExporter", "configure_exporter", "configured_tracer"]
 
 _otel_trace: Any
 try:  # an optional dependency: the `otel` extra
@@ -26,7 +27,14 @@ try:  # an optional dependency: the `otel` extra
 except ImportError:  # pragma: no cover - exercised where the extra is not installed
     _otel_trace = None
 
-EXPORTERS = ("none", "console", "otlp")
+
+class OtelExporter(StrEnum):
+    NONE = "none"
+    CONSOLE = "console"  # spans printed to stdout
+    OTLP = "otlp"  # to the endpoint of the standard OTEL_EXPORTER_OTLP_* variables
+
+
+EXPORTERS = tuple(e.value for e in OtelExporter)
 
 
 def configured_tracer() -> Any | None:

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import dataclasses
 import os
 import re
 import signal
@@ -23,19 +22,17 @@ from aioquic.quic.configuration import QuicConfiguration
 from aioquic.quic.events import QuicEvent
 
 import proto
-from quicsrv.config import ServerConfig
+from quicsrv.config import ServerConfig, session_settings_for
 from quicsrv.devcerts import DevCertPaths
 from quicsrv.engine import Engine
-from quicsrv.sessions import FlowSettings, SessionManager, SessionSettings
+from quicsrv.sessions import SessionManager, SessionSettings
 from quicsrv.transport import RunningServer, start_server
-
-_FLOW_FIELDS = {f.name for f in dataclasses.fields(FlowSettings)}
 
 
 def session_settings(data_dir: Path, **changes: Any) -> SessionSettings:
-    """SessionSettings for tests; FlowSettings fields may be given alongside the others."""
-    flow = {k: changes.pop(k) for k in list(changes) if k in _FLOW_FIELDS}
-    return SessionSettings(data_dir=data_dir, flow=FlowSettings(**flow), **changes)
+    """SessionSettings for tests (the server's defaults); FlowSettings fields may be given
+    alongside the others."""
+    return session_settings_for(data_dir, **changes)
 
 
 @contextlib.contextmanager

@@ -91,18 +91,20 @@ def check_admission(settings: EngineSettings, admitted: int) -> None:
 
 @dataclass(frozen=True, slots=True, kw_only=True)
 class EngineSettings:
+    """Derived from :class:`quicsrv.config.ServerConfig` (``engine_settings()``), which holds
+    the defaults and says why; only what the supervisor decides at run time has one here."""
+
     model_path: Path
-    n_seq_max: int = 8
-    context_per_sequence: int = 2048
-    n_batch: int = 512
-    prefill_chunk: int = 64  # measured: loadtest/README.md (decode stall ~9 ms per chunk token)
-    n_threads: int = 2
-    max_queued: int = 64
-    batch_invariant: bool = False
+    n_seq_max: int
+    context_per_sequence: int
+    n_batch: int
+    prefill_chunk: int
+    n_threads: int
+    max_queued: int
+    batch_invariant: bool
     """Decode each sequence in its own micro-batch so its output never depends on its batch."""
-    flash_attn: bool = True
-    """Measured fastest at 1-8 sequences and as exact as off (python -m loadtest.settings_sweep)."""
-    kv_unified: bool = False
+    flash_attn: bool
+    kv_unified: bool
     """One KV buffer for all sequences: faster at 8, but output then depends on the batch."""
     cpu_extra_buffers: bool = True
     """llama.cpp's extra CPU weight buffers (AMX, repacked layouts); off = the safe mode."""

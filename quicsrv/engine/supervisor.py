@@ -100,13 +100,15 @@ class CpuExtraBuffers(StrEnum):
 
 @dataclass(frozen=True, slots=True, kw_only=True)
 class SupervisorSettings:
-    cpu_extra_buffers: CpuExtraBuffers = CpuExtraBuffers.AUTO
-    start_timeout_s: float = 300.0
+    """Derived from :class:`quicsrv.config.ServerConfig` (``supervisor_settings()``)."""
+
+    cpu_extra_buffers: CpuExtraBuffers
+    start_timeout_s: float
     """Model load plus canary; a worker not ready by then is killed and counts as a crash."""
-    stall_timeout_s: float = 60.0
+    stall_timeout_s: float
     """No decode step for this long while the worker holds work: it hangs, and is replaced."""
-    max_restarts: int = 5
-    restart_window_s: float = 600.0
+    max_restarts: int
+    restart_window_s: float
     """More than ``max_restarts`` restarts within this window is a crash loop: give up."""
     spool_dir: Path | None = None
     """Where KV blobs pass between the processes; None: a fresh directory in /dev/shm."""
@@ -226,11 +228,9 @@ class _RemoteSequence:
 class WorkerEngine(ModelFacts):
     """See the module docstring."""
 
-    def __init__(
-        self, settings: EngineSettings, supervision: SupervisorSettings | None = None
-    ) -> None:
+    def __init__(self, settings: EngineSettings, supervision: SupervisorSettings) -> None:
         self.settings = settings
-        self.supervision = supervision = supervision or SupervisorSettings()
+        self.supervision = supervision
         self.vocabulary = Vocabulary.load(settings.model_path)
         self._spool = Path(tempfile.mkdtemp(prefix="quicsrv-kv-", dir=_spool_parent(supervision)))
         self._lock = threading.Lock()
@@ -734,13 +734,13 @@ def _latest_allowances(batch: list[Command]) -> list[Command]:
     return kept
 
 
-def probe_cpu_extra_buffers(model_path: Path) -> bool:
+def probe_cpu_extra_buffers(settings: EngineSettings, supervision: SupervisorSettings) -> bool:
     """Whether llama.cpp's extra CPU buffers survive the canary on this machine.
 
     A worker process takes the risk, so that a tool that then runs llama.cpp in its own process
     (a benchmark, a unit test) can choose the safe setting without crashing first.
     """
-    engine = WorkerEngine(EngineSettings(model_path=model_path, n_seq_max=4, max_queued=0))
+    engine = WorkerEngine(settings, supervision)
     try:
         return engine.cpu_extra_buffers
     finally:

@@ -52,32 +52,36 @@ class ResumeConflict(StrEnum):
 
 @dataclass(frozen=True, slots=True, kw_only=True)
 class SessionSettings:
+    """Derived from :class:`quicsrv.config.ServerConfig` (``session_settings()``), which holds
+    the defaults."""
+
     data_dir: Path
-    ttl_s: float = 3600.0
-    max_sessions: int = 10_000
-    max_disk_bytes: int = 1 << 30
-    kv_memory_budget_bytes: int = 256 << 20
-    kv_disk_budget_bytes: int = 4 << 30
-    max_tokens_limit: int = 2048
-    on_conflict: ResumeConflict = ResumeConflict.SUPERSEDE
-    mac_key: bytes | None = None
-    previous_key_ttl_s: float = 86400.0
-    flow: FlowSettings = FlowSettings()
-    max_active_per_client: int = 0
+    ttl_s: float
+    max_sessions: int
+    max_disk_bytes: int
+    kv_memory_budget_bytes: int
+    kv_disk_budget_bytes: int
+    max_tokens_limit: int
+    on_conflict: ResumeConflict
+    mac_key: bytes | None
+    flow: FlowSettings
+    max_active_per_client: int
     """0: three quarters of the engine's slots (at least 1), so one client never takes all."""
-    max_queued_per_client: int = 0
+    max_queued_per_client: int
     """0: a quarter of the engine's queue (at least 1)."""
-    max_queue_wait_s: float = 120.0
+    max_queue_wait_s: float
     """A new request that cannot start within this long ends with ``deadline_exceeded``."""
-    store_url: str = ""
+    store_url: str
     """Where records, token logs and MAC keys live: "" (or "file"): under ``data_dir``;
     ``redis://host:port/db``: in Redis, shared by every process that names it."""
-    lease_s: float = 30.0
+    lease_s: float
     """With Redis: how long a process owns a session after its last write to it."""
-    kv_redis_max_bytes: int = 16 << 20
+    kv_redis_max_bytes: int
     """With Redis: paused KV blobs up to this size are shared through Redis."""
-    kv_shared_dir: Path | None = None
+    kv_shared_dir: Path | None
     """With Redis: larger blobs are shared here (None: not shared; a resume elsewhere replays)."""
+    previous_key_ttl_s: float = 86400.0
+    """How long a rotated-out MAC key still verifies (``quicsrv keys rotate`` sets its own)."""
 
     def admission_limits(self, engine: Engine) -> AdmissionLimits:
         slots, queue = engine.n_seq_max, engine.max_queued

@@ -74,14 +74,16 @@ class StreamPort(Protocol):
 
 @dataclass(frozen=True, slots=True, kw_only=True)
 class FlowSettings:
-    max_tokens_ahead: int = 64
+    """Derived from :class:`quicsrv.config.ServerConfig` (``flow_settings()``)."""
+
+    max_tokens_ahead: int
     """Tokens generated beyond what the reader acknowledged before the sequence pauses."""
-    high_watermark_bytes: int = 32 * 1024
+    high_watermark_bytes: int
     """Unacknowledged stream bytes at which the reader counts as blocked."""
-    low_watermark_bytes: int = 8 * 1024
+    low_watermark_bytes: int
     """...and below which it counts as drained again."""
-    checkpoint_every_tokens: int = 16
-    inexact_reprefill: bool = False
+    checkpoint_every_tokens: int
+    inexact_reprefill: bool
     """Rebuild missing KV by one chunked prefill (fast, not bit-exact) instead of the replay."""
 
 

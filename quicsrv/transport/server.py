@@ -83,7 +83,7 @@ from .requests import (
     rejection_for,
 )
 from .routes import PLAIN_PATHS, PlainRoutes, authorize_metrics, readiness
-from .sockets import AppliedSocketOptions, SocketOptions, open_udp_socket, serve_on_socket
+from .sockets import AppliedSocketOptions, open_udp_socket, serve_on_socket
 from .tickets import MemoryTicketStore, TicketStore
 
 __all__ = ["QuicServerApp", "RunningServer", "start_server"]
@@ -629,12 +629,7 @@ def _open_sockets(
     With port 0 the kernel picks the UDP port, which TCP may already use elsewhere: then both
     are tried again with another number (a few times; a fixed port is not retried).
     """
-    options = SocketOptions(
-        recv_buffer_bytes=config.udp_recv_buffer_bytes,
-        send_buffer_bytes=config.udp_send_buffer_bytes,
-        pmtu_probe=config.udp_pmtu_probe,
-        reuse_port=config.udp_reuse_port,
-    )
+    options = config.socket_options()
     attempts = 20 if config.port == 0 else 1
     for attempt in range(attempts):
         sock, applied = open_udp_socket(config.host, config.port, options)

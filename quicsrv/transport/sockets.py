@@ -25,16 +25,12 @@ from aioquic.quic.configuration import QuicConfiguration
 from aioquic.tls import SessionTicketFetcher, SessionTicketHandler
 
 __all__ = [
-    "DEFAULT_BUFFER_BYTES",
     "AppliedSocketOptions",
     "SocketOptions",
     "open_udp_socket",
     "serve_on_socket",
 ]
 
-#: Default SO_RCVBUF / SO_SNDBUF request: a few MB holds a burst from many connections at
-#: once (the usual kernel default, 208 KiB, holds on the order of a hundred datagrams).
-DEFAULT_BUFFER_BYTES = 4 * 1024 * 1024
 
 _LINUX = sys.platform.startswith("linux")
 
@@ -51,16 +47,16 @@ _SO_REUSEPORT: int | None = getattr(socket, "SO_REUSEPORT", None)
 class SocketOptions:
     """What to ask of the kernel for the server's UDP socket."""
 
-    recv_buffer_bytes: int = DEFAULT_BUFFER_BYTES
+    recv_buffer_bytes: int
     """SO_RCVBUF request; the kernel may clamp it (``net.core.rmem_max`` on Linux)."""
-    send_buffer_bytes: int = DEFAULT_BUFFER_BYTES
+    send_buffer_bytes: int
     """SO_SNDBUF request; the kernel may clamp it (``net.core.wmem_max`` on Linux)."""
-    pmtu_probe: bool = True
+    pmtu_probe: bool
     """Set don't-fragment and leave path-MTU discovery to QUIC (IP_PMTUDISC_PROBE)."""
+    reuse_port: bool
+    """SO_REUSEPORT, so several processes can bind the same port and share its load."""
     dual_stack: bool = True
     """On an IPv6 address, also accept IPv4 (IPV6_V6ONLY = 0); ignored for IPv4."""
-    reuse_port: bool = False
-    """SO_REUSEPORT, so several processes can bind the same port and share its load."""
 
     def __post_init__(self) -> None:
         for name in ("recv_buffer_bytes", "send_buffer_bytes"):

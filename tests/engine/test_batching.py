@@ -6,8 +6,9 @@ import threading
 
 import pytest
 
+from quicsrv.config import engine_settings_for
 from quicsrv.engine import FinishReason, SamplingParams, SequenceRequest
-from quicsrv.engine.llama import EngineSettings, LlamaEngine, Overloaded
+from quicsrv.engine.llama import LlamaEngine, Overloaded
 
 pytestmark = pytest.mark.model
 
@@ -44,9 +45,7 @@ def _request(engine: LlamaEngine, text: str, max_tokens: int) -> SequenceRequest
 
 def test_long_prompt_is_prefilled_in_chunks_between_decode_steps(model_path, cpu_extra_buffers):
     engine = LlamaEngine(
-        EngineSettings(
-            model_path=model_path, prefill_chunk=128, cpu_extra_buffers=cpu_extra_buffers
-        )
+        engine_settings_for(model_path, prefill_chunk=128, cpu_extra_buffers=cpu_extra_buffers)
     )
     try:
         log: list[tuple[str, int]] = []
@@ -73,8 +72,8 @@ def test_long_prompt_is_prefilled_in_chunks_between_decode_steps(model_path, cpu
 
 def test_cancelled_sequences_free_their_cells(model_path, cpu_extra_buffers):
     engine = LlamaEngine(
-        EngineSettings(
-            model_path=model_path,
+        engine_settings_for(
+            model_path,
             n_seq_max=4,
             context_per_sequence=256,
             max_queued=0,
@@ -108,8 +107,8 @@ def test_over_the_admission_limit_is_overloaded_and_the_engine_goes_on(
     model_path, cpu_extra_buffers
 ):
     engine = LlamaEngine(
-        EngineSettings(
-            model_path=model_path, n_seq_max=2, max_queued=1, cpu_extra_buffers=cpu_extra_buffers
+        engine_settings_for(
+            model_path, n_seq_max=2, max_queued=1, cpu_extra_buffers=cpu_extra_buffers
         )
     )
     try:
@@ -137,7 +136,7 @@ def test_a_failed_decode_ends_every_sequence_failed_and_refuses_new_work(
     from quicsrv.engine import EngineUnavailable
 
     engine = LlamaEngine(
-        EngineSettings(model_path=model_path, n_seq_max=2, cpu_extra_buffers=cpu_extra_buffers)
+        engine_settings_for(model_path, n_seq_max=2, cpu_extra_buffers=cpu_extra_buffers)
     )
     try:
         log: list[tuple[str, int]] = []

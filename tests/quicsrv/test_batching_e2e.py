@@ -8,7 +8,8 @@ import pytest
 
 from client import Client, ServerError, SessionStarted
 from proto import ErrorCode
-from quicsrv.engine.llama import EngineSettings, LlamaEngine
+from quicsrv.config import engine_settings_for
+from quicsrv.engine.llama import LlamaEngine
 from tests.helpers import running_server
 
 pytestmark = [pytest.mark.model, pytest.mark.asyncio]
@@ -34,9 +35,7 @@ async def test_batch_invariant_output_equals_single_stream_output(
     model_path, certs, cpu_extra_buffers
 ):
     engine = LlamaEngine(
-        EngineSettings(
-            model_path=model_path, batch_invariant=True, cpu_extra_buffers=cpu_extra_buffers
-        )
+        engine_settings_for(model_path, batch_invariant=True, cpu_extra_buffers=cpu_extra_buffers)
     )
     try:
         async with running_server(engine, certs) as server:
@@ -53,8 +52,8 @@ async def test_batch_invariant_output_equals_single_stream_output(
 
 async def test_overloaded_error_and_the_server_stays_healthy(model_path, certs, cpu_extra_buffers):
     engine = LlamaEngine(
-        EngineSettings(
-            model_path=model_path, n_seq_max=1, max_queued=1, cpu_extra_buffers=cpu_extra_buffers
+        engine_settings_for(
+            model_path, n_seq_max=1, max_queued=1, cpu_extra_buffers=cpu_extra_buffers
         )
     )
     try:

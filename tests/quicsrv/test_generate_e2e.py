@@ -106,12 +106,13 @@ async def test_stop_sequence_is_not_emitted(engine, certs):
 
 
 async def test_cancel_by_breaking_out_frees_the_engine(model_path, certs, cpu_extra_buffers):
-    from quicsrv.engine.llama import EngineSettings, LlamaEngine
+    from quicsrv.config import engine_settings_for
+    from quicsrv.engine.llama import LlamaEngine
 
     # One slot and one queue place: the next request can only run once the first is freed.
     solo = LlamaEngine(
-        EngineSettings(
-            model_path=model_path, n_seq_max=1, max_queued=1, cpu_extra_buffers=cpu_extra_buffers
+        engine_settings_for(
+            model_path, n_seq_max=1, max_queued=1, cpu_extra_buffers=cpu_extra_buffers
         )
     )
     try:

@@ -8,7 +8,8 @@ from pathlib import Path
 
 import pytest
 
-from quicsrv.transport.sockets import SocketOptions, open_udp_socket
+from quicsrv.config import socket_options_for
+from quicsrv.transport.sockets import open_udp_socket
 
 pytestmark = pytest.mark.skipif(
     not sys.platform.startswith("linux"), reason="option values are Linux's"
@@ -39,7 +40,7 @@ def _ipv6_available() -> bool:
 def test_ipv4_socket_options_read_back() -> None:
     if _sysctl("net.core.rmem_max") < SMALL_BUFFER or _sysctl("net.core.wmem_max") < SMALL_BUFFER:
         pytest.skip("buffer sysctls below the test's request")
-    options = SocketOptions(recv_buffer_bytes=SMALL_BUFFER, send_buffer_bytes=SMALL_BUFFER)
+    options = socket_options_for(recv_buffer_bytes=SMALL_BUFFER, send_buffer_bytes=SMALL_BUFFER)
     sock, applied = open_udp_socket("127.0.0.1", 0, options)
     with sock:
         assert sock.family == socket.AF_INET
@@ -64,7 +65,7 @@ def test_ipv4_socket_options_read_back() -> None:
 
 @pytest.mark.skipif(not _ipv6_available(), reason="no IPv6 loopback")
 def test_dual_stack_socket_options_read_back() -> None:
-    sock, applied = open_udp_socket("::", 0, SocketOptions())
+    sock, applied = open_udp_socket("::", 0, socket_options_for())
     with sock:
         assert sock.family == socket.AF_INET6
         assert applied.family == "IPv6 dual-stack"
@@ -78,7 +79,7 @@ def test_dual_stack_socket_options_read_back() -> None:
 
 @pytest.mark.skipif(not _ipv6_available(), reason="no IPv6 loopback")
 def test_dual_stack_socket_receives_an_ipv4_datagram() -> None:
-    sock, applied = open_udp_socket("::", 0, SocketOptions())
+    sock, applied = open_udp_socket("::", 0, socket_options_for())
     with sock, socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as sender:
         sender.sendto(b"over IPv4", ("127.0.0.1", applied.address[1]))
         sock.settimeout(10)  # a bound on a broken test, not a timing assumption
@@ -91,7 +92,7 @@ def test_dual_stack_socket_receives_an_ipv4_datagram() -> None:
 
 @pytest.mark.skipif(not _ipv6_available(), reason="no IPv6 loopback")
 def test_ipv6_only_when_dual_stack_is_off() -> None:
-    sock, applied = open_udp_socket("::", 0, SocketOptions(dual_stack=False))
+    sock, applied = open_udp_socket("::", 0, socket_options_for(dual_stack=False))
     with sock:
         assert sock.getsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY) == 1
         assert applied.family == "IPv6"
@@ -102,7 +103,7 @@ def test_ipv6_only_when_dual_stack_is_off() -> None:
 def test_pmtu_probe_off_leaves_the_kernel_default() -> None:
     with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as plain:
         default = plain.getsockopt(socket.IPPROTO_IP, IP_MTU_DISCOVER)
-    sock, applied = open_udp_socket("127.0.0.1", 0, SocketOptions(pmtu_probe=False))
+    sock, applied = open_udp_socket("127.0.0.1", 0, socket_options_for(pmtu_probe=False))
     with sock:
         assert sock.getsockopt(socket.IPPROTO_IP, IP_MTU_DISCOVER) == default
         assert not applied.dont_fragment
@@ -111,7 +112,9 @@ def test_pmtu_probe_off_leaves_the_kernel_default() -> None:
 def test_clamped_buffers_are_reported_with_the_sysctl_to_raise() -> None:
     rmem_max = _sysctl("net.core.rmem_max")
     wmem_max = _sysctl("net.core.wmem_max")
-    options = SocketOptions(recv_buffer_bytes=2 * rmem_max + 4096, send_buffer_bytes=2 * wmem_max)
+    options = socket_options_for(
+        recv_buffer_bytes=2 * rmem_max + 4096, send_buffer_bytes=2 * wmem_max
+    )
     sock, applied = open_udp_socket("127.0.0.1", 0, options)
     with sock:
         # Plain SO_RCVBUF is capped by the sysctl even for root (only *FORCE bypasses it).
@@ -129,7 +132,7 @@ def test_clamped_buffers_are_reported_with_the_sysctl_to_raise() -> None:
 
 
 def test_reuse_port_lets_two_sockets_bind_one_port() -> None:
-    options = SocketOptions(reuse_port=True)
+    options = socket_options_for(reuse_port=True)
     first, applied = open_udp_socket("127.0.0.1", 0, options)
     with first:
         assert first.getsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT) == 1
@@ -140,13 +143,13 @@ def test_reuse_port_lets_two_sockets_bind_one_port() -> None:
 
 
 def test_without_reuse_port_the_port_is_taken() -> None:
-    first, applied = open_udp_socket("127.0.0.1", 0, SocketOptions())
+    first, applied = open_udp_socket("127.0.0.1", 0, socket_options_for())
     with first, pytest.raises(OSError):
-        open_udp_socket("127.0.0.1", applied.address[1], SocketOptions())
+        open_udp_socket("127.0.0.1", applied.address[1], socket_options_for())
 
 
 def test_describe_is_one_line_naming_each_option() -> None:
-    sock, applied = open_udp_socket("127.0.0.1", 0, SocketOptions(reuse_port=True))
+    sock, applied = open_udp_socket("127.0.0.1", 0, socket_options_for(reuse_port=True))
     with sock:
         line = applied.describe()
     assert "\n" not in line
@@ -157,4 +160,4 @@ def test_describe_is_one_line_naming_each_option() -> None:
 
 def test_invalid_buffer_size_is_refused() -> None:
     with pytest.raises(ValueError, match="recv_buffer_bytes"):
-        SocketOptions(recv_buffer_bytes=0)
+        socket_options_for(recv_buffer_bytes=0)

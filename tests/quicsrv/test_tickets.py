@@ -19,8 +19,9 @@ from aioquic.quic.events import HandshakeCompleted, QuicEvent, StreamDataReceive
 from aioquic.tls import CipherSuite, SessionTicket
 
 from client._tickets import TicketCache, ticket_cache_key
+from quicsrv.config import socket_options_for
 from quicsrv.devcerts import DevCertPaths
-from quicsrv.transport.sockets import SocketOptions, open_udp_socket, serve_on_socket
+from quicsrv.transport.sockets import open_udp_socket, serve_on_socket
 from quicsrv.transport.tickets import MemoryTicketStore, TicketStore
 
 ALPN = "quicsrv-ticket-test"
@@ -207,7 +208,7 @@ async def _echo_server(
     configuration = QuicConfiguration(is_client=False, alpn_protocols=[ALPN])
     configuration.load_cert_chain(certs.server_cert, certs.server_key)
     store = MemoryTicketStore()
-    sock, applied = open_udp_socket("127.0.0.1", 0, SocketOptions())
+    sock, applied = open_udp_socket("127.0.0.1", 0, socket_options_for())
     state = _Server(port=applied.address[1], store=store)
     server = await serve_on_socket(
         sock,

@@ -19,9 +19,9 @@ import pytest
 
 from client import Client, GenerationEnded, ServerError, SessionStarted, TokenReceived
 from proto import ErrorCode
+from quicsrv.config import engine_settings_for, supervisor_settings_for
 from quicsrv.engine import EngineUnavailable
-from quicsrv.engine.llama import EngineSettings
-from quicsrv.engine.supervisor import CpuExtraBuffers, SupervisorSettings, WorkerEngine
+from quicsrv.engine.supervisor import CpuExtraBuffers, WorkerEngine
 from quicsrv.engine.worker import FAULT_ENV
 from tests.helpers import running_server
 
@@ -62,10 +62,8 @@ class Output:
 def _engine(model_path: Path, **supervision: object) -> WorkerEngine:
     # Batch-invariant decoding: after a restart the replayed sequences meet other neighbours
     # in the batch than before, and only this mode makes that irrelevant on every CPU.
-    settings = EngineSettings(
-        model_path=model_path, n_seq_max=4, max_queued=4, batch_invariant=True
-    )
-    return WorkerEngine(settings, SupervisorSettings(**supervision))  # type: ignore[arg-type]
+    settings = engine_settings_for(model_path, n_seq_max=4, max_queued=4, batch_invariant=True)
+    return WorkerEngine(settings, supervisor_settings_for(**supervision))
 
 
 @pytest.fixture(scope="module")

@@ -7,14 +7,9 @@ import asyncio
 import pytest
 
 import proto
+from quicsrv.config import session_settings_for
 from quicsrv.engine import FinishReason
-from quicsrv.sessions import (
-    FlowSettings,
-    RequestRejected,
-    SessionManager,
-    SessionSettings,
-    build_request,
-)
+from quicsrv.sessions import RequestRejected, SessionManager, build_request
 from quicsrv.sessions.admission import Slot
 from tests.fakes import FakeEngine
 
@@ -44,9 +39,7 @@ class FakePort:
 
 
 def _manager(tmp_path, engine: FakeEngine, **flow) -> SessionManager:
-    return SessionManager(
-        engine, SessionSettings(data_dir=tmp_path, max_tokens_limit=64, flow=FlowSettings(**flow))
-    )
+    return SessionManager(engine, session_settings_for(tmp_path, max_tokens_limit=64, **flow))
 
 
 async def _drain_callbacks() -> None:

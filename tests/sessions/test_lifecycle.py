@@ -19,8 +19,9 @@ from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
 import proto
+from quicsrv.config import session_settings_for
 from quicsrv.engine import EngineUnavailable, FinishReason, PausedState, SequenceRequest, TokenSink
-from quicsrv.sessions import FlowSettings, SessionManager, SessionSettings
+from quicsrv.sessions import SessionManager
 from quicsrv.sessions.admission import Slot
 from quicsrv.sessions.lifecycle import (
     HOLDS_SEQUENCE,
@@ -222,13 +223,14 @@ class SessionLifecycleMachine(RuleBasedStateMachine):
         self.loop.run_until_complete(self._start())
 
     async def _start(self) -> None:
-        flow = FlowSettings(
+        settings = session_settings_for(
+            Path(self.dir.name),
+            max_tokens_limit=64,
             max_tokens_ahead=4,
             checkpoint_every_tokens=4,
             high_watermark_bytes=256,
             low_watermark_bytes=64,
         )
-        settings = SessionSettings(data_dir=Path(self.dir.name), max_tokens_limit=64, flow=flow)
         self.manager = SessionManager(self.engine, settings)
         slot = await self.manager.admit("client", waited_s=0.0, deadline_ms=None)
         frame = proto.Generate(prompt="hi", max_tokens=MAX_TOKENS, stop=(STOP,))
