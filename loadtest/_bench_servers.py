@@ -15,12 +15,14 @@ from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
+from quicsrv.spawn import LISTENING
+
 __all__ = ["Child", "ServerSettings", "llama_cpp_server", "quicsrv_server"]
 
 STARTUP_TIMEOUT_S = 120.0
 STOP_TIMEOUT_S = 30.0
 
-_QUICSRV_READY = re.compile(r"listening on \S+:(\d+)")
+_QUICSRV_READY = LISTENING  # the line quicsrv prints once it listens
 _UVICORN_READY = re.compile(r"Uvicorn running on https?://\S+:(\d+)")
 
 

@@ -34,6 +34,8 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any, NoReturn
 
+from quicsrv.spawn import spawn_server
+
 from ._netns_certs import issue_certs
 from ._netns_net import SERVER_ADDRESS, NetemUnavailable, Netns
 
@@ -123,7 +125,6 @@ def run(args: argparse.Namespace, work: Path) -> dict[str, Any]:
             link += ["--delay-ms", str(args.delay_ms)]
             port = RELAY_PORT
         serve = [
-            *net.exec_prefix(net.server_ns), str(Path(_python()).with_name("quicsrv")), "serve",
             "--host", SERVER_ADDRESS, "--port", str(SERVER_PORT),
             "--data-dir", str(work / "data"), "--threads", str(args.server_threads),
             "--cert", str(certs.server_cert), "--key", str(certs.server_key),
@@ -136,10 +137,9 @@ def run(args: argparse.Namespace, work: Path) -> dict[str, Any]:
         ]  # fmt: skip
         with (
             _process(link, work / "link.log") as link_process,
-            _process(serve, work / "server.log") as server_process,
+            spawn_server(serve, prefix=net.exec_prefix(net.server_ns), log=work / "server.log"),
         ):
             _wait_for_line(link_process, work / "link.log", "ready", 30)
-            _wait_for_line(server_process, work / "server.log", "listening on", 600)
             print(f"server up in {net.server_ns}, measuring from {net.client_ns}", flush=True)
             done = subprocess.run(measure, stdout=subprocess.PIPE, check=False)
             if done.returncode != 0:

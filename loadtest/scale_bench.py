@@ -23,12 +23,9 @@ import asyncio
 import contextlib
 import json
 import os
-import re
 import shutil
-import signal
 import statistics
 import subprocess
-import sys
 import tempfile
 import time
 from collections.abc import AsyncIterator, Iterator
@@ -37,6 +34,7 @@ from typing import Any
 
 from client import Client, GenerationEnded, TokenReceived
 from quicsrv.devcerts import DevCertPaths, ensure_dev_certs
+from quicsrv.spawn import spawn_server_async
 
 PROMPT = "Write a long, detailed history of the city of Rome, century by century."
 
@@ -74,28 +72,13 @@ def _redis(directory: Path) -> Iterator[str]:
 
 @contextlib.asynccontextmanager
 async def _server(certs: DevCertPaths, data_dir: Path, *extra: str) -> AsyncIterator[int]:
-    command = [
-        sys.executable, "-m", "quicsrv.cli", "serve", "--host", "127.0.0.1", "--port", "0",
+    args = [
+        "--host", "127.0.0.1", "--port", "0",
         "--cert", str(certs.server_cert), "--key", str(certs.server_key),
         "--data-dir", str(data_dir), *extra,
     ]  # fmt: skip
-    process = subprocess.Popen(
-        command,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.DEVNULL,
-        text=True,
-        env={**os.environ, "PYTHONUNBUFFERED": "1"},
-    )
-    try:
-        assert process.stdout is not None
-        line = await asyncio.to_thread(process.stdout.readline)
-        match = re.search(r"listening on \S+:(\d+)", line)
-        if not match:
-            raise RuntimeError(f"the server did not start: {line!r}")
-        yield int(match.group(1))
-    finally:
-        process.send_signal(signal.SIGTERM)
-        await asyncio.to_thread(process.wait, 60)
+    async with spawn_server_async(args, stop_timeout_s=60.0) as server:
+        yield server.port
 
 
 async def _reference(port: int, ca: Path, max_tokens: int) -> list[int]:

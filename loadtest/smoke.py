@@ -15,6 +15,7 @@ loadtest/_locust_parked.py --no-require-scenarios``). Everything lands in ``--ou
 from __future__ import annotations
 
 import argparse
+import contextlib
 import csv
 import json
 import os
@@ -32,6 +33,7 @@ from pathlib import Path
 from typing import Any
 
 from quicsrv.devcerts import ensure_dev_certs
+from quicsrv.spawn import ServerDidNotStart, spawn_server
 
 from .metrics_scrape import MetricsScraper, write_png
 
@@ -44,7 +46,6 @@ STOP_TIMEOUT_S = 30.0
 LOCUST_OVERHEAD_S = 60.0
 SCENARIOS = ("plain", "slow_reader", "drop_and_resume", "bad_request")
 
-_LISTENING = re.compile(r"listening on \S+:(\d+)")
 _STORE_USAGE = re.compile(
     r"store usage: sessions (\d+) .*?, (\d+) live, kv memory (\d+) blobs ([\d.]+) MiB, "
     r"disk (\d+) blobs ([\d.]+) MiB"
@@ -52,32 +53,21 @@ _STORE_USAGE = re.compile(
 
 
 @dataclass(slots=True)
-class _Server:
-    """A quicsrv child process, its log, and a thread that copies its output there."""
+class _RssSampler:
+    """The server's resident set size, sampled on a thread."""
 
-    process: subprocess.Popen[str]
-    log_path: Path
-    port: int | None = None
-    ready: threading.Event = field(default_factory=threading.Event)
+    pid: int
     rss_kib: list[tuple[float, int]] = field(default_factory=list)
-    stop_sampling: threading.Event = field(default_factory=threading.Event)
+    stop: threading.Event = field(default_factory=threading.Event)
 
-    def drain(self) -> None:
-        assert self.process.stdout is not None
-        with self.log_path.open("w") as log:
-            for line in self.process.stdout:
-                log.write(line)
-                log.flush()
-                if self.port is None and (match := _LISTENING.search(line)):
-                    self.port = int(match.group(1))
-                    self.ready.set()
-        self.ready.set()  # EOF: the process is gone; whoever waits must look at it
+    def start(self, interval_s: float) -> None:
+        threading.Thread(target=self._run, args=(interval_s,), daemon=True).start()
 
-    def sample_rss(self, interval_s: float) -> None:
-        status = Path(f"/proc/{self.process.pid}/status")
+    def _run(self, interval_s: float) -> None:
+        status = Path(f"/proc/{self.pid}/status")
         started = time.monotonic()
         # A periodic measurement (the wait is the sampling period), not synchronisation.
-        while not self.stop_sampling.wait(interval_s):
+        while not self.stop.wait(interval_s):
             try:
                 text = status.read_text()
             except OSError:
@@ -87,56 +77,34 @@ class _Server:
                 self.rss_kib.append((time.monotonic() - started, int(match.group(1))))
 
 
-def _start_server(args: argparse.Namespace, scratch: Path, out: Path) -> _Server:
+def _server(args: argparse.Namespace, scratch: Path, out: Path) -> Any:
+    """The quicsrv under test (a :func:`spawn_server` context), its output in server.log."""
     certs = ensure_dev_certs(scratch / "certs")
-    argv = [
-        sys.executable,
-        "-m",
-        "quicsrv.cli",
-        "serve",
-        "--host",
-        "127.0.0.1",
-        "--port",
-        "0",
-        "--data-dir",
-        str(scratch / "data"),
-        "--cert",
-        str(certs.server_cert),
-        "--key",
-        str(certs.server_key),
+    (out / "ca.pem").write_bytes(certs.ca_cert.read_bytes())
+    serve = [
+        *("--host", "127.0.0.1", "--port", "0", "--data-dir", str(scratch / "data")),
+        *("--cert", str(certs.server_cert), "--key", str(certs.server_key)),
         *args.server_arg,
     ]
-    env = dict(os.environ, QUICSRV_SESSION_SWEEP_INTERVAL_S=str(args.sweep_interval))
-    process = subprocess.Popen(
-        argv,
+    return spawn_server(
+        serve,
         cwd=REPO,
-        env=env,
-        stdin=subprocess.DEVNULL,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-        text=True,
+        env={"QUICSRV_SESSION_SWEEP_INTERVAL_S": str(args.sweep_interval)},
+        log=out / "server.log",
+        start_timeout_s=STARTUP_TIMEOUT_S,
+        stop_timeout_s=STOP_TIMEOUT_S,
     )
-    server = _Server(process=process, log_path=out / "server.log")
-    threading.Thread(target=server.drain, daemon=True).start()
-    if not server.ready.wait(STARTUP_TIMEOUT_S) or server.port is None:
+
+
+def _stop_server(process: subprocess.Popen[str]) -> int | None:
+    """SIGINT (as a user's Ctrl-C), then the exit status (None if it had to be killed)."""
+    if process.poll() is None:
+        process.send_signal(signal.SIGINT)
+    try:
+        return process.wait(STOP_TIMEOUT_S)
+    except subprocess.TimeoutExpired:
         process.kill()
         process.wait()
-        raise SystemExit(f"quicsrv did not start; see {server.log_path}")
-    threading.Thread(target=server.sample_rss, args=(args.rss_interval,), daemon=True).start()
-    (out / "ca.pem").write_bytes(certs.ca_cert.read_bytes())
-    return server
-
-
-def _stop_server(server: _Server) -> int | None:
-    """SIGINT, then the exit status (None if it had to be killed)."""
-    server.stop_sampling.set()
-    if server.process.poll() is None:
-        server.process.send_signal(signal.SIGINT)
-    try:
-        return server.process.wait(STOP_TIMEOUT_S)
-    except subprocess.TimeoutExpired:
-        server.process.kill()
-        server.process.wait()
         return None
 
 
@@ -330,27 +298,35 @@ def main(argv: Sequence[str] | None = None) -> int:
     )
     args = parser.parse_args(argv)
     started = time.monotonic()
-    with tempfile.TemporaryDirectory(prefix="quicsrv-smoke-") as scratch_dir:
+    with (
+        tempfile.TemporaryDirectory(prefix="quicsrv-smoke-") as scratch_dir,
+        contextlib.ExitStack() as stack,
+    ):
         scratch = Path(scratch_dir)
         out = args.out or scratch / "out"
         out.mkdir(parents=True, exist_ok=True)
-        server = _start_server(args, scratch, out)
-        assert server.port is not None
+        try:
+            spawned = stack.enter_context(_server(args, scratch, out))
+        except ServerDidNotStart as exc:
+            raise SystemExit(f"quicsrv did not start; see {out / 'server.log'}") from exc
+        rss = _RssSampler(spawned.process.pid)
+        rss.start(args.rss_interval)
         scraper = MetricsScraper(
-            "127.0.0.1", server.port, ca=out / "ca.pem", interval_s=args.scrape_interval
+            "127.0.0.1", spawned.port, ca=out / "ca.pem", interval_s=args.scrape_interval
         )
         try:
             scraper.start()
-            cpu_before = _CpuMark.take(server.process.pid)
-            locust_rc = _run_locust(args, server.port, out)
-            cpu = _cpu_report(cpu_before, _CpuMark.take(server.process.pid))
+            cpu_before = _CpuMark.take(spawned.process.pid)
+            locust_rc = _run_locust(args, spawned.port, out)
+            cpu = _cpu_report(cpu_before, _CpuMark.take(spawned.process.pid))
             scrapes = scraper.stop()
         finally:
-            server_died = server.process.poll() is not None
-            server_rc = _stop_server(server)
+            rss.stop.set()
+            server_died = spawned.process.poll() is not None
+            server_rc = _stop_server(spawned.process)
         summary_path = out / "summary.json"
         summary = json.loads(summary_path.read_text()) if summary_path.exists() else None
-        usage = _store_usage(server.log_path)
+        usage = _store_usage(out / "server.log")
         report = {
             "users": args.users,
             "run_time": args.run_time,
@@ -359,7 +335,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             "server_rc": server_rc,
             "summary": summary,
             "stats": _percentiles(out / "locust_stats.csv"),
-            "rss_mib": _rss_report(server.rss_kib),
+            "rss_mib": _rss_report(rss.rss_kib),
             "cpu_cores": cpu,
             "metrics": _metrics_report(scrapes, scraper.errors, out / "metrics.png"),
             "store_usage_last": usage[-1] if usage else None,

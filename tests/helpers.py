@@ -4,11 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import os
-import re
-import signal
 import subprocess
-import sys
 import tempfile
 from collections.abc import AsyncIterator, Iterator
 from dataclasses import dataclass, field
@@ -26,6 +22,7 @@ from quicsrv.config import ServerConfig, session_settings_for
 from quicsrv.devcerts import DevCertPaths
 from quicsrv.engine import Engine
 from quicsrv.sessions import SessionManager, SessionSettings
+from quicsrv.spawn import spawn_server_async
 from quicsrv.transport import RunningServer, start_server
 
 
@@ -168,38 +165,11 @@ async def server_process(
 
     ``extra``: more ``serve`` flags (``--store``, ``--workers``); ``prefix``: a command to run
     it under (``ip netns exec NS``)."""
-    command = [
-        *(prefix or []),
-        sys.executable,
-        "-m",
-        "quicsrv.cli",
-        "serve",
-        "--host",
-        host,
-        "--port",
-        str(port),
-        "--cert",
-        str(certs.server_cert),
-        "--key",
-        str(certs.server_key),
-        "--data-dir",
-        str(data_dir),
+    args = [
+        *("--host", host, "--port", str(port)),
+        *("--cert", str(certs.server_cert), "--key", str(certs.server_key)),
+        *("--data-dir", str(data_dir)),
         *(extra or []),
     ]
-    with subprocess.Popen(
-        command,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.DEVNULL,
-        text=True,
-        env={**os.environ, "PYTHONUNBUFFERED": "1"},
-    ) as process:
-        try:
-            assert process.stdout is not None
-            line = await asyncio.to_thread(process.stdout.readline)
-            match = re.search(r"listening on \S+:(\d+)", line)
-            assert match, f"the server did not start: {line!r}"
-            yield process, int(match.group(1))
-        finally:
-            if process.poll() is None:
-                process.send_signal(signal.SIGTERM)
-                await asyncio.to_thread(process.wait, 30)
+    async with spawn_server_async(args, prefix=prefix or ()) as server:
+        yield server.process, server.port
