@@ -82,7 +82,7 @@ class ServerConfig:
     max_queued_per_client: int = 0  # 0: a quarter of max_queued_requests (at least 1)
     max_queue_wait_s: float = 120.0  # a GENERATE that cannot start by then: deadline_exceeded
     batch_invariant: bool = False
-    flash_attn: bool = True  # fastest exact setting: loadtest/settings_sweep.py
+    flash_attn: bool = True  # fastest exact setting: loadtest/bench/settings_sweep.py
     kv_unified: bool = False  # faster at 8 streams, but resumes are no longer exact
     # The engine worker process and its supervision.
     cpu_extra_buffers: CpuExtraBuffers = CpuExtraBuffers.AUTO  # on unless the canary crashes

@@ -350,7 +350,7 @@ class LlamaEngine(ModelFacts):
             sequence = self._waiting.popleft()
             # The lowest free id, and batches in id order: with llama.cpp's per-sequence KV
             # streams a batch whose ids are not ascending costs 40-80% more per step
-            # (measured: python -m loadtest._bench_seqids).
+            # (measured: python -m loadtest.bench.seqids).
             sequence.seq_id = min(self._free_ids)
             self._free_ids.remove(sequence.seq_id)
             self._active.append(sequence)

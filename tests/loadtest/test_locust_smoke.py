@@ -1,6 +1,6 @@
 """The Locust load test: its token-order check, and a bounded smoke load against the real server.
 
-The smoke runs ``python -m loadtest.smoke`` as a subprocess: Locust monkey-patches the whole
+The smoke runs ``python -m loadtest.locust.smoke`` as a subprocess: Locust monkey-patches the whole
 interpreter with gevent on import, which must never happen inside pytest.
 """
 
@@ -14,8 +14,8 @@ from pathlib import Path
 
 import pytest
 
-from loadtest import smoke
-from loadtest._locust_ledger import RunTally, TokenLedger
+from loadtest.locust import smoke
+from loadtest.locust.ledger import RunTally, TokenLedger
 
 REPO = Path(__file__).resolve().parents[2]
 #: Locust's run; server start-up, Locust start-up and both shutdowns add a few seconds.
@@ -129,7 +129,7 @@ def test_smoke_load_loses_no_token_and_meets_no_unexpected_error(model_path, tmp
         [
             sys.executable,
             "-m",
-            "loadtest.smoke",
+            "loadtest.locust.smoke",
             "--users",
             "4",
             "--spawn-rate",

@@ -1,4 +1,4 @@
-"""loadtest.metrics_scrape: the series it derives, and a scrape of a real server."""
+"""loadtest.locust.metrics_scrape: the series it derives, and a scrape of a real server."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ import asyncio
 import pytest
 
 from client import Client
-from loadtest.metrics_scrape import MetricsScraper, Scrape, rates, write_png
+from loadtest.locust.metrics_scrape import MetricsScraper, Scrape, rates, write_png
 from tests.helpers import running_server
 
 

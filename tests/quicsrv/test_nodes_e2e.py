@@ -22,7 +22,7 @@ from collections.abc import Iterator
 import pytest
 
 from client import Client, GenerationEnded, TokenReceived
-from loadtest._netns_certs import issue_certs
+from loadtest.netns.certs import issue_certs
 from tests.helpers import server_process
 from tests.redis_server import redis_server
 

@@ -13,13 +13,12 @@ import threading
 import time
 from collections.abc import Callable, Iterable
 
+from loadtest.bench.machine import CpuMeter
+from loadtest.bench.servers import ServerSettings
+from loadtest.bench.stats import PROMPTS, LoadResult, StreamResult, summarise
 from quicsrv.config import ServerConfig, engine_settings_for
 from quicsrv.engine import FinishReason, SamplingParams, SequenceRequest
 from quicsrv.engine.llama import LlamaEngine
-
-from ._bench_machine import CpuMeter
-from ._bench_servers import ServerSettings
-from ._bench_stats import PROMPTS, LoadResult, StreamResult, summarise
 
 __all__ = ["ENGINE", "measure_engine"]
 

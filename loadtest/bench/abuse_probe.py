@@ -6,7 +6,7 @@ Reported: how the hog's requests ended (admitted, queued, refused by code, the r
 and the polite request's outcome, time to its first token and to its end. With ``--tree`` the
 same probe also runs against another checkout's quicsrv (e.g. before per-client limits).
 
-Run: ``.venv/bin/python -m loadtest.abuse_probe [--hog-streams 120] [--tree /path/to/old]``.
+Run: ``.venv/bin/python -m loadtest.bench.abuse_probe [--hog-streams 120] [--tree /path/to/old]``.
 Prints a table; writes ``loadtest/results/abuse-<time>.{md,json}``.
 """
 
@@ -25,10 +25,9 @@ from datetime import UTC, datetime
 from pathlib import Path
 
 from client import Client, ClientError, GenerationEnded, ServerError, SessionStarted, TokenReceived
+from loadtest.bench.servers import ServerSettings, quicsrv_server
 from quicsrv.devcerts import ensure_dev_certs
 from quicsrv.engine import default_model_path
-
-from ._bench_servers import ServerSettings, quicsrv_server
 
 HOG_PROMPT = "Write a very long story about a lighthouse keeper."
 
@@ -139,7 +138,7 @@ def report(probes: list[Probe], args: argparse.Namespace) -> str:
             [
                 f"# Abuse probe ({datetime.now(UTC):%Y-%m-%d %H:%M} UTC)",
                 "",
-                f"`python -m loadtest.abuse_probe --hog-streams {args.hog_streams} "
+                f"`python -m loadtest.bench.abuse_probe --hog-streams {args.hog_streams} "
                 f"--hog-tokens {args.hog_tokens} --polite-tokens {args.polite_tokens}`; one hog "
                 f"connection, then one polite connection; server defaults; {os.cpu_count()} CPUs.",
                 "",
@@ -154,7 +153,7 @@ def report(probes: list[Probe], args: argparse.Namespace) -> str:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(prog="python -m loadtest.abuse_probe")
+    parser = argparse.ArgumentParser(prog="python -m loadtest.bench.abuse_probe")
     parser.add_argument("--hog-streams", type=int, default=120)
     parser.add_argument("--hog-tokens", type=int, default=512)
     parser.add_argument("--polite-tokens", type=int, default=8)

@@ -11,8 +11,8 @@ engine (in this process, llama.cpp's extra CPU buffers as the start-up canary de
   continued: how many continuations differ from the original;
 - **KV-restore exactness**: the same, but paused with its KV cells captured and restored.
 
-Run: ``.venv/bin/python -m loadtest.settings_sweep [--max-tokens 64] [--cut 24]``. Prints a table,
-writes ``loadtest/results/settings-<time>.{md,json}``.
+Run: ``.venv/bin/python -m loadtest.bench.settings_sweep [--max-tokens 64] [--cut 24]``. Prints a
+table, writes ``loadtest/results/settings-<time>.{md,json}``.
 """
 
 from __future__ import annotations
@@ -26,7 +26,7 @@ from dataclasses import asdict, dataclass
 from datetime import UTC, datetime
 from pathlib import Path
 
-from loadtest._bench_stats import PROMPTS
+from loadtest.bench.stats import PROMPTS
 from quicsrv.config import engine_settings_for, probe_cpu_extra_buffers
 from quicsrv.engine import (
     FinishReason,
@@ -163,7 +163,7 @@ def measure(
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(prog="python -m loadtest.settings_sweep")
+    parser = argparse.ArgumentParser(prog="python -m loadtest.bench.settings_sweep")
     parser.add_argument("--max-tokens", type=int, default=64)
     parser.add_argument("--cut", type=int, default=24, help="tokens kept before a rebuild")
     parser.add_argument("--out", type=Path, default=Path("loadtest/results"))
@@ -178,7 +178,8 @@ def main() -> None:
     lines = [
         f"# llama.cpp settings sweep ({datetime.now(UTC):%Y-%m-%d %H:%M} UTC)",
         "",
-        f"`python -m loadtest.settings_sweep --max-tokens {args.max_tokens} --cut {args.cut}`; "
+        "`python -m loadtest.bench.settings_sweep "
+        f"--max-tokens {args.max_tokens} --cut {args.cut}`; "
         f"{len(PROMPTS)} prompts, greedy; cpu extra buffers {'on' if extra_buffers else 'off'}.",
         "",
         "| flash attn | kv unified | decode tok/s B=1 | B=4 | B=8 | batch-of-8 ≠ alone "

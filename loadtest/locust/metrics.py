@@ -22,9 +22,8 @@ from __future__ import annotations
 from typing import Any
 
 from client import GenerationEnded, ProtocolError, ServerError, TokenReceived
-
-from ._locust_driver import Segment
-from ._locust_ledger import LedgerVerdict, RunTally, TokenLedger
+from loadtest.locust.driver import Segment
+from loadtest.locust.ledger import LedgerVerdict, RunTally, TokenLedger
 
 __all__ = ["GenerationCheck", "Reporter", "TokenOrderError", "UnexpectedReply", "error_name"]
 

@@ -19,8 +19,7 @@ from typing import cast
 import httpx
 
 from client import Client, ClientError, Event, GenerationEnded, TokenReceived
-
-from ._bench_stats import PROMPTS, StreamResult
+from loadtest.bench.stats import PROMPTS, StreamResult
 
 __all__ = ["run_quicsrv_load", "run_sse_load"]
 

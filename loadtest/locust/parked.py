@@ -1,6 +1,6 @@
 """Paused-session census: every user parks one generation and never reads it again.
 
-    .venv/bin/python -m loadtest.smoke --locustfile loadtest/_locust_parked.py \\
+    .venv/bin/python -m loadtest.locust.smoke --locustfile loadtest/locust/parked.py \\
         --no-require-scenarios -u 100 -r 5 -t 120s --server-arg=--max-tokens-ahead=8 \\
         --locust-arg=--quic-slow-window=512 --out loadtest/results/locust-parked
 
@@ -22,11 +22,11 @@ from pathlib import Path
 
 from locust import constant, task
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # see locustfile.py
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # see locustfile.py
 
 from client import Generation, ServerError  # noqa: E402
-from loadtest._locust_metrics import GenerationCheck  # noqa: E402
-from loadtest._locust_user import PROMPTS, QuicUser, StopAt  # noqa: E402
+from loadtest.locust.metrics import GenerationCheck  # noqa: E402
+from loadtest.locust.user import PROMPTS, QuicUser, StopAt  # noqa: E402
 from proto import ErrorCode  # noqa: E402
 
 #: Far more than the window plus max_tokens_ahead, so that the generation pauses rather than ends.

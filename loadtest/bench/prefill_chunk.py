@@ -5,7 +5,7 @@ For each chunk size: 4 sequences are decoding in the engine; once each has a few
 on the engine thread (no transport in the way): the long prompt's time to first token, and the
 decoding streams' inter-token gaps while it is prefilled (the largest one is the stall a user
 sees). A chunk as large as the prompt (one step, ``n_batch`` raised to fit) is the unchunked
-reference. Run: ``.venv/bin/python -m loadtest.prefill_chunk`` (about 3 minutes on 2 cores).
+reference. Run: ``.venv/bin/python -m loadtest.bench.prefill_chunk`` (about 3 minutes on 2 cores).
 """
 
 from __future__ import annotations
@@ -21,14 +21,13 @@ from dataclasses import asdict, dataclass
 from datetime import UTC, datetime
 from pathlib import Path
 
+from loadtest.bench.machine import CpuMeter, wait_until_quiet
+from loadtest.bench.report import pick
+from loadtest.bench.stats import PROMPTS, percentile
 from quicsrv.config import ServerConfig, engine_settings_for, probe_cpu_extra_buffers
 from quicsrv.engine import FinishReason, SamplingParams, SequenceRequest
 from quicsrv.engine import default_model_path as _default_model_path
 from quicsrv.engine.llama import LlamaEngine
-
-from ._bench_machine import CpuMeter, wait_until_quiet
-from ._bench_report import pick
-from ._bench_stats import PROMPTS, percentile
 
 WAIT_S = 120.0
 """Upper bound on any one wait; a run that needs longer is broken, not slow."""
@@ -221,7 +220,7 @@ def markdown(results: dict[int, list[ChunkRun]], meta: dict[str, object], decode
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m loadtest.prefill_chunk")
+    parser = argparse.ArgumentParser(prog="python -m loadtest.bench.prefill_chunk")
     parser.add_argument(
         "--chunks",
         type=lambda s: [int(x) for x in s.split(",")],

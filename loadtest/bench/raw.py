@@ -19,13 +19,13 @@ import numpy as np
 from llama_cpp import _logger as llama_cpp_logger
 from llama_cpp._internals import LlamaContext, LlamaModel
 
-from ._bench_machine import CpuMeter
-from ._bench_servers import ServerSettings
-from ._bench_stats import PROMPTS
+from loadtest.bench.machine import CpuMeter
+from loadtest.bench.servers import ServerSettings
+from loadtest.bench.stats import PROMPTS
 
 __all__ = ["BEST_VARIANT", "RawResult", "end_of_generation_tokens", "measure_raw"]
 
-#: The raw loop at the fastest settings measured (loadtest/settings_sweep.py), exact or not.
+#: The raw loop at the fastest settings measured (loadtest/bench/settings_sweep.py), exact or not.
 BEST_VARIANT = "fastest: flash attention + unified KV"
 
 

@@ -29,22 +29,21 @@ from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
-from quicsrv.config import ServerConfig, probe_cpu_extra_buffers
-from quicsrv.devcerts import ensure_dev_certs
-from quicsrv.engine import default_model_path
-
-from ._bench_engine import ENGINE, measure_engine
-from ._bench_load import run_quicsrv_load, run_sse_load
-from ._bench_machine import CpuMeter, process_cpu_s, wait_until_quiet
-from ._bench_raw import BEST_VARIANT, end_of_generation_tokens, measure_raw
-from ._bench_report import QUICSRV, Report, write_chart
-from ._bench_servers import (
+from loadtest.bench.engine import ENGINE, measure_engine
+from loadtest.bench.load import run_quicsrv_load, run_sse_load
+from loadtest.bench.machine import CpuMeter, process_cpu_s, wait_until_quiet
+from loadtest.bench.raw import BEST_VARIANT, end_of_generation_tokens, measure_raw
+from loadtest.bench.report import QUICSRV, Report, write_chart
+from loadtest.bench.servers import (
     ServerSettings,
     llama_cpp_server,
     llama_cpp_server_argv,
     quicsrv_server,
 )
-from ._bench_stats import LoadResult, StreamResult, summarise
+from loadtest.bench.stats import LoadResult, StreamResult, summarise
+from quicsrv.config import ServerConfig, probe_cpu_extra_buffers
+from quicsrv.devcerts import ensure_dev_certs
+from quicsrv.engine import default_model_path
 
 DESCRIPTION = "Side-by-side benchmark: raw llama.cpp, quicsrv over QUIC, llama-cpp-python server."
 LLAMA_SERVER = "llama-cpp-python server"

@@ -7,7 +7,7 @@ detection, a new worker loading the model and passing its canary, then the exact
 prompt and of every token generated so far). Each run also checks the joined output against an
 uninterrupted run of the same streams: tokens lost, repeated or different.
 
-Run: ``.venv/bin/python -m loadtest.worker_restart [--streams 1 4] [--kill-at 16 64 112]
+Run: ``.venv/bin/python -m loadtest.bench.worker_restart [--streams 1 4] [--kill-at 16 64 112]
 [--runs 3] [--max-tokens 128]``. Prints a table; writes
 ``loadtest/results/worker-restart-<time>.{md,json}``.
 """
@@ -28,11 +28,10 @@ from datetime import UTC, datetime
 from pathlib import Path
 
 from client import Client, TokenReceived
+from loadtest.bench.servers import ServerSettings, quicsrv_server
+from loadtest.bench.stats import PROMPTS
 from quicsrv.devcerts import ensure_dev_certs
 from quicsrv.engine import default_model_path
-
-from ._bench_servers import ServerSettings, quicsrv_server
-from ._bench_stats import PROMPTS
 
 PARAMS = dict(temperature=0.0, ignore_eos=True)
 
@@ -154,7 +153,7 @@ def report(runs: list[Run], args: argparse.Namespace) -> str:
     lines = [
         f"# Engine worker kill -9: restart to next token ({datetime.now(UTC):%Y-%m-%d %H:%M} UTC)",
         "",
-        f"`python -m loadtest.worker_restart --streams {' '.join(map(str, args.streams))} "
+        f"`python -m loadtest.bench.worker_restart --streams {' '.join(map(str, args.streams))} "
         f"--kill-at {' '.join(map(str, args.kill_at))} --runs {args.runs} "
         f"--max-tokens {args.max_tokens}`; greedy, EOS ignored, one connection, "
         f"{os.cpu_count()} CPUs.",
@@ -168,7 +167,7 @@ def report(runs: list[Run], args: argparse.Namespace) -> str:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(prog="python -m loadtest.worker_restart")
+    parser = argparse.ArgumentParser(prog="python -m loadtest.bench.worker_restart")
     parser.add_argument("--streams", type=int, nargs="+", default=[1, 4])
     parser.add_argument("--kill-at", type=int, nargs="+", default=[16, 64, 112])
     parser.add_argument("--runs", type=int, default=3)

@@ -12,7 +12,7 @@ Per run, each on new connections:
 
 Also the path's round-trip time, from UDP probes to the link helper's echo.
 
-Run (from netns_bench): ``python -m loadtest._netns_client --host H --port P --ca CA
+Run (from netns_bench): ``python -m loadtest.netns.client --host H --port P --ca CA
 --echo-port E --runs N``
 """
 

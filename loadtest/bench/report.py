@@ -9,8 +9,8 @@ from dataclasses import dataclass, fields
 from pathlib import Path
 from typing import Any, TypeVar
 
-from ._bench_raw import RawResult
-from ._bench_stats import LoadResult
+from loadtest.bench.raw import RawResult
+from loadtest.bench.stats import LoadResult
 
 __all__ = ["QUICSRV", "Report", "pick", "write_chart"]
 

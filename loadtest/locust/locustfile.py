@@ -1,6 +1,6 @@
 """Locust load test for quicsrv: many users, resumes under load, nothing lost.
 
-    .venv/bin/locust -f loadtest/locustfile.py --host quic://127.0.0.1:4433 \\
+    .venv/bin/locust -f loadtest/locust/locustfile.py --host quic://127.0.0.1:4433 \\
         --headless -u 8 -r 2 -t 60s --csv out/run --html out/run.html
 
 Each simulated user drives the real client library (:mod:`client`) with a weighted mix:
@@ -15,9 +15,9 @@ Each simulated user drives the real client library (:mod:`client`) with a weight
   goes on serving the user's real generations).
 
 Every generation is checked: each token index exactly once, in order, across all its
-streams, up to END's count (see :mod:`loadtest._locust_ledger`); a lost, repeated or
+streams, up to END's count (see :mod:`loadtest.locust.ledger`); a lost, repeated or
 reordered token is a ``check / token order`` failure. Metrics are Locust request events (see
-:mod:`loadtest._locust_metrics`). How gevent and asyncio meet: :mod:`loadtest._locust_bridge`.
+:mod:`loadtest.locust.metrics`). How gevent and asyncio meet: :mod:`loadtest.locust.bridge`.
 
 Options (flag, or the environment variable in brackets): ``--quic-ca`` [LOCUST_QUIC_CA],
 ``--quic-summary`` (JSON tally written at exit), ``--quic-max-tokens-limit``,
@@ -38,16 +38,16 @@ from typing import Any
 import gevent
 from locust import between, task
 
-# `locust -f loadtest/locustfile.py` puts loadtest/ itself on sys.path; the helpers are
+# `locust -f loadtest/locust/locustfile.py` puts loadtest/locust/ on sys.path; the helpers are
 # imported as the `loadtest` package, so the repository root must be there too.
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 from client import Client, ClientError, Generation, ResumePosition, ServerError  # noqa: E402
-from loadtest._locust_bridge import BridgeTimeout  # noqa: E402
-from loadtest._locust_driver import send_raw  # noqa: E402
-from loadtest._locust_metrics import GenerationCheck, UnexpectedReply  # noqa: E402
-from loadtest._locust_raw import RAW_BAD_REQUESTS, RawBadRequest  # noqa: E402
-from loadtest._locust_user import (  # noqa: E402
+from loadtest.locust.bridge import BridgeTimeout  # noqa: E402
+from loadtest.locust.driver import send_raw  # noqa: E402
+from loadtest.locust.metrics import GenerationCheck, UnexpectedReply  # noqa: E402
+from loadtest.locust.raw import RAW_BAD_REQUESTS, RawBadRequest  # noqa: E402
+from loadtest.locust.user import (  # noqa: E402
     CLOSE_TIMEOUT_S,
     MAIN_WINDOW_BYTES,
     PROMPTS,

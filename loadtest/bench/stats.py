@@ -10,7 +10,7 @@ from dataclasses import dataclass, field
 
 __all__ = ["PROMPTS", "LoadResult", "StreamResult", "percentile", "summarise"]
 
-# Shared with loadtest/determinism.py; stream i of a load gets PROMPTS[i % 16].
+# Shared with loadtest/bench/determinism.py; stream i of a load gets PROMPTS[i % 16].
 PROMPTS = [
     "The history of the printing press",
     "Write a recipe for tomato soup.",

@@ -2,7 +2,7 @@
 
 For each prompt: decode it alone, then decode it alongside 7 others, with the default engine and
 with ``batch_invariant``; count sequences whose tokens differ and where they first diverge, and
-time the aggregate rate of both modes. Run: ``.venv/bin/python -m loadtest.determinism``.
+time the aggregate rate of both modes. Run: ``.venv/bin/python -m loadtest.bench.determinism``.
 """
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ import threading
 import time
 from pathlib import Path
 
-from loadtest._bench_stats import PROMPTS
+from loadtest.bench.stats import PROMPTS
 from quicsrv.config import engine_settings_for, probe_cpu_extra_buffers
 from quicsrv.engine import (
     FinishReason,

@@ -12,7 +12,7 @@
 
 Prints ``ready`` once its sockets are bound; runs until killed.
 
-Run: ``python -m loadtest._netns_link --host 10.200.0.1 --echo-port 4499
+Run: ``python -m loadtest.netns.link --host 10.200.0.1 --echo-port 4499
 [--relay-port 4434 --target 10.200.0.1:4433 --delay-ms 25]``
 """
 

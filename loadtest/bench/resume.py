@@ -15,7 +15,7 @@ generated before the cut. Paths:
 Also: memory per paused session (its KV blob plus its record). Same model, greedy, one stream at
 a time, in-process server over QUIC on loopback.
 
-Run: ``.venv/bin/python -m loadtest.resume_bench [--contexts 100 500 1000] [--runs 3]``
+Run: ``.venv/bin/python -m loadtest.bench.resume [--contexts 100 500 1000] [--runs 3]``
 Writes ``loadtest/results/resume-<time>.{md,json}``.
 """
 

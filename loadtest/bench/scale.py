@@ -12,7 +12,7 @@
    connections over the workers by 4-tuple hash); aggregate tokens/s over the wall time of the
    batch, runs interleaved across the set-ups.
 
-Run: ``.venv/bin/python -m loadtest.scale_bench [--runs 8] [--streams 8] [--max-tokens 64]``
+Run: ``.venv/bin/python -m loadtest.bench.scale [--runs 8] [--streams 8] [--max-tokens 64]``
 Writes ``loadtest/results/scale-<time>.{md,json}`` and prints the table.
 """
 

@@ -3,7 +3,7 @@
 The addresses live on the pair only, inside namespaces created here (nothing is routed
 anywhere else). The delay comes from ``tc qdisc ... netem`` when the kernel has it; a kernel
 built without ``CONFIG_NET_SCH_NETEM`` answers "Specified qdisc kind is unknown", and then the
-caller may fall back to the user-space delay line in :mod:`loadtest._netns_link`.
+caller may fall back to the user-space delay line in :mod:`loadtest.netns.link`.
 """
 
 from __future__ import annotations

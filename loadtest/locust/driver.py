@@ -1,6 +1,6 @@
 """The asyncio half of the load test: connections and read phases, run on a bridge's loop.
 
-Every coroutine here runs on an :class:`~loadtest._locust_bridge.AsyncioBridge` thread; the
+Every coroutine here runs on an :class:`~loadtest.locust.bridge.AsyncioBridge` thread; the
 greenlet that asked only ever gets plain data back (a :class:`Segment`) or opaque handles
 (a :class:`client.Client`, a :class:`client.Generation`) that it passes back in. Each event is
 stamped with ``time.perf_counter()`` the moment the client yields it, on the loop thread, so
@@ -25,8 +25,7 @@ from client import (
     ResumePosition,
     TokenReceived,
 )
-
-from ._locust_raw import RawBadRequest, RawReply, raw_connection
+from loadtest.locust.raw import RawBadRequest, RawReply, raw_connection
 
 __all__ = ["Connections", "Segment", "Target", "read", "send_raw"]
 

@@ -1,6 +1,6 @@
 """What every quicsrv Locust user shares: options, the asyncio bridges, plumbing, hooks.
 
-Imported (as ``loadtest._locust_user``) by each locustfile, so its Locust listeners are
+Imported (as ``loadtest.locust.user``) by each locustfile, so its Locust listeners are
 registered once however many locustfiles use it.
 """
 
@@ -28,11 +28,10 @@ from client import (
     ServerError,
     TokenReceived,
 )
-
-from ._locust_bridge import AsyncioBridge, BridgeTimeout
-from ._locust_driver import Connections, Segment, Target, read
-from ._locust_ledger import RunTally
-from ._locust_metrics import GenerationCheck, Reporter, error_name
+from loadtest.locust.bridge import AsyncioBridge, BridgeTimeout
+from loadtest.locust.driver import Connections, Segment, Target, read
+from loadtest.locust.ledger import RunTally
+from loadtest.locust.metrics import GenerationCheck, Reporter, error_name
 
 __all__ = [
     "CLOSE_TIMEOUT_S",

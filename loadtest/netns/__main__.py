@@ -2,7 +2,7 @@
 
 Creates ``qs-srv-<pid>`` and ``qs-cli-<pid>`` joined by a veth pair (10.200.0.1/30 and
 10.200.0.2/30, on the pair only), delays every packet ``--delay-ms`` each way, runs
-``quicsrv serve`` in the server namespace and the measurements (:mod:`loadtest._netns_client`)
+``quicsrv serve`` in the server namespace and the measurements (:mod:`loadtest.netns.client`)
 in the client namespace, then tears everything down, also on Ctrl-C or SIGTERM.
 
 Medians over ``--runs`` of: the handshake of a fresh connection; reconnect to the first resumed
@@ -10,10 +10,10 @@ token with 0-RTT, and with a full handshake; a fresh generation to the same toke
 trips saved = (full handshake - 0-RTT) / RTT, with RTT = 2 x delay.
 
 The delay comes from ``tc netem`` when the kernel has it. ``--shaper auto`` (default) falls back
-to a user-space delaying UDP relay in the server namespace (:mod:`loadtest._netns_link`) when
+to a user-space delaying UDP relay in the server namespace (:mod:`loadtest.netns.link`) when
 netem is missing, and says so in the report; ``--shaper netem`` refuses to fall back.
 
-Run (as root): ``.venv/bin/python -m loadtest.netns_bench [--runs 10] [--delay-ms 25]``
+Run (as root): ``.venv/bin/python -m loadtest.netns [--runs 10] [--delay-ms 25]``
 Writes ``loadtest/results/netns-<time>.{md,json}``.
 """
 
@@ -34,10 +34,9 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any, NoReturn
 
+from loadtest.netns.certs import issue_certs
+from loadtest.netns.net import SERVER_ADDRESS, NetemUnavailable, Netns
 from quicsrv.spawn import spawn_server
-
-from ._netns_certs import issue_certs
-from ._netns_net import SERVER_ADDRESS, NetemUnavailable, Netns
 
 SERVER_PORT = 4433
 RELAY_PORT = 4434
@@ -116,7 +115,7 @@ def run(args: argparse.Namespace, work: Path) -> dict[str, Any]:
         setup["shaper"] = shaper
         setup["qdiscs"] = net.qdiscs()
         link = [
-            *net.exec_prefix(net.server_ns), _python(), "-m", "loadtest._netns_link",
+            *net.exec_prefix(net.server_ns), _python(), "-m", "loadtest.netns.link",
             "--host", SERVER_ADDRESS, "--echo-port", str(ECHO_PORT),
         ]  # fmt: skip
         port = SERVER_PORT
@@ -130,7 +129,7 @@ def run(args: argparse.Namespace, work: Path) -> dict[str, Any]:
             "--cert", str(certs.server_cert), "--key", str(certs.server_key),
         ]  # fmt: skip
         measure = [
-            *net.exec_prefix(net.client_ns), _python(), "-m", "loadtest._netns_client",
+            *net.exec_prefix(net.client_ns), _python(), "-m", "loadtest.netns.client",
             "--host", SERVER_ADDRESS, "--port", str(port), "--ca", str(certs.ca_cert),
             "--echo-port", str(ECHO_PORT), "--runs", str(args.runs),
             "--cut-index", str(args.cut_index), "--max-tokens", str(args.max_tokens),

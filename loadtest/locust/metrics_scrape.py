@@ -1,9 +1,9 @@
 """Scrape a quicsrv's ``/metrics`` during a load run and plot the series as a PNG.
 
-``loadtest.smoke`` runs a :class:`MetricsScraper` next to Locust and writes ``metrics.png``
+``loadtest.locust.smoke`` runs a :class:`MetricsScraper` next to Locust and writes ``metrics.png``
 (throughput, TTFT and sessions over time) into its ``--out`` directory. On its own::
 
-    python -m loadtest.metrics_scrape --port 4433 --ca certs/ca.pem --seconds 60 --out m.png
+    python -m loadtest.locust.metrics_scrape --port 4433 --ca certs/ca.pem --seconds 60 --out m.png
 
 The scraper is a native client on its own thread and event loop (HTTP/3, like every other
 client): it asks for ``/metrics`` every ``interval_s`` and keeps the few series it plots.
@@ -151,7 +151,9 @@ def write_png(scrapes: Sequence[Scrape], path: Path, title: str = "quicsrv") -> 
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m loadtest.metrics_scrape", description=__doc__)
+    parser = argparse.ArgumentParser(
+        prog="python -m loadtest.locust.metrics_scrape", description=__doc__
+    )
     parser.add_argument("--host", default="localhost")
     parser.add_argument("--port", type=int, default=4433)
     parser.add_argument("--ca", type=Path, default=Path("certs/ca.pem"))

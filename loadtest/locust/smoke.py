@@ -1,4 +1,4 @@
-"""A bounded Locust run against a fresh quicsrv, with a verdict: ``python -m loadtest.smoke``.
+"""A bounded Locust run against a fresh quicsrv, with a verdict (``-m loadtest.locust.smoke``).
 
 Starts ``quicsrv serve`` on 127.0.0.1 with an ephemeral port, a temporary data directory and
 freshly made dev certificates; runs ``locust --headless`` against it (a subprocess, so gevent's
@@ -9,7 +9,7 @@ got the wrong code, a scenario that never ran, or a server that died or did not 
 
 The same harness makes the soak figures (longer ``--run-time``, more ``--users``, server flags
 through ``--server-arg``) and the paused-session census (``--locustfile
-loadtest/_locust_parked.py --no-require-scenarios``). Everything lands in ``--out``.
+loadtest/locust/parked.py --no-require-scenarios``). Everything lands in ``--out``.
 """
 
 from __future__ import annotations
@@ -32,14 +32,13 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from loadtest.locust.metrics_scrape import MetricsScraper, write_png
 from quicsrv.devcerts import ensure_dev_certs
 from quicsrv.spawn import ServerDidNotStart, spawn_server
 
-from .metrics_scrape import MetricsScraper, write_png
-
 __all__ = ["main"]
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 STARTUP_TIMEOUT_S = 120.0
 STOP_TIMEOUT_S = 30.0
 #: Locust's own start-up and shutdown, on top of ``--run-time``.
@@ -275,11 +274,11 @@ def _verdict(
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m loadtest.smoke", description=__doc__)
+    parser = argparse.ArgumentParser(prog="python -m loadtest.locust.smoke", description=__doc__)
     parser.add_argument("-u", "--users", type=int, default=4)
     parser.add_argument("-r", "--spawn-rate", type=float, default=4.0)
     parser.add_argument("-t", "--run-time", default="30s", help="Locust -t (e.g. 30s, 5m)")
-    parser.add_argument("--locustfile", type=Path, default=Path("loadtest/locustfile.py"))
+    parser.add_argument("--locustfile", type=Path, default=Path("loadtest/locust/locustfile.py"))
     parser.add_argument("--out", type=Path, help="results directory (default: a temporary one)")
     parser.add_argument(
         "--server-arg", action="append", default=[], help="extra `quicsrv serve` argument"
@@ -361,7 +360,7 @@ def main(argv: Sequence[str] | None = None) -> int:
 def _metrics_report(scrapes: list[Any], errors: list[str], png: Path) -> dict[str, Any]:
     """Plot the scraped series (metrics.png) and say what the last scrape counted."""
     if len(scrapes) >= 2:
-        write_png(scrapes, png, title="loadtest.smoke")
+        write_png(scrapes, png, title="loadtest.locust.smoke")
     last = scrapes[-1] if scrapes else None
     return {
         "scrapes": len(scrapes),

@@ -3,7 +3,7 @@
 Found while looking for the gap between quicsrv's engine and the raw loop at 8 sequences: with
 llama.cpp's default split KV cache (``kv_unified = false``, one cache stream per sequence id), a
 batch whose ids are not 0, 1, 2, ... in order decodes markedly slower; with ``kv_unified = true``
-the order does not matter. Run: ``.venv/bin/python -m loadtest._bench_seqids [--unified]``.
+the order does not matter. Run: ``.venv/bin/python -m loadtest.bench.seqids [--unified]``.
 """
 
 from __future__ import annotations
@@ -15,13 +15,12 @@ from collections.abc import Sequence
 
 import llama_cpp
 
+from loadtest.bench.machine import CpuMeter
+from loadtest.bench.raw import _RawEngine
+from loadtest.bench.servers import ServerSettings
+from loadtest.bench.stats import PROMPTS, percentile
 from quicsrv.config import probe_cpu_extra_buffers
 from quicsrv.engine import default_model_path
-
-from ._bench_machine import CpuMeter
-from ._bench_raw import _RawEngine
-from ._bench_servers import ServerSettings
-from ._bench_stats import PROMPTS, percentile
 
 LAYOUTS: dict[str, list[int]] = {
     "8 ids 0..7 in order": [0, 1, 2, 3, 4, 5, 6, 7],
@@ -56,7 +55,7 @@ def step_times(engine: _RawEngine, ids: Sequence[int], steps: int) -> list[float
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(prog="python -m loadtest._bench_seqids")
+    parser = argparse.ArgumentParser(prog="python -m loadtest.bench.seqids")
     parser.add_argument("--unified", action="store_true", help="kv_unified = true")
     parser.add_argument("--steps", type=int, default=48)
     parser.add_argument("--rounds", type=int, default=2)

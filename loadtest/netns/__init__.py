@@ -1,0 +1,1 @@
+"""Benchmarks over emulated networks (network namespaces, netem)."""
