@@ -95,7 +95,9 @@ def measure(batch_invariant: bool, max_tokens: int) -> dict[str, object]:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser()
+    parser = argparse.ArgumentParser(
+        prog="python -m loadtest.bench.determinism",
+    )
     parser.add_argument("--max-tokens", type=int, default=96)
     parser.add_argument("--out", type=Path, default=Path("loadtest/results/determinism.json"))
     args = parser.parse_args()

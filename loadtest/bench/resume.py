@@ -206,7 +206,9 @@ def _table(result: dict[str, Any], contexts: list[int]) -> str:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(
+        prog="python -m loadtest.bench.resume", description=__doc__.splitlines()[0]
+    )
     parser.add_argument("--contexts", type=int, nargs="+", default=[100, 500, 1000])
     parser.add_argument("--runs", type=int, default=3)
     parser.add_argument("--out", type=Path, default=Path("loadtest/results"))

@@ -239,7 +239,9 @@ async def _main(args: argparse.Namespace) -> None:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser = argparse.ArgumentParser(
+        prog="python -m loadtest.bench.scale", description=__doc__.split("\n\n")[0]
+    )
     parser.add_argument("--runs", type=int, default=8, help="resumes per backend")
     parser.add_argument("--max-tokens", type=int, default=64)
     parser.add_argument("--streams", type=int, default=8, help="concurrent generations")

@@ -244,7 +244,9 @@ def table(result: dict[str, Any], summary: dict[str, Any]) -> str:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(
+        prog="python -m loadtest.netns", description=__doc__.splitlines()[0]
+    )
     parser.add_argument("--runs", type=int, default=10)
     parser.add_argument("--delay-ms", type=float, default=25.0, help="added delay, each way")
     parser.add_argument("--shaper", choices=("auto", "netem", "relay", "none"), default="auto")

@@ -153,7 +153,9 @@ async def _serve(args: argparse.Namespace) -> None:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(
+        prog="python -m loadtest.netns.link", description=__doc__.splitlines()[0]
+    )
     parser.add_argument("--host", required=True)
     parser.add_argument("--echo-port", type=int, required=True)
     parser.add_argument("--relay-port", type=int)
