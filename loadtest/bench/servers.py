@@ -15,14 +15,13 @@ from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
-from quicsrv.spawn import LISTENING
+from quicsrv.spawn import ServerDidNotStart, spawn_server_async
 
 __all__ = ["Child", "ServerSettings", "llama_cpp_server", "quicsrv_server"]
 
 STARTUP_TIMEOUT_S = 120.0
 STOP_TIMEOUT_S = 30.0
 
-_QUICSRV_READY = LISTENING  # the line quicsrv prints once it listens
 _UVICORN_READY = re.compile(r"Uvicorn running on https?://\S+:(\d+)")
 
 
@@ -116,11 +115,7 @@ async def quicsrv_server(
     """``quicsrv serve`` on 127.0.0.1 with an ephemeral UDP port; with ``tree``, the quicsrv of
     that checkout (``python -m`` imports from the working directory first). Without
     ``per_client_caps`` the one client of a load run may take every slot and queue place."""
-    argv = [
-        sys.executable,
-        "-m",
-        "quicsrv.cli",
-        "serve",
+    args = [
         "--host=127.0.0.1",
         "--port=0",
         f"--model={settings.model_path}",
@@ -131,22 +126,33 @@ async def quicsrv_server(
         f"--threads={settings.n_threads}",
     ]
     # Variables, not flags: an older checkout (``tree``) ignores the keys it does not know.
-    env = [
-        f"QUICSRV_FLASH_ATTN={str(settings.flash_attn).lower()}",
-        f"QUICSRV_CPU_EXTRA_BUFFERS={'on' if settings.cpu_extra_buffers else 'off'}",
-    ]
+    env = {
+        "QUICSRV_FLASH_ATTN": str(settings.flash_attn).lower(),
+        "QUICSRV_CPU_EXTRA_BUFFERS": "on" if settings.cpu_extra_buffers else "off",
+    }
     if not per_client_caps:
         # A load run puts every stream on one connection, which is one client: let it have
         # every slot and queue place, as the engine-only rows do.
-        env += [
-            f"QUICSRV_MAX_ACTIVE_PER_CLIENT={settings.parallel}",
-            "QUICSRV_MAX_QUEUED_PER_CLIENT=1000000",
-        ]
+        env["QUICSRV_MAX_ACTIVE_PER_CLIENT"] = str(settings.parallel)
+        env["QUICSRV_MAX_QUEUED_PER_CLIENT"] = "1000000"
     if prefill_chunk is not None:
-        env.append(f"QUICSRV_PREFILL_CHUNK_TOKENS={prefill_chunk}")
-    argv = ["env", *env, *argv]
-    async with _child(argv, log, _QUICSRV_READY, cwd=tree) as child:
-        yield child
+        env["QUICSRV_PREFILL_CHUNK_TOKENS"] = str(prefill_chunk)
+    log.unlink(missing_ok=True)
+    started = spawn_server_async(
+        args,
+        env=env,
+        cwd=tree,
+        log=log,
+        start_timeout_s=STARTUP_TIMEOUT_S,
+        stop_timeout_s=STOP_TIMEOUT_S,
+    )
+    try:
+        async with started as server:
+            yield Child(port=server.port, pid=server.process.pid)
+    except ServerDidNotStart as exc:
+        raise RuntimeError(
+            f"quicsrv did not start within {STARTUP_TIMEOUT_S:.0f}s; see {log}"
+        ) from exc
 
 
 def llama_cpp_server_argv(settings: ServerSettings, *, interrupt_requests: bool) -> list[str]:
