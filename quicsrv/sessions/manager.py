@@ -318,8 +318,7 @@ class SessionManager:
 
         def check(record: SessionRecord | None) -> None:
             record = self._require_current(session_id, record, None)
-            index = min(from_index, len(record.generated)) if record.end else from_index
-            self._check_admit(None, record, index, key_id)
+            self._check_admit(None, record, _reattach_index(record, from_index), key_id)
 
         return await self._take_over(
             session_id, check, lambda: self.reattach(session_id, from_index, key_id=key_id)
@@ -330,12 +329,7 @@ class SessionManager:
         if self.shared:
 
             def check(record: SessionRecord | None) -> None:
-                record = self._require_current(session_id, record, None)
-                if key_id is not None and record.owner and not _same(key_id, record.owner):
-                    raise RequestRejected(
-                        ErrorCode.SESSION_KEY_MISMATCH,
-                        "the session was started with another API key",
-                    )
+                _check_owner(self._require_current(session_id, record, None), key_id)
 
             await self._take_over(session_id, check, lambda: self._find(session_id)[0])
         return self.cancel(session_id, key_id=key_id)
@@ -416,9 +410,7 @@ class SessionManager:
         or only the END); past it, on an ended session, it means the reader had every token.
         """
         session, record = self._find(session_id)
-        if record.end is not None:
-            from_index = min(from_index, len(record.generated))
-        self._check_admit(session, record, from_index, key_id)
+        self._check_admit(session, record, _reattach_index(record, from_index), key_id)
         if session is None:
             session = self._session(record)
             self._live[record.session_id] = session
@@ -429,10 +421,7 @@ class SessionManager:
         go, a reader gets the tokens so far and END(cancelled). A finished session is left as
         it is. Returns how the session ended; raises unknown/expired/key mismatch."""
         session, record = self._find(session_id)
-        if key_id is not None and record.owner and not _same(key_id, record.owner):
-            raise RequestRejected(
-                ErrorCode.SESSION_KEY_MISMATCH, "the session was started with another API key"
-            )
+        _check_owner(record, key_id)
         if record.end is None:
             if session is None:  # paused on disk, nobody reading: end the record all the same
                 session = self._session(record)
@@ -467,10 +456,7 @@ class SessionManager:
         key_id: str | None,
     ) -> None:
         """The checks only an authenticated resumer may learn the outcome of."""
-        if key_id is not None and record.owner and not _same(key_id, record.owner):
-            raise RequestRejected(
-                ErrorCode.SESSION_KEY_MISMATCH, "the session was started with another API key"
-            )
+        _check_owner(record, key_id)
         if record.model_digest != self._engine.model_digest:
             raise RequestRejected(
                 ErrorCode.MODEL_CHANGED, "the server runs a different model than the session's"
@@ -579,6 +565,20 @@ class SessionManager:
     def _forget(self, session: Session) -> None:
         if self._live.get(session.session_id) is session:
             del self._live[session.session_id]
+
+
+def _check_owner(record: SessionRecord, key_id: str | None) -> None:
+    """A session started with an API key is read, resumed or stopped only with that key."""
+    if key_id is not None and record.owner and not _same(key_id, record.owner):
+        raise RequestRejected(
+            ErrorCode.SESSION_KEY_MISMATCH, "the session was started with another API key"
+        )
+
+
+def _reattach_index(record: SessionRecord, from_index: int) -> int:
+    """Past the last token of an ended session means the reader had every token: only the
+    END is left to send, from the recorded count."""
+    return min(from_index, len(record.generated)) if record.end is not None else from_index
 
 
 def _same(a: str, b: str) -> bool:

@@ -30,15 +30,19 @@ PROMPT = "Write a long story about a lighthouse keeper."
 Samples = dict[tuple[str, frozenset[tuple[str, str]]], float]
 
 
+def parse(text: str) -> Samples:
+    samples: Samples = {}
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            samples[sample.name, frozenset(sample.labels.items())] = sample.value
+    return samples
+
+
 async def scrape(client: Client) -> Samples:
     response = await client.get("/metrics")
     assert response.status == 200, response.text
     assert response.headers["content-type"].startswith("text/plain; version=0.0.4")
-    samples: Samples = {}
-    for family in text_string_to_metric_families(response.text):
-        for sample in family.samples:
-            samples[sample.name, frozenset(sample.labels.items())] = sample.value
-    return samples
+    return parse(response.text)
 
 
 def value(samples: Samples, name: str, **labels: str) -> float:
@@ -258,11 +262,7 @@ async def test_metrics_over_the_tcp_listener_count_the_http_api(engine, certs, h
                 response = await tcp.get("/metrics")
                 assert response.status_code == 200, response.text
                 assert response.headers["alt-svc"].startswith("h3=")
-                samples: Samples = {}
-                for family in text_string_to_metric_families(response.text):
-                    for sample in family.samples:
-                        samples[sample.name, frozenset(sample.labels.items())] = sample.value
-                return samples
+                return parse(response.text)
 
             before = await scrape_tcp()
             models = (await tcp.get("/v1/models")).json()
