@@ -13,7 +13,7 @@ import os
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TypedDict
+from typing import Any, TypedDict
 
 import proto
 
@@ -30,6 +30,8 @@ __all__ = [
     "SamplingOptions",
     "SamplingSettings",
 ]
+
+_GENERATE: dict[str, Any] = {f.name: f.default for f in dataclasses.fields(proto.Generate)}
 
 DEFAULT_CA = "certs/ca.pem"
 #: Stream receive window: how far the server may run ahead of what the application has read.
@@ -103,16 +105,17 @@ class SamplingOptions:
     resumed one identical to the uninterrupted run.
     """
 
-    max_tokens: int = 128
-    temperature: float = 0.0
-    top_p: float = 1.0
-    top_k: int = 0
-    min_p: float = 0.0
-    repeat_penalty: float = 1.0
-    seed: int | None = None
-    stop: tuple[str, ...] = ()
+    # The wire frame's defaults, so a default here is what the server does when it is left out.
+    max_tokens: int = _GENERATE["max_tokens"]
+    temperature: float = _GENERATE["temperature"]
+    top_p: float = _GENERATE["top_p"]
+    top_k: int = _GENERATE["top_k"]
+    min_p: float = _GENERATE["min_p"]
+    repeat_penalty: float = _GENERATE["repeat_penalty"]
+    seed: int | None = _GENERATE["seed"]
+    stop: tuple[str, ...] = _GENERATE["stop"]
     """Strings that end the generation (not included in the text)."""
-    ignore_eos: bool = False
+    ignore_eos: bool = _GENERATE["ignore_eos"]
     """Go on past the model's end-of-generation token (benchmarks)."""
 
     def __post_init__(self) -> None:
