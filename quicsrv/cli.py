@@ -66,6 +66,13 @@ def _parser() -> argparse.ArgumentParser:
         help="seconds without a decode step (while generating) before the worker is replaced",
     )
     serve.add_argument(
+        "--token-coalesce-ms",
+        type=float,
+        dest="token_coalesce_ms",
+        help="longest a generated token waits to leave with the next ones (0: each at once; "
+        "first tokens and ends never wait)",
+    )
+    serve.add_argument(
         "--no-tcp",
         action="store_const",
         const=False,

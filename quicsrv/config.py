@@ -58,6 +58,8 @@ class CongestionControl(StrEnum):
     CUBIC = "cubic"
 
 
+MAX_TOKEN_COALESCE_MS = 1000.0  # past a second, streaming would no longer look like streaming
+
 _TRUE = frozenset({"1", "true", "yes", "on"})
 _FALSE = frozenset({"0", "false", "no", "off"})
 
@@ -90,6 +92,9 @@ class ServerConfig:
     worker_stall_timeout_s: float = 60.0
     worker_max_restarts: int = 5
     worker_restart_window_s: float = 600.0
+    # A token may wait this long in the engine worker to leave with the next ones (one message,
+    # one datagram, one wake-up each side); first tokens and ends never wait. 0: every step.
+    token_coalesce_ms: float = 20.0
     max_tokens_limit: int = 2048
     max_request_bytes: int = 1 << 20
     idle_timeout_s: float = 60.0
@@ -179,12 +184,15 @@ class ServerConfig:
     def supervisor_settings(self) -> SupervisorSettings:
         from .engine.supervisor import SupervisorSettings
 
+        if not 0 <= self.token_coalesce_ms <= MAX_TOKEN_COALESCE_MS:
+            raise ConfigError(f"token_coalesce_ms must be in 0..{MAX_TOKEN_COALESCE_MS:g}")
         return SupervisorSettings(
             cpu_extra_buffers=self.cpu_extra_buffers,
             start_timeout_s=self.worker_start_timeout_s,
             stall_timeout_s=self.worker_stall_timeout_s,
             max_restarts=self.worker_max_restarts,
             restart_window_s=self.worker_restart_window_s,
+            token_coalesce_s=self.token_coalesce_ms / 1000,
         )
 
     def session_settings(self) -> SessionSettings:

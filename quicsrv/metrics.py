@@ -151,17 +151,17 @@ class ServerMetrics:
         """A request was answered: ``code`` is "ok" or an error code's slug."""
         self.requests.labels(endpoint=endpoint, code=code).inc()
 
-    def engine_stepped(self, keys: Sequence[int]) -> None:
-        """One decode step gave the sequences ``keys`` a token each (any thread)."""
-        now = time.monotonic()
+    def engine_stepped(self, keys: Sequence[int], at: float) -> None:
+        """One decode step, ended at ``at`` (monotonic), gave the sequences ``keys`` a token each
+        (any thread). Steps arrive in order, possibly several at once (engine.coalescing)."""
         self.decode_steps.inc()
         self.step_sequences.observe(len(keys))
         # A gap counts only when some sequence had a token in the previous step too: the
         # engine idling, or a sequence prefilling, is no inter-token gap.
         current = frozenset(keys)
         if not current.isdisjoint(self._last_step_keys):
-            self.inter_token.observe(now - self._last_step_at)
-        self._last_step_keys, self._last_step_at = current, now
+            self.inter_token.observe(at - self._last_step_at)
+        self._last_step_keys, self._last_step_at = current, at
 
     def trace(self, session_id: bytes, *, resumed: bool) -> GenerationTrace:
         """The recorder of one session object's life (see :class:`GenerationTrace`)."""

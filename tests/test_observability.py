@@ -48,14 +48,16 @@ def test_each_server_counts_in_its_own_registry():
 
 def test_an_inter_token_gap_needs_the_same_sequence_in_consecutive_steps():
     metrics = ServerMetrics()
-    metrics.engine_stepped([1, 2])  # first step: no previous one
-    metrics.engine_stepped([2, 3])  # 2 again: a gap
-    metrics.engine_stepped([4])  # nobody from the step before (a new sequence after idling)
-    metrics.engine_stepped([4])
+    # Step times come from the worker: steps delivered together still have their own gaps.
+    metrics.engine_stepped([1, 2], 10.000)  # first step: no previous one
+    metrics.engine_stepped([2, 3], 10.010)  # 2 again: a gap of 10 ms
+    metrics.engine_stepped([4], 10.020)  # nobody from the step before (a new one after idling)
+    metrics.engine_stepped([4], 10.050)  # a gap of 30 ms
     values = samples(metrics)
     assert values["quicsrv_decode_steps_total", frozenset()] == 4
     assert values["quicsrv_decode_step_sequences_sum", frozenset()] == 6
     assert values["quicsrv_inter_token_seconds_count", frozenset()] == 2
+    assert values["quicsrv_inter_token_seconds_sum", frozenset()] == pytest.approx(0.040)
 
 
 def test_a_generation_trace_observes_ttft_once_and_resumes_by_path():

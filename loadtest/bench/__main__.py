@@ -97,7 +97,7 @@ def _parser() -> argparse.ArgumentParser:
         "--flash-attn",
         action=argparse.BooleanOptionalAction,
         default=ServerConfig().flash_attn,
-        help="flash attention for all targets (default: quicsrv's default, off)",
+        help="flash attention for all targets (default: quicsrv's default, on)",
     )
     parser.add_argument("--model", type=Path, help="GGUF (default: the project's default)")
     parser.add_argument(

@@ -1,10 +1,10 @@
 """The messages between the server and its engine worker process.
 
 Both directions carry one message per batch: the server sends the commands gathered since its
-last send (``list[Command]``), the worker sends one :class:`Step` per decode step with every
-sequence's events of that step. Messages are small (token ids, counts); KV blobs travel as files
-in a spool directory (on ``/dev/shm`` where there is one), named in the message, never pickled
-through the pipe.
+last send (``list[Command]``), the worker sends the decode steps that are due (``list[Step]``,
+each with every sequence's events of that step; :mod:`.coalescing` says when). Messages are
+small (token ids, counts); KV blobs travel as files in a spool directory (on ``/dev/shm`` where
+there is one), named in the message, never pickled through the pipe.
 
 Sequences are named by a *key* the server assigns; a worker never sees session ids.
 """
@@ -131,3 +131,5 @@ class Step:
     """One decode step's events (possibly none: a step is also the worker's heartbeat)."""
 
     events: tuple[Event, ...]
+    finished_at: float
+    """``time.monotonic()`` in the worker when the step ended (one clock for both processes)."""

@@ -110,6 +110,8 @@ class SupervisorSettings:
     max_restarts: int
     restart_window_s: float
     """More than ``max_restarts`` restarts within this window is a crash loop: give up."""
+    token_coalesce_s: float
+    """How long a generated token may wait in the worker for the next ones (``.coalescing``)."""
     spool_dir: Path | None = None
     """Where KV blobs pass between the processes; None: a fresh directory in /dev/shm."""
 
@@ -253,8 +255,9 @@ class WorkerEngine(ModelFacts):
         self.restarts = 0
         self.deaths: deque[str] = deque(maxlen=100)  # why workers ended, oldest first
         self.tokens_generated_total = 0
-        self.on_step: Callable[[list[int]], None] | None = None
-        """Told, once per decode step that sampled tokens, whose sequences got one (metrics)."""
+        self.on_step: Callable[[list[int], float], None] | None = None
+        """Told, once per decode step that sampled tokens, whose sequences got one and when the
+        step ended (``time.monotonic()``; metrics)."""
         self.last_ready: Ready | None = None
         # Workers are started from the supervisor thread only: Linux's parent-death signal
         # (the worker's safety net) fires when the *thread* that started it exits.
@@ -466,6 +469,7 @@ class WorkerEngine(ModelFacts):
             settings=settings,
             spool_dir=self._spool,
             incarnation=incarnation,
+            token_coalesce_s=self.supervision.token_coalesce_s,
             log_level=logging.getLogger().getEffectiveLevel(),
             log_format=current_log_format(),
         )
@@ -548,8 +552,7 @@ class WorkerEngine(ModelFacts):
                 except (EOFError, OSError):
                     return link.death()
                 self._progress_at = time.monotonic()
-                if isinstance(message, Step):
-                    self._deliver(message)
+                self._deliver_steps(message)
                 continue
             with self._lock:
                 busy = bool(self._sequences)
@@ -592,11 +595,15 @@ class WorkerEngine(ModelFacts):
             while conn.poll():
                 message = conn.recv()
                 self._progress_at = time.monotonic()
-                if isinstance(message, Step):
-                    self._deliver(message, on_loop=True)
+                self._deliver_steps(message, on_loop=True)
         except (EOFError, OSError):
             asyncio.get_running_loop().remove_reader(fd)
             link.ended.set()
+
+    def _deliver_steps(self, message: object, *, on_loop: bool = False) -> None:
+        if isinstance(message, list):  # after Ready, every message is the steps that are due
+            for step in message:
+                self._deliver(step, on_loop=on_loop)
 
     def _deliver(self, step: Step, *, on_loop: bool = False) -> None:
         stepped: list[int] = []
@@ -627,7 +634,7 @@ class WorkerEngine(ModelFacts):
             elif isinstance(event, SequenceResumed):
                 sequence.sink.sequence_resumed(event.path)
         if stepped and self.on_step is not None:
-            self.on_step(stepped)
+            self.on_step(stepped, step.finished_at)
 
     def _replace(self, link: _Link, death: _Death) -> _Link | None:
         """A running worker ended: hand its sequences back, then start another."""

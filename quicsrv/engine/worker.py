@@ -6,9 +6,10 @@ Started by :class:`~quicsrv.engine.supervisor.WorkerEngine` as ``python -m quics
 socket wrapped in a ``multiprocessing`` Connection. Its first message is :class:`WorkerOptions`. It
 loads the model, runs the start-up canary, says :class:`~.ipc.Ready`, then runs a
 :class:`~.llama.LlamaEngine`: the main thread applies the server's commands, the engine thread
-decodes and sends one :class:`~.ipc.Step` per decode step. Every exit path is explicit: the
-server's pipe closing (EOF) or a ``Stop`` exits cleanly, a failed engine thread exits with
-:data:`EXIT_ENGINE_FAILED`, and a native crash is a signal the supervisor reads from the exit code.
+decodes and sends its :class:`~.ipc.Step` messages when :mod:`.coalescing` says they are due. Every
+exit path is explicit: the server's pipe closing (EOF) or a ``Stop`` exits cleanly, a failed
+engine thread exits with :data:`EXIT_ENGINE_FAILED`, and a native crash is a signal the
+supervisor reads from the exit code.
 
 Test-only fault switches (``QUICSRV_TEST_FAULT``, comma-separated), so the tests can provoke what
 otherwise only a broken CPU or build does:
@@ -50,6 +51,7 @@ from ._api import (
     SequenceHandle,
     SequenceRequest,
 )
+from .coalescing import StepCoalescer
 from .ipc import (
     Allow,
     Cancel,
@@ -85,6 +87,8 @@ class WorkerOptions:
     settings: EngineSettings
     spool_dir: Path
     incarnation: int
+    token_coalesce_s: float
+    """How long a token may wait to share a message with the next ones (:mod:`.coalescing`)."""
     log_level: int = logging.INFO
     log_format: str = "plain"  # or "json", as the server logs (quicsrv.logs)
 
@@ -145,6 +149,7 @@ class _Worker:
         self._send_lock = threading.Lock()
         self._events_lock = threading.Lock()  # the engine thread reports; rarely the others
         self._events: list[Event] = []
+        self._coalescer = StepCoalescer(options.token_coalesce_s)  # under the send lock
         # A paused sequence's KV blob (MBs) is written here, not on the decode thread.
         self._blob_writer = ThreadPoolExecutor(max_workers=1, thread_name_prefix="kv-blob")
         self._handles: dict[int, SequenceHandle] = {}
@@ -206,8 +211,13 @@ class _Worker:
             self._events.append(event)
 
     def step_finished(self) -> None:
-        if self._reporting:
-            self._send_pending()
+        if not self._reporting:
+            return
+        with self._send_lock:
+            step = Step(self._take_events(), time.monotonic())
+            due = self._coalescer.step_finished(step)
+            if due:
+                self._send_locked(due)
 
     def paused(self, key: int, state: PausedState) -> None:
         self.forget(key)
@@ -247,9 +257,12 @@ class _Worker:
 
     def _send_pending(self) -> None:
         with self._send_lock:
-            with self._events_lock:
-                events, self._events = self._events, []
-            self._send_locked(Step(tuple(events)))
+            self._send_locked(self._coalescer.send_now(Step(self._take_events(), time.monotonic())))
+
+    def _take_events(self) -> tuple[Event, ...]:
+        with self._events_lock:
+            events, self._events = self._events, []
+        return tuple(events)
 
     def _send(self, message: object) -> None:
         with self._send_lock:

@@ -270,7 +270,9 @@ async def _first_tokens(generation, n: int) -> list[Event]:
 
 
 async def test_a_second_resume_supersedes_the_first_reader(engine, certs, tmp_path):
-    params = dict(max_tokens=40, ignore_eos=True)
+    # Long enough that the cut generation pauses before its end (the engine runs on until the
+    # server sees the connection close), so the first resume is still generating.
+    params = dict(max_tokens=160, ignore_eos=True)
     async with running_server(engine, certs, sessions=session_settings(tmp_path)) as server:
         port, ca = server.port, certs.ca_cert
         reference = await _uninterrupted(port, ca, **params)
