@@ -87,7 +87,6 @@ log = logging.getLogger("quicsrv.engine")
 #: kill from outside (SIGKILL by the OOM killer or an operator, SIGTERM).
 _FAULT_SIGNALS = frozenset({signal.SIGSEGV, signal.SIGBUS, signal.SIGILL, signal.SIGFPE})
 _ADMISSION_UNLIMITED = 1 << 30  # the worker's own limit: the server process admits
-ALLOWANCE_STEP_TOKENS = 8
 
 
 class CpuExtraBuffers(StrEnum):
@@ -218,11 +217,9 @@ class _RemoteSequence:
         self.engine._post(self, Pause(self.key, capture_kv), release=True)
 
     def allow(self, n_tokens: int) -> None:
-        # Called on every ACK. A lower allowance (a blocked reader) travels at once, a higher
-        # one only in steps: every message wakes the worker's command thread, which takes a
-        # core from llama.cpp's threads mid-decode. The cost: a sequence whose reader lags by
-        # nearly max_tokens_ahead may pause up to a step early.
-        if n_tokens < self.allowed or n_tokens >= self.allowed + ALLOWANCE_STEP_TOKENS:
+        # Called on every ACK; the session moves the allowance in steps, so only a change is
+        # worth a message (each wakes the worker's command thread mid-decode).
+        if n_tokens != self.allowed:
             self.allowed = n_tokens
             self.engine._post(self, Allow(self.key, n_tokens), release=False)
 

@@ -53,6 +53,9 @@ if TYPE_CHECKING:
 
 __all__ = ["FlowSettings", "Session", "StreamPort"]
 
+#: The engine's allowance advances in max_tokens_ahead / ALLOWANCE_STEPS token steps.
+ALLOWANCE_STEPS = 4
+
 log = logging.getLogger(__name__)
 
 
@@ -425,7 +428,12 @@ class Session:
     def _allowance(self, attachment: _Attachment) -> int:
         if attachment.blocked:
             return len(self.record.generated)  # pause at the next step
-        return attachment.acked_tokens + self._flow.max_tokens_ahead
+        # Moves in quarter-allowance steps, not per acknowledged token: with an engine worker
+        # every change is a message that wakes it (and a thread here) mid-decode. A reader
+        # keeping up still has 3/4 of max_tokens_ahead of headroom at the least.
+        ahead = self._flow.max_tokens_ahead
+        step = max(1, ahead // ALLOWANCE_STEPS)
+        return (attachment.acked_tokens + ahead) // step * step
 
     def _maybe_run(self) -> None:
         """Start (or restart) the engine sequence if a reader is there and has room."""
