@@ -17,6 +17,7 @@ import argparse
 import asyncio
 import contextlib
 import dataclasses
+import itertools
 import os
 import signal
 import subprocess
@@ -32,7 +33,7 @@ from typing import Any
 from loadtest.bench.engine import ENGINE, measure_engine
 from loadtest.bench.load import run_quicsrv_load, run_sse_load
 from loadtest.bench.machine import CpuMeter, process_cpu_s, wait_until_quiet
-from loadtest.bench.raw import BEST_VARIANT, end_of_generation_tokens, measure_raw
+from loadtest.bench.raw import BEST_VARIANT, RawResult, end_of_generation_tokens, measure_raw
 from loadtest.bench.report import QUICSRV, Report, write_chart
 from loadtest.bench.servers import (
     ServerSettings,
@@ -169,18 +170,37 @@ async def _measure_server(target: str, pid: int, drive: _Driver, plan: Plan) -> 
     return await _measure_interleaved([(target, pid, drive)], plan)
 
 
+#: Runs the raw loop at a load's sequence count, tagged with a round (blocking, in-process).
+_RawProbe = Callable[[int, int], list[RawResult]]
+
+
 async def _measure_interleaved(
-    targets: list[tuple[str, int, _Driver]], plan: Plan
+    targets: list[tuple[str, int, _Driver]],
+    plan: Plan,
+    raw_probe: _RawProbe | None = None,
+    raw_runs: list[RawResult] | None = None,
 ) -> list[LoadResult]:
     """Like :func:`_measure_server` for servers running side by side: each repeat of a load
-    runs every target in turn (in alternating order), so drift in the machine hits all alike."""
+    (a round) runs every target in turn, in alternating order, so drift in the machine hits
+    all alike. With ``raw_probe`` the raw loop takes its turn in every round too (its results
+    go to ``raw_runs``), so each server run has a raw rate measured beside it."""
     for _, _, drive in targets:
         await drive(1, WARMUP_TOKENS, _timeout_s(1, WARMUP_TOKENS))
     results: list[LoadResult] = []
+    rounds = itertools.count()
     for streams in plan.loads:
         for repeat in range(plan.repeats):
-            for target, pid, drive in targets if repeat % 2 == 0 else targets[::-1]:
+            round_ = next(rounds)
+            turns: list[tuple[str, int, _Driver] | None] = [*targets]
+            if raw_probe is not None:
+                turns.insert(0, None)  # the raw loop's turn
+            for turn in turns if repeat % 2 == 0 else turns[::-1]:
                 await asyncio.to_thread(plan.settle)
+                if turn is None:
+                    assert raw_probe is not None and raw_runs is not None
+                    raw_runs += await asyncio.to_thread(raw_probe, streams, round_)
+                    continue
+                target, pid, drive = turn
                 meter = CpuMeter([os.getpid(), pid])
                 server_cpu = process_cpu_s(pid)
                 started, seen = await drive(
@@ -191,6 +211,8 @@ async def _measure_interleaved(
                     result = dataclasses.replace(
                         result, server_cpu_s=process_cpu_s(pid) - server_cpu
                     )
+                if raw_probe is not None:
+                    result = dataclasses.replace(result, round=round_)
                 _log(
                     f"  {target}, {streams} streams: {result.tokens_per_s:.1f} tokens/s, "
                     f"{result.delivered_tokens}/{result.expected_tokens} tokens delivered, "
@@ -205,13 +227,34 @@ async def _measure_interleaved(
     return results
 
 
+def _fastest(settings: ServerSettings) -> ServerSettings:
+    """The reference the issue's 8-stream target names: the fastest raw settings, even those
+    quicsrv cannot use because resumes would not be exact."""
+    return dataclasses.replace(settings, flash_attn=True, kv_unified=True)
+
+
+def _raw_probe(settings: ServerSettings, max_tokens: int) -> _RawProbe:
+    """The raw loop at a load's sequence count (and at the fastest settings at full batch)."""
+
+    def probe(streams: int, round_: int) -> list[RawResult]:
+        n = min(streams, settings.parallel)
+        runs = measure_raw(settings, [n], max_tokens)
+        if n == settings.parallel:
+            runs += measure_raw(_fastest(settings), [n], max_tokens, variant=BEST_VARIANT)
+        return [dataclasses.replace(r, round=round_) for r in runs]
+
+    return probe
+
+
 async def _measure_servers(
     settings: ServerSettings,
     plan: Plan,
     args: argparse.Namespace,
     logs: Path,
     eog: list[int],
+    paired_raw: list[RawResult],
 ) -> list[LoadResult]:
+    """Every server; quicsrv's runs each get a raw run beside them (into ``paired_raw``)."""
     # SIGTERM cancels this task, so the servers it started are stopped on the way out.
     task = asyncio.current_task()
     assert task is not None
@@ -261,7 +304,8 @@ async def _measure_servers(
                     )
 
                 targets.append((target, quic.pid, drive_quic))
-            results += await _measure_interleaved(targets, plan)
+            probe = _raw_probe(settings, plan.max_tokens)
+            results += await _measure_interleaved(targets, plan, probe, paired_raw)
     variants = {
         "both": [(LLAMA_SERVER, True), (LLAMA_SERVER_QUEUED, False)],
         "default": [(LLAMA_SERVER, True)],
@@ -330,12 +374,13 @@ def main(argv: list[str] | None = None) -> int:
         measure_raw(settings, counts, args.max_tokens, before_each=plan.settle)
         for _ in range(args.repeats)
     ]
-    # The reference the issue's 8-stream target names: the fastest raw settings, even those
-    # quicsrv cannot use because resumes would not be exact.
-    best = dataclasses.replace(settings, flash_attn=True, kv_unified=True)
     raw_runs += [
         measure_raw(
-            best, [args.parallel], args.max_tokens, before_each=plan.settle, variant=BEST_VARIANT
+            _fastest(settings),
+            [args.parallel],
+            args.max_tokens,
+            before_each=plan.settle,
+            variant=BEST_VARIANT,
         )
         for _ in range(args.repeats)
     ]
@@ -360,8 +405,9 @@ def main(argv: list[str] | None = None) -> int:
             f"others' CPU {result.others_cpu_share:.0%}"
         )
     eog = end_of_generation_tokens(settings)
+    paired_raw: list[RawResult] = []
     try:
-        all_loads += asyncio.run(_measure_servers(settings, plan, args, logs, eog))
+        all_loads += asyncio.run(_measure_servers(settings, plan, args, logs, eog, paired_raw))
     except (KeyboardInterrupt, asyncio.CancelledError):
         _log("interrupted: servers stopped, nothing written")
         return 130
@@ -415,7 +461,7 @@ def main(argv: list[str] | None = None) -> int:
             ),
         ],
     }
-    report = Report.build(meta, all_raw, all_loads, baselines)
+    report = Report.build(meta, all_raw + paired_raw, all_loads, baselines)
     _write(report, args.out / f"bench-{timestamp}")
     _log(f"server logs in {logs}")
     return 0

@@ -45,6 +45,8 @@ class RawResult:
     """CPU used by other processes during the run, as a share of the whole machine."""
     variant: str = ""
     """"": quicsrv's own settings; BEST_VARIANT: the fastest settings, exact or not."""
+    round: int = -1
+    """The round of server runs it ran beside (see ``LoadResult.round``); -1: none."""
 
     @property
     def tokens_per_s(self) -> float:

@@ -89,6 +89,9 @@ class LoadResult:
     """The machine's 1-minute load average when the load ended."""
     server_cpu_s: float | None = None
     """CPU of quicsrv's server process alone (not its engine worker) during the load."""
+    round: int = -1
+    """Which round of the run it belongs to: the raw loop ran in the same round, right before
+    or after it, for a ratio that machine drift cannot skew (-1: no raw run beside it)."""
 
     @property
     def server_cpu_us_per_token(self) -> float | None:

@@ -12,12 +12,13 @@ passed on are :data:`TESTED_AIOQUIC_VERSIONS`, and pyproject.toml pins that rang
 from __future__ import annotations
 
 from aioquic.asyncio.server import QuicServer
-from aioquic.quic.connection import QuicConnection
+from aioquic.quic.connection import QuicConnection, QuicConnectionState
 
 __all__ = [
     "TESTED_AIOQUIC_VERSIONS",
     "has_unfinished_requests",
     "peer_address",
+    "peer_closed",
     "server_port",
     "stream_offsets",
 ]
@@ -43,6 +44,13 @@ def peer_address(quic: QuicConnection) -> tuple[str, int] | None:
         return None
     host, port = paths[0].addr[:2]
     return str(host), int(port)
+
+
+def peer_closed(quic: QuicConnection) -> bool:
+    """Whether the peer closed the connection (its CONNECTION_CLOSE arrived). aioquic reports
+    that as ConnectionTerminated only when its draining period ends, three probe timeouts
+    later (hundreds of ms with delayed ACKs), while the generations it fed ran on."""
+    return quic._state is QuicConnectionState.DRAINING
 
 
 def has_unfinished_requests(quic: QuicConnection) -> bool:

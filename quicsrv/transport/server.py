@@ -241,6 +241,9 @@ class _H3ServerProtocol(QuicConnectionProtocol):
 
     def datagram_received(self, data: bytes | str, addr: Any) -> None:
         super().datagram_received(data, addr)
+        if aioquic_internals.peer_closed(self._quic):
+            self._detach_all()  # nobody reads any more: pause now, not after the drain period
+            return
         # The datagram may have acknowledged stream data: let readers' sessions catch up.
         for answering in list(self._answering.values()):
             if answering.session is not None:

@@ -269,9 +269,33 @@ async def _first_tokens(generation, n: int) -> list[Event]:
     return events
 
 
+async def test_a_closed_connection_pauses_at_once_not_after_the_drain_period(
+    engine, certs, tmp_path, monkeypatch
+):
+    """aioquic reports a peer's CONNECTION_CLOSE three probe timeouts late (its draining
+    period); the server detaches as soon as the close arrives, so the engine stops within
+    a step of the reader leaving."""
+    from aioquic.quic.connection import QuicConnectionState
+
+    from quicsrv.transport.server import _H3ServerProtocol
+
+    states: list[QuicConnectionState] = []
+    detach_all = _H3ServerProtocol._detach_all
+
+    def recording(self: _H3ServerProtocol) -> None:
+        states.append(self._quic._state)
+        detach_all(self)
+
+    monkeypatch.setattr(_H3ServerProtocol, "_detach_all", recording)
+    async with running_server(engine, certs, sessions=session_settings(tmp_path)) as server:
+        position = await _start_and_cut(server, certs.ca_cert, 4, max_tokens=400, ignore_eos=True)
+        record = server.sessions.store.get(bytes.fromhex(position.session_id))
+        assert record is not None and record.end is None  # paused, not finished
+    assert states and states[0] is QuicConnectionState.DRAINING  # not TERMINATED: no waiting
+
+
 async def test_a_second_resume_supersedes_the_first_reader(engine, certs, tmp_path):
-    # Long enough that the cut generation pauses before its end (the engine runs on until the
-    # server sees the connection close), so the first resume is still generating.
+    # Long enough that the cut generation is still running when the first resume attaches.
     params = dict(max_tokens=160, ignore_eos=True)
     async with running_server(engine, certs, sessions=session_settings(tmp_path)) as server:
         port, ca = server.port, certs.ca_cert

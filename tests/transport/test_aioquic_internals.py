@@ -135,6 +135,25 @@ def test_client_sets_the_ack_delay(pair: tuple[QuicConnection, QuicConnection, C
     assert client._ack_delay == 0.02
 
 
+def test_server_sees_the_peer_close_before_aioquic_reports_it(
+    pair: tuple[QuicConnection, QuicConnection, Clock],
+) -> None:
+    client, server, clock = pair
+    assert not server_internals.peer_closed(server)
+    client.close(error_code=0, reason_phrase="bye")
+    now = clock.tick()
+    for data, _addr in client.datagrams_to_send(now=now):
+        server.receive_datagram(data, CLIENT_ADDR, now=now)
+    assert server_internals.peer_closed(server)
+    # aioquic itself says so only after its draining period (three probe timeouts).
+    events = []
+    while (event := server.next_event()) is not None:
+        events.append(type(event).__name__)
+    assert "ConnectionTerminated" not in events
+    # Our own close is not the peer's.
+    assert not server_internals.peer_closed(client)
+
+
 @pytest.mark.asyncio
 async def test_server_port_is_the_bound_one(certs: DevCertPaths) -> None:
     configuration = QuicConfiguration(is_client=False, alpn_protocols=H3_ALPN)
