@@ -452,9 +452,12 @@ class LlamaEngine(ModelFacts):
                 self._context.ctx, buffer, size, sequence.seq_id
             )
             kv = ctypes.string_at(buffer, written) if written else None
-        elif sequence.seq_id < 0 and sequence.request.resume is not None:
-            kv = sequence.request.resume.kv_state  # never admitted: hand the blob back as it was
         generated = (*sequence.history, *sequence.forced)
+        resume = sequence.request.resume
+        if sequence.seq_id < 0 and resume is not None:
+            # Never admitted: hand the resume point back as it came (a KV-restore resume has
+            # no history or forced tokens yet, and its blob belongs to all of them).
+            kv, generated = resume.kv_state, resume.generated
         self._release(sequence)
         sequence.sink.sequence_paused(PausedState(generated=generated, kv_state=kv))
 

@@ -2,12 +2,13 @@
 
 from __future__ import annotations
 
+import dataclasses
 import threading
 
 import pytest
 
 from quicsrv.config import engine_settings_for
-from quicsrv.engine import FinishReason, SamplingParams, SequenceRequest
+from quicsrv.engine import FinishReason, PausedState, ResumePoint, SamplingParams, SequenceRequest
 from quicsrv.engine.llama import LlamaEngine, Overloaded
 
 pytestmark = pytest.mark.model
@@ -151,4 +152,57 @@ def test_a_failed_decode_ends_every_sequence_failed_and_refuses_new_work(
             engine.submit(_request(engine, "Hi", 4), Recorder("late", log))
     finally:
         monkeypatch.undo()
+        engine.close()
+
+
+class Pausable(Recorder):
+    """A Recorder that also keeps what a pause handed back."""
+
+    def __init__(self, name: str, log: list[tuple[str, int]]) -> None:
+        super().__init__(name, log)
+        self.paused = threading.Event()
+        self.state: PausedState | None = None
+
+    def sequence_paused(self, state: PausedState) -> None:
+        self.state = state
+        self.paused.set()
+
+    def sequence_resumed(self, path: object) -> None:
+        pass
+
+
+def test_a_kv_resume_paused_before_its_admission_hands_its_point_back_whole(
+    model_path, cpu_extra_buffers
+):
+    # A reader that leaves again before its resumed sequence got a slot: the tokens and the
+    # blob must come back as they went in, or the next resume rebuilds by replay for nothing.
+    engine = LlamaEngine(
+        engine_settings_for(
+            model_path, n_seq_max=1, max_queued=4, cpu_extra_buffers=cpu_extra_buffers
+        )
+    )
+    try:
+        log: list[tuple[str, int]] = []
+        original = Pausable("original", log)
+        handle = engine.submit(_request(engine, "Hello", 200), original)
+        assert original.first_token.wait(60)
+        handle.pause()
+        assert original.paused.wait(60)
+        point = original.state
+        assert point is not None and point.generated and point.kv_state
+
+        blocker = Recorder("blocker", log)
+        blocking = engine.submit(_request(engine, "Count slowly:", 400), blocker)
+        assert blocker.first_token.wait(60)  # it holds the only slot
+        resumed = Pausable("resumed", log)
+        request = dataclasses.replace(
+            _request(engine, "Hello", 200),
+            resume=ResumePoint(generated=point.generated, kv_state=point.kv_state),
+        )
+        engine.submit(request, resumed).pause()
+        assert resumed.paused.wait(60)
+        assert resumed.state == point
+        assert resumed.tokens == []
+        blocking.cancel()
+    finally:
         engine.close()
