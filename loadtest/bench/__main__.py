@@ -18,6 +18,7 @@ import asyncio
 import contextlib
 import dataclasses
 import itertools
+import multiprocessing
 import os
 import signal
 import subprocess
@@ -25,14 +26,15 @@ import sys
 import tempfile
 import time
 from collections.abc import Awaitable, Callable
+from concurrent.futures import ProcessPoolExecutor
 from dataclasses import dataclass
 from datetime import UTC, datetime
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 from loadtest.bench.engine import ENGINE, measure_engine
 from loadtest.bench.load import run_quicsrv_load, run_sse_load
-from loadtest.bench.machine import CpuMeter, process_cpu_s, wait_until_quiet
+from loadtest.bench.machine import CpuMeter, Quiet, process_cpu_s
 from loadtest.bench.raw import BEST_VARIANT, RawResult, end_of_generation_tokens, measure_raw
 from loadtest.bench.report import QUICSRV, Report, write_chart
 from loadtest.bench.servers import (
@@ -52,6 +54,7 @@ LLAMA_SERVER_QUEUED = "llama-cpp-python server (queued)"
 WARMUP_TOKENS = 8
 
 _Driver = Callable[[int, int, float], Awaitable[tuple[float, list[StreamResult]]]]
+_T = TypeVar("_T")
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -158,11 +161,10 @@ class Plan:
     quiet_below: float
     quiet_patience_s: float
 
-    def settle(self) -> float:
-        """Wait (bounded) until other processes leave the machine; their last busy share."""
-        if self.quiet_patience_s <= 0:
-            return 0.0
-        return wait_until_quiet(self.quiet_below, self.quiet_patience_s)
+    @property
+    def settle(self) -> Quiet:
+        """Call it to wait (bounded) until other processes leave the machine."""
+        return Quiet(self.quiet_below, self.quiet_patience_s)
 
 
 async def _measure_server(target: str, pid: int, drive: _Driver, plan: Plan) -> list[LoadResult]:
@@ -227,6 +229,16 @@ async def _measure_interleaved(
     return results
 
 
+def isolated(function: Callable[..., _T], *args: Any, **kwargs: Any) -> _T:
+    """``function(*args, **kwargs)`` in a fresh interpreter. llama.cpp's OpenMP threads belong
+    to the thread that decodes: once two threads of one process have decoded, every decode in
+    it is ~50% slower (measured: main thread 7.4-7.9 ms/step, then 11.4-11.9 in a worker thread
+    and after it on the main thread again). Each in-process measurement gets its own process,
+    as quicsrv's engine worker has its own."""
+    with ProcessPoolExecutor(max_workers=1, mp_context=multiprocessing.get_context("spawn")) as ex:
+        return ex.submit(function, *args, **kwargs).result()
+
+
 def _fastest(settings: ServerSettings) -> ServerSettings:
     """The reference the issue's 8-stream target names: the fastest raw settings, even those
     quicsrv cannot use because resumes would not be exact."""
@@ -238,9 +250,9 @@ def _raw_probe(settings: ServerSettings, max_tokens: int) -> _RawProbe:
 
     def probe(streams: int, round_: int) -> list[RawResult]:
         n = min(streams, settings.parallel)
-        runs = measure_raw(settings, [n], max_tokens)
+        runs = isolated(measure_raw, settings, [n], max_tokens)
         if n == settings.parallel:
-            runs += measure_raw(_fastest(settings), [n], max_tokens, variant=BEST_VARIANT)
+            runs += isolated(measure_raw, _fastest(settings), [n], max_tokens, variant=BEST_VARIANT)
         return [dataclasses.replace(r, round=round_) for r in runs]
 
     return probe
@@ -370,28 +382,26 @@ def main(argv: list[str] | None = None) -> int:
     )
     counts = sorted({min(n, args.parallel) for n in args.loads} | {1, args.parallel})
     _log(f"raw llama_decode loop: {counts} sequences per step")
-    raw_runs = [
-        measure_raw(settings, counts, args.max_tokens, before_each=plan.settle)
-        for _ in range(args.repeats)
-    ]
-    raw_runs += [
-        measure_raw(
+    all_raw: list[RawResult] = []
+    for _ in range(args.repeats):
+        all_raw += isolated(measure_raw, settings, counts, args.max_tokens, before_each=plan.settle)
+    for _ in range(args.repeats):
+        all_raw += isolated(
+            measure_raw,
             _fastest(settings),
             [args.parallel],
             args.max_tokens,
             before_each=plan.settle,
             variant=BEST_VARIANT,
         )
-        for _ in range(args.repeats)
-    ]
-    all_raw = [r for runs in raw_runs for r in runs]
     for r in all_raw:
         _log(
             f"  raw{f' ({r.variant})' if r.variant else ''}, {r.sequences} sequences: "
             f"{r.tokens_per_s:.1f} tokens/s, others' CPU {r.others_cpu_share:.0%}"
         )
     _log("quicsrv's engine in-process (no transport)")
-    all_loads = measure_engine(
+    all_loads = isolated(
+        measure_engine,
         settings,
         args.loads,
         args.max_tokens,

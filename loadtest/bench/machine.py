@@ -10,8 +10,9 @@ from __future__ import annotations
 import os
 import time
 from collections.abc import Iterable
+from dataclasses import dataclass
 
-__all__ = ["CpuMeter", "busy_share", "process_cpu_s", "wait_until_quiet"]
+__all__ = ["CpuMeter", "Quiet", "busy_share", "process_cpu_s", "wait_until_quiet"]
 
 _TICKS_PER_S = os.sysconf("SC_CLK_TCK")
 _CPUS = os.cpu_count() or 1
@@ -94,3 +95,17 @@ def wait_until_quiet(threshold: float, patience_s: float, window_s: float = 2.0)
     while share > threshold and time.monotonic() < deadline:
         share = busy_share(window_s)
     return share
+
+
+@dataclass(frozen=True, slots=True)
+class Quiet:
+    """``wait_until_quiet`` with its settings, as a value another process can be handed."""
+
+    below: float
+    patience_s: float
+
+    def __call__(self) -> float:
+        """Wait (bounded) until other processes leave the machine; their last busy share."""
+        if self.patience_s <= 0:
+            return 0.0
+        return wait_until_quiet(self.below, self.patience_s)
