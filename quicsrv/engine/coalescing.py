@@ -2,9 +2,9 @@
 
 Every message the worker sends wakes the server's event loop, which then frames, encrypts and
 sends a datagram that wakes the client: on two cores those wake-ups are taken from llama.cpp's
-own threads, and at one stream they cost more than the server's whole share of the token
-(measured: ``python -m loadtest.bench``, README "Throughput"). So tokens may wait up to
-``window_s`` in the worker to share one message, one datagram and one client wake-up with the
+own threads, and at one stream they were most of what the server and the client cost per token
+(measured: ``python -m loadtest.bench.cpu``, README "Token coalescing"). So tokens may wait up
+to ``window_s`` in the worker to share one message, one datagram and one client wake-up with the
 next ones. What someone waits on never waits: a sequence's first token (time to first token, and
 a resume's first token), a finish, a pause, a resume. The window bounds the wait: steps are sent
 once the oldest held token would be older than the window by the end of the next step.
