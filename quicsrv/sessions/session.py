@@ -138,6 +138,7 @@ class Session:
         self._tail = self._end_tail() if record.end is not None else ""
         self._state = SessionState.ENDED if record.end is not None else SessionState.CREATED
         self._handle: SequenceHandle | None = None
+        self._pump_posted = False  # a _pump waits in the inbox behind this burst's tokens
         self._attachment: _Attachment | None = None
         self._retry: asyncio.TimerHandle | None = None
         self._slot: Slot | None = None  # held while the engine runs (or is about to)
@@ -346,6 +347,14 @@ class Session:
             if self._handle is not None:
                 self._handle.cancel()
             self._record_end(SessionEnd(EndReason.STOP, index + 1))
+        # Once for all the tokens of a burst (a worker message may carry several steps):
+        # behind them in the inbox, so the frames still leave in the same loop turn.
+        if not self._pump_posted:
+            self._pump_posted = True
+            self._to_loop(self._posted_pump)
+
+    def _posted_pump(self) -> None:
+        self._pump_posted = False
         self._pump()
 
     def _on_finished(self, reason: FinishReason, completion_tokens: int) -> None:
@@ -374,6 +383,7 @@ class Session:
         self.paused.set()
         self._trace.paused()
         log.debug("session %s paused at %d tokens", self.session_id.hex(), n_generated)
+        self._pump(progress=False)  # the pause checkpoint follows every recorded token
         attachment = self._attachment
         recorded = len(self.record.generated)
         # The engine may have run past the record (tokens after a stop sequence, or decoded by
@@ -519,8 +529,9 @@ class Session:
         if slot is not None:
             slot.release()
 
-    def _pump(self) -> None:
-        """Write every frame the attached reader has not been sent yet."""
+    def _pump(self, *, progress: bool = True) -> None:
+        """Write every frame the attached reader has not been sent yet (then, with
+        ``progress``, update its flow-control state, which may restart the engine)."""
         attachment = self._attachment
         if attachment is None:
             return
@@ -550,7 +561,8 @@ class Session:
             self._store.touch(self.record)
             self._check_idle()
             return
-        self.on_transport_progress()
+        if progress:
+            self.on_transport_progress()
 
     def _send_checkpoint(self, attachment: _Attachment, index: int) -> None:
         snapshot_hash = self._signer.mac(self._keys.current, index)
@@ -562,8 +574,9 @@ class Session:
     def _fail_reader(self, message: str) -> None:
         """End the reader's stream with ERROR(engine_unavailable); the session stays resumable
         (its tokens are on disk), so the client can come back once the engine is."""
+        self._pump(progress=False)  # every recorded token first
         attachment, self._attachment = self._attachment, None
-        if attachment is not None:  # it was sent every token already: _pump runs per token
+        if attachment is not None:
             self._transition(SessionEvent.READER_FAILED)
             error = proto.Error(code=proto.ErrorCode.ENGINE_UNAVAILABLE, message=message)
             attachment.port.send_frame(error, True)
