@@ -158,13 +158,8 @@ class Plan:
     loads: list[int]
     max_tokens: int
     repeats: int
-    quiet_below: float
-    quiet_patience_s: float
-
-    @property
-    def settle(self) -> Quiet:
-        """Call it to wait (bounded) until other processes leave the machine."""
-        return Quiet(self.quiet_below, self.quiet_patience_s)
+    settle: Quiet
+    """Called before every run: waits (bounded) until other processes leave the machine."""
 
 
 async def _measure_server(target: str, pid: int, drive: _Driver, plan: Plan) -> list[LoadResult]:
@@ -377,8 +372,7 @@ def main(argv: list[str] | None = None) -> int:
         loads=args.loads,
         max_tokens=args.max_tokens,
         repeats=args.repeats,
-        quiet_below=args.quiet_below,
-        quiet_patience_s=args.quiet_patience_s,
+        settle=Quiet(args.quiet_below, args.quiet_patience_s),
     )
     counts = sorted({min(n, args.parallel) for n in args.loads} | {1, args.parallel})
     _log(f"raw llama_decode loop: {counts} sequences per step")

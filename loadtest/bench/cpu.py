@@ -29,8 +29,10 @@ from pathlib import Path
 
 from loadtest.bench.load import run_quicsrv_load
 from loadtest.bench.machine import process_cpu_s
+from loadtest.bench.servers import Child, ServerSettings, quicsrv_server
+from quicsrv.config import probe_cpu_extra_buffers
 from quicsrv.devcerts import ensure_dev_certs
-from quicsrv.spawn import spawn_server
+from quicsrv.engine import default_model_path
 
 __all__ = ["ServerSpec", "main", "parse_spec"]
 
@@ -86,12 +88,12 @@ def _client_cpu_s() -> float:
 
 
 async def _one_run(
-    spec: ServerSpec, pid: int, port: int, ca: Path, args: argparse.Namespace, round_: int
+    spec: ServerSpec, server: Child, ca: Path, args: argparse.Namespace, round_: int
 ) -> Run:
-    server_before, client_before = process_cpu_s(pid), _client_cpu_s()
+    server_before, client_before = process_cpu_s(server.pid), _client_cpu_s()
     started = time.perf_counter()
     _, results = await run_quicsrv_load(
-        port,
+        server.port,
         ca,
         streams=args.streams,
         max_tokens=args.max_tokens,
@@ -107,53 +109,46 @@ async def _one_run(
         round=round_,
         tokens=tokens,
         tokens_per_s=tokens / wall_s,
-        server_us_per_token=1e6 * (process_cpu_s(pid) - server_before) / tokens,
+        server_us_per_token=1e6 * (process_cpu_s(server.pid) - server_before) / tokens,
         client_us_per_token=1e6 * (_client_cpu_s() - client_before) / tokens,
     )
 
 
-def _measure(specs: list[ServerSpec], args: argparse.Namespace, logs: Path) -> list[Run]:
+async def _measure(specs: list[ServerSpec], args: argparse.Namespace, logs: Path) -> list[Run]:
+    """Every server built as the side-by-side benchmark builds quicsrv (same model, threads,
+    context, flash attention), each warmed up, then the rounds."""
+    model = default_model_path()
+    settings = ServerSettings(model_path=model, cpu_extra_buffers=probe_cpu_extra_buffers(model))
     runs: list[Run] = []
-    with tempfile.TemporaryDirectory(prefix="quicsrv-cpu-") as tmp, contextlib.ExitStack() as stack:
+    with tempfile.TemporaryDirectory(prefix="quicsrv-cpu-") as tmp:
         certs = ensure_dev_certs(Path(tmp))
-        servers = []
-        for spec in specs:
-            server = stack.enter_context(
-                spawn_server(
-                    [
-                        "--host=127.0.0.1",
-                        "--port=0",
-                        f"--cert={certs.server_cert}",
-                        f"--key={certs.server_key}",
-                        f"--data-dir={Path(tmp) / spec.name}",
-                    ],
-                    log=logs / f"{spec.name}.log",
-                    cwd=spec.tree,
-                    # One client may take every slot; an older tree ignores what it lacks.
-                    env={
-                        "QUICSRV_MAX_ACTIVE_PER_CLIENT": str(args.streams),
-                        "QUICSRV_MAX_QUEUED_PER_CLIENT": "1000000",
-                        **spec.env,
-                    },
+        async with contextlib.AsyncExitStack() as stack:
+            servers: list[tuple[ServerSpec, Child]] = []
+            for spec in specs:
+                server = await stack.enter_async_context(
+                    quicsrv_server(
+                        settings,
+                        certs.server_cert,
+                        certs.server_key,
+                        logs / f"{spec.name}.log",
+                        tree=spec.tree,
+                        env=spec.env,
+                    )
                 )
-            )
-            asyncio.run(
-                run_quicsrv_load(
+                await run_quicsrv_load(
                     server.port, certs.ca_cert, streams=1, max_tokens=WARMUP_TOKENS, timeout_s=600
                 )
-            )
-            servers.append((spec, server))
-        for round_ in range(args.rounds):
-            for spec, server in servers if round_ % 2 == 0 else servers[::-1]:
-                run = asyncio.run(
-                    _one_run(spec, server.process.pid, server.port, certs.ca_cert, args, round_)
-                )
-                print(
-                    f"  {run.server} round {round_}: {run.tokens_per_s:.1f} tokens/s, server "
-                    f"{run.server_us_per_token:.0f} µs/token, client {run.client_us_per_token:.0f}",
-                    flush=True,
-                )
-                runs.append(run)
+                servers.append((spec, server))
+            for round_ in range(args.rounds):
+                for spec, server in servers if round_ % 2 == 0 else servers[::-1]:
+                    run = await _one_run(spec, server, certs.ca_cert, args, round_)
+                    print(
+                        f"  {run.server} round {round_}: {run.tokens_per_s:.1f} tokens/s, "
+                        f"server {run.server_us_per_token:.0f} µs/token, "
+                        f"client {run.client_us_per_token:.0f}",
+                        flush=True,
+                    )
+                    runs.append(run)
     return runs
 
 
@@ -199,7 +194,7 @@ def main(argv: list[str] | None = None) -> int:
     stamp = datetime.now(UTC).strftime("%Y%m%d-%H%M%S")
     logs = args.out / f"cpu-{stamp}-logs"
     logs.mkdir(parents=True, exist_ok=True)
-    runs = _measure(specs, args, logs)
+    runs = asyncio.run(_measure(specs, args, logs))
     table = _table(specs, runs, args)
     print(table)
     (args.out / f"cpu-{stamp}.md").write_text(table)

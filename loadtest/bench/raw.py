@@ -1,6 +1,6 @@
 """The raw engine ceiling: a bare ``llama_decode`` loop in this process, no server, no sampler.
 
-The context is built exactly as :class:`quicsrv.engine.llama.LlamaEngine` builds its own (same
+The context is built by the engine's own :func:`~quicsrv.engine.llama.open_context` (same
 ``n_ctx``, ``n_batch``, ``n_seq_max``, threads, flash attention), so the only differences from
 quicsrv are what quicsrv adds: scheduling, its sampler chain, framing, QUIC and the client.
 """
@@ -17,11 +17,13 @@ from dataclasses import dataclass
 import llama_cpp
 import numpy as np
 from llama_cpp import _logger as llama_cpp_logger
-from llama_cpp._internals import LlamaContext, LlamaModel
+from llama_cpp._internals import LlamaModel
 
 from loadtest.bench.machine import CpuMeter
 from loadtest.bench.servers import ServerSettings
 from loadtest.bench.stats import PROMPTS
+from quicsrv.config import engine_settings_for
+from quicsrv.engine.llama import open_context
 
 __all__ = ["BEST_VARIANT", "RawResult", "end_of_generation_tokens", "measure_raw"]
 
@@ -59,27 +61,18 @@ class RawResult:
 
 class _RawEngine:
     def __init__(self, settings: ServerSettings) -> None:
-        llama_cpp_logger.set_verbose(False)
-        llama_cpp.llama_backend_init()
-        model_params = llama_cpp.llama_model_default_params()
-        model_params.use_extra_bufts = settings.cpu_extra_buffers
-        self.model = LlamaModel(
-            path_model=str(settings.model_path), params=model_params, verbose=False
+        self.model, self.context = open_context(
+            engine_settings_for(
+                settings.model_path,
+                n_seq_max=settings.parallel,
+                context_per_sequence=settings.context_per_sequence,
+                n_batch=settings.n_batch,
+                n_threads=settings.n_threads,
+                flash_attn=settings.flash_attn,
+                kv_unified=settings.kv_unified,
+                cpu_extra_buffers=settings.cpu_extra_buffers,
+            )
         )
-        params = llama_cpp.llama_context_default_params()
-        params.n_ctx = settings.context_per_sequence * settings.parallel
-        params.n_batch = settings.n_batch
-        params.n_ubatch = settings.n_batch
-        params.n_seq_max = settings.parallel
-        params.n_threads = settings.n_threads
-        params.n_threads_batch = settings.n_threads
-        params.flash_attn_type = (
-            llama_cpp.LLAMA_FLASH_ATTN_TYPE_ENABLED
-            if settings.flash_attn
-            else llama_cpp.LLAMA_FLASH_ATTN_TYPE_DISABLED
-        )
-        params.kv_unified = settings.kv_unified
-        self.context = LlamaContext(model=self.model, params=params, verbose=False)
         self.memory = llama_cpp.llama_get_memory(self.context.ctx)
         self.n_batch = settings.n_batch
         self.batch = llama_cpp.llama_batch_init(settings.n_batch, 0, 1)

@@ -11,7 +11,7 @@ import contextlib
 import re
 import signal
 import sys
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -111,10 +111,12 @@ async def quicsrv_server(
     prefill_chunk: int | None = None,
     tree: Path | None = None,
     per_client_caps: bool = False,
+    env: Mapping[str, str] | None = None,
 ) -> AsyncIterator[Child]:
     """``quicsrv serve`` on 127.0.0.1 with an ephemeral UDP port; with ``tree``, the quicsrv of
     that checkout (``python -m`` imports from the working directory first). Without
-    ``per_client_caps`` the one client of a load run may take every slot and queue place."""
+    ``per_client_caps`` the one client of a load run may take every slot and queue place.
+    ``env``: more ``QUICSRV_*`` settings, over these."""
     args = [
         "--host=127.0.0.1",
         "--port=0",
@@ -126,21 +128,22 @@ async def quicsrv_server(
         f"--threads={settings.n_threads}",
     ]
     # Variables, not flags: an older checkout (``tree``) ignores the keys it does not know.
-    env = {
+    variables = {
         "QUICSRV_FLASH_ATTN": str(settings.flash_attn).lower(),
         "QUICSRV_CPU_EXTRA_BUFFERS": "on" if settings.cpu_extra_buffers else "off",
     }
     if not per_client_caps:
         # A load run puts every stream on one connection, which is one client: let it have
         # every slot and queue place, as the engine-only rows do.
-        env["QUICSRV_MAX_ACTIVE_PER_CLIENT"] = str(settings.parallel)
-        env["QUICSRV_MAX_QUEUED_PER_CLIENT"] = "1000000"
+        variables["QUICSRV_MAX_ACTIVE_PER_CLIENT"] = str(settings.parallel)
+        variables["QUICSRV_MAX_QUEUED_PER_CLIENT"] = "1000000"
     if prefill_chunk is not None:
-        env["QUICSRV_PREFILL_CHUNK_TOKENS"] = str(prefill_chunk)
+        variables["QUICSRV_PREFILL_CHUNK_TOKENS"] = str(prefill_chunk)
+    variables.update(env or {})
     log.unlink(missing_ok=True)
     started = spawn_server_async(
         args,
-        env=env,
+        env=variables,
         cwd=tree,
         log=log,
         start_timeout_s=STARTUP_TIMEOUT_S,

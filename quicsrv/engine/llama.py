@@ -45,6 +45,7 @@ __all__ = [
     "Overloaded",
     "check_admission",
     "check_request",
+    "open_context",
 ]
 
 log = logging.getLogger(__name__)
@@ -108,6 +109,33 @@ class EngineSettings:
     """One KV buffer for all sequences: faster at 8, but output then depends on the batch."""
     cpu_extra_buffers: bool = True
     """llama.cpp's extra CPU weight buffers (AMX, repacked layouts); off = the safe mode."""
+
+
+def open_context(settings: EngineSettings) -> tuple[LlamaModel, LlamaContext]:
+    """The model and one context for ``settings``: how the engine (and the benchmark's raw
+    loop, to compare like with like) sets llama.cpp up."""
+    llama_cpp_logger.set_verbose(False)
+    llama_cpp.llama_backend_init()
+    model_params = llama_cpp.llama_model_default_params()
+    # Off avoids llama.cpp's AMX buffer, whose batched matmul faults on some Xeons.
+    model_params.use_extra_bufts = settings.cpu_extra_buffers
+    model = LlamaModel(path_model=str(settings.model_path), params=model_params, verbose=False)
+    params = llama_cpp.llama_context_default_params()
+    params.n_ctx = settings.context_per_sequence * settings.n_seq_max
+    params.n_batch = settings.n_batch
+    params.n_ubatch = settings.n_batch
+    params.n_seq_max = settings.n_seq_max
+    params.n_threads = settings.n_threads
+    params.n_threads_batch = settings.n_threads
+    # Explicit, not "auto": the attention kernel changes the float results, and "auto"
+    # resolves differently across CPUs and builds (llama-cpp-python's Llama defaults to off).
+    params.flash_attn_type = (
+        llama_cpp.LLAMA_FLASH_ATTN_TYPE_ENABLED
+        if settings.flash_attn
+        else llama_cpp.LLAMA_FLASH_ATTN_TYPE_DISABLED
+    )
+    params.kv_unified = settings.kv_unified
+    return model, LlamaContext(model=model, params=params, verbose=False)
 
 
 class EngineObserver:
@@ -211,30 +239,7 @@ class LlamaEngine(ModelFacts):
     def __init__(self, settings: EngineSettings, observer: EngineObserver | None = None) -> None:
         self.settings = settings
         self._observer = observer or EngineObserver()
-        llama_cpp_logger.set_verbose(False)
-        llama_cpp.llama_backend_init()
-        model_params = llama_cpp.llama_model_default_params()
-        # Off avoids llama.cpp's AMX buffer, whose batched matmul faults on some Xeons.
-        model_params.use_extra_bufts = settings.cpu_extra_buffers
-        self._model = LlamaModel(
-            path_model=str(settings.model_path), params=model_params, verbose=False
-        )
-        params = llama_cpp.llama_context_default_params()
-        params.n_ctx = settings.context_per_sequence * settings.n_seq_max
-        params.n_batch = settings.n_batch
-        params.n_ubatch = settings.n_batch
-        params.n_seq_max = settings.n_seq_max
-        params.n_threads = settings.n_threads
-        params.n_threads_batch = settings.n_threads
-        # Explicit, not "auto": the attention kernel changes the float results, and "auto"
-        # resolves differently across CPUs and builds (llama-cpp-python's Llama defaults to off).
-        params.flash_attn_type = (
-            llama_cpp.LLAMA_FLASH_ATTN_TYPE_ENABLED
-            if settings.flash_attn
-            else llama_cpp.LLAMA_FLASH_ATTN_TYPE_DISABLED
-        )
-        params.kv_unified = settings.kv_unified
-        self._context = LlamaContext(model=self._model, params=params, verbose=False)
+        self._model, self._context = open_context(settings)
         self._memory = llama_cpp.llama_get_memory(self._context.ctx)
         self._batch = llama_cpp.llama_batch_init(settings.n_batch, 0, 1)
         self._n_vocab = self._model.n_vocab()
