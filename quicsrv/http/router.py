@@ -25,7 +25,7 @@ import json
 import logging
 import time
 import urllib.parse
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol
 
@@ -123,6 +123,11 @@ class SsePort:
 
     def send_frame(self, frame: proto.Frame, end_stream: bool) -> None:
         data = self._encoder.encode(frame)
+        if data or end_stream:
+            self._sink.write(data, end_stream)
+
+    def send_frames(self, frames: Sequence[proto.Frame], end_stream: bool) -> None:
+        data = b"".join([self._encoder.encode(frame) for frame in frames])
         if data or end_stream:
             self._sink.write(data, end_stream)
 

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -173,6 +174,10 @@ class CollectingPort:
                 self.answer.set_result(CollectedAnswer(text=text, end=frame))
         elif isinstance(frame, proto.Error):
             self.answer.set_exception(from_code(frame.code, frame.message, frame.retry_after_s))
+
+    def send_frames(self, frames: Sequence[proto.Frame], end_stream: bool) -> None:
+        for i, frame in enumerate(frames):
+            self.send_frame(frame, end_stream and i == len(frames) - 1)
 
     def sent_offset(self) -> int:
         return self._sent

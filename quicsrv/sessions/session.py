@@ -13,7 +13,7 @@ from __future__ import annotations
 import asyncio
 import logging
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Protocol
 
@@ -67,6 +67,9 @@ class StreamPort(Protocol):
     """
 
     def send_frame(self, frame: proto.Frame, end_stream: bool) -> None: ...
+
+    def send_frames(self, frames: Sequence[proto.Frame], end_stream: bool) -> None:
+        """Several frames in one write (on QUIC, one HTTP/3 DATA frame)."""
 
     def sent_offset(self) -> int:
         """Stream bytes written so far."""
@@ -218,7 +221,7 @@ class Session:
         self.idle.clear()
         self._store.touch(self.record)
         if from_index == 0:
-            self._send_checkpoint(attachment, -1)
+            port.send_frame(self._checkpoint(-1), False)
         self._pump()
         self._maybe_run()
 
@@ -389,7 +392,7 @@ class Session:
         # The engine may have run past the record (tokens after a stop sequence, or decoded by
         # a stale copy): those have no checkpoint, and signing one raised here before.
         if attachment is not None and attachment.next_index == recorded == n_generated:
-            self._send_checkpoint(attachment, n_generated - 1)
+            attachment.port.send_frame(self._checkpoint(n_generated - 1), False)
         self._maybe_run()
         self._check_idle()
 
@@ -539,14 +542,20 @@ class Session:
         every = self._flow.checkpoint_every_tokens
         # Only what the store holds durably goes out (the file store: every token at once).
         sendable = min(len(texts), self._store.durable_tokens(self.record))
+        # A burst's frames leave in one write (one HTTP/3 DATA frame, one QUIC stream write),
+        # at most a checkpoint interval of them, so a long replay is still acknowledged piece
+        # by piece: the reader holds a chunk's tokens once the chunk's last byte is acked.
+        chunk: list[proto.Frame] = []
         while attachment.next_index < sendable:
             i = attachment.next_index
-            frame = proto.Token(index=i, token_id=generated[i], text=texts[i])
-            attachment.port.send_frame(frame, False)
+            chunk.append(proto.Token(index=i, token_id=generated[i], text=texts[i]))
             attachment.next_index = i + 1
-            attachment.pending.append((i + 1, attachment.port.sent_offset()))
             if (i + 1) % every == 0:
-                self._send_checkpoint(attachment, i)
+                chunk.append(self._checkpoint(i))
+            if (i + 1) % every == 0 or i + 1 == sendable:
+                attachment.port.send_frames(chunk, False)
+                attachment.pending.append((i + 1, attachment.port.sent_offset()))
+                chunk = []
         end = self.record.end
         if end is not None and attachment.next_index >= len(generated):
             frame_end = proto.End(
@@ -564,12 +573,11 @@ class Session:
         if progress:
             self.on_transport_progress()
 
-    def _send_checkpoint(self, attachment: _Attachment, index: int) -> None:
+    def _checkpoint(self, index: int) -> proto.Checkpoint:
         snapshot_hash = self._signer.mac(self._keys.current, index)
-        frame = proto.Checkpoint(
+        return proto.Checkpoint(
             session_id=self.session_id, index=index, snapshot_hash=snapshot_hash
         )
-        attachment.port.send_frame(frame, False)
 
     def _fail_reader(self, message: str) -> None:
         """End the reader's stream with ERROR(engine_unavailable); the session stays resumable

@@ -30,7 +30,7 @@ import itertools
 import logging
 import socket
 from collections import Counter
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
 from functools import partial
 from pathlib import Path
@@ -110,6 +110,10 @@ class _StreamPort:
 
     def send_frame(self, frame: proto.Frame, end_stream: bool) -> None:
         self._protocol.send_data(self._stream_id, proto.encode_frame(frame), end_stream)
+
+    def send_frames(self, frames: Sequence[proto.Frame], end_stream: bool) -> None:
+        data = b"".join([proto.encode_frame(frame) for frame in frames])
+        self._protocol.send_data(self._stream_id, data, end_stream)
 
     def sent_offset(self) -> int:
         offsets = self._protocol.stream_offsets(self._stream_id)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+from collections.abc import Sequence
 
 import pytest
 
@@ -21,11 +22,17 @@ class FakePort:
         self.sent = bytearray()
         self.acked = 0
         self.ended = asyncio.Event()
+        self.writes: list[tuple[int, int]] = []  # each send_frames: (frames, offset after)
 
     def send_frame(self, frame: proto.Frame, end_stream: bool) -> None:
         self.sent.extend(proto.encode_frame(frame))
         if end_stream:
             self.ended.set()
+
+    def send_frames(self, frames: Sequence[proto.Frame], end_stream: bool) -> None:
+        for i, frame in enumerate(frames):
+            self.send_frame(frame, end_stream and i == len(frames) - 1)
+        self.writes.append((len(frames), len(self.sent)))
 
     def sent_offset(self) -> int:
         return len(self.sent)
@@ -165,6 +172,30 @@ async def test_a_reader_that_stops_acknowledging_pauses_the_engine(tmp_path):
     resumed = engine.handles[-1].request.resume
     assert resumed is not None and resumed.generated == tuple(range(1000, 1008))
     assert resumed.kv_state == b"kv"
+
+
+@pytest.mark.asyncio
+async def test_a_burst_leaves_in_one_write_per_checkpoint_interval(tmp_path):
+    engine = FakeEngine()
+    manager = _manager(tmp_path, engine, max_tokens_ahead=64)
+    session = manager.start(proto.Generate(prompt="hi", max_tokens=60), slot=await _slot(manager))
+    port = FakePort()
+    session.attach(port, 0)
+    engine.emit([b"x"] * 20)  # one burst, as one worker message delivers it
+    await _drain_callbacks()
+    # Tokens 0-15 and the checkpoint at 15, then tokens 16-19: two writes, not 21.
+    assert [frames for frames, _ in port.writes] == [17, 4]
+    # A reader holds a write's tokens once its last byte is acknowledged, not before.
+    (_, first_end), (_, second_end) = port.writes
+    port.acked = first_end - 1
+    session.on_transport_progress()
+    assert session.acknowledged_tokens == 0
+    port.acked = first_end
+    session.on_transport_progress()
+    assert session.acknowledged_tokens == 16
+    port.acked = second_end
+    session.on_transport_progress()
+    assert session.acknowledged_tokens == 20
 
 
 def test_limits_are_checked_before_admission():

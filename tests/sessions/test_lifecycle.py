@@ -9,6 +9,7 @@ from __future__ import annotations
 import asyncio
 import tempfile
 from collections import deque
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -181,6 +182,10 @@ class Reader:
         self.frames.append(frame)
         self.sent += len(proto.encode_frame(frame))
         self.ended = self.ended or end_stream
+
+    def send_frames(self, frames: Sequence[proto.Frame], end_stream: bool) -> None:
+        for i, frame in enumerate(frames):
+            self.send_frame(frame, end_stream and i == len(frames) - 1)
 
     def sent_offset(self) -> int:
         return self.sent
