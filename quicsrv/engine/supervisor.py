@@ -587,12 +587,12 @@ class WorkerEngine(ModelFacts):
 
     def _read_on_loop(self, link: _Link, fd: int) -> None:
         # Steps are a few hundred bytes sent in one write: a readable socket holds whole ones.
-        conn = link.conn
+        # One message per call: the selector calls again while more are buffered, and a
+        # ``poll()`` to look first would build a selector of its own every time.
         try:
-            while conn.poll():
-                message = conn.recv()
-                self._progress_at = time.monotonic()
-                self._deliver_steps(message, on_loop=True)
+            message = link.conn.recv()
+            self._progress_at = time.monotonic()
+            self._deliver_steps(message, on_loop=True)
         except (EOFError, OSError):
             asyncio.get_running_loop().remove_reader(fd)
             link.ended.set()
