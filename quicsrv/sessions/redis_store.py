@@ -26,6 +26,7 @@ each send.
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
 import secrets
 import socket
@@ -222,8 +223,11 @@ class RedisSessionStore(SessionStore):
         old = self._meta_bytes.get(record.session_id, 0)
         self._meta_bytes[record.session_id] = len(data)
         self._disk_bytes += len(data) - old
-        return self._writer.submit(
-            self._save_meta, record.session_id, data, int(record.expires_at_s * 1000)
+        return self._save_latest(
+            record.session_id,
+            functools.partial(
+                self._save_meta, record.session_id, data, int(record.expires_at_s * 1000)
+            ),
         )
 
     def remove(self, session: bytes, *, expired: bool = False) -> None:

@@ -13,10 +13,12 @@ tells when everything asked so far is done. Token appends stay where they are ca
 
 from __future__ import annotations
 
+import functools
 import logging
 import os
 import secrets
 import struct
+import threading
 from array import array
 from collections import OrderedDict
 from collections.abc import Callable, Iterator
@@ -162,6 +164,8 @@ class SessionStore:
         self._disk_bytes = 0
         # One thread, so the files change in the order they were asked to.
         self._writer = ThreadPoolExecutor(max_workers=1, thread_name_prefix="session-writer")
+        self._queue_lock = threading.Lock()
+        self._queued_saves: dict[bytes, tuple[Callable[[], None], Future[None]]] = {}
         if directory is not None:  # None: a subclass keeps the records elsewhere
             directory.mkdir(parents=True, exist_ok=True, mode=0o700)
             self._load()
@@ -183,12 +187,17 @@ class SessionStore:
 
     def has_room(self, evictable: Callable[[SessionRecord], bool]) -> bool:
         """Make room for one more session by evicting the stalest evictable ones."""
+        if self._has_room():
+            return True  # the usual case, without a walk over every session
         for record in list(self._records.values()):
-            if len(self._records) < self._max_sessions and self._disk_bytes < self._max_disk_bytes:
+            if self._has_room():
                 break
             if evictable(record):
                 log.info("session store full: evicting session %s", record.session_id.hex())
                 self.remove(record.session_id)
+        return self._has_room()
+
+    def _has_room(self) -> bool:
         return len(self._records) < self._max_sessions and self._disk_bytes < self._max_disk_bytes
 
     def add(self, record: SessionRecord) -> None:
@@ -233,7 +242,29 @@ class SessionStore:
         old = self._meta_bytes.get(record.session_id, 0)
         self._meta_bytes[record.session_id] = len(data)
         self._disk_bytes += len(data) - old
-        return self._writer.submit(_write_atomically, self._meta_path(record.session_id), data)
+        return self._save_latest(
+            record.session_id,
+            functools.partial(_write_atomically, self._meta_path(record.session_id), data),
+        )
+
+    def _save_latest(self, session: bytes, write: Callable[[], None]) -> Future[None]:
+        """Have the writer thread run ``write``, the newest metadata of ``session``. A write of
+        the same session still waiting takes its place: a request saves its record up to four
+        times, twice within one loop turn, and only the last of each pair needs the disk. The
+        future is done once data as new as this is written."""
+        with self._queue_lock:  # held across submit: the writer cannot pop before we store
+            queued = self._queued_saves.get(session)
+            if queued is not None:
+                self._queued_saves[session] = (write, queued[1])
+                return queued[1]
+            future = self._writer.submit(self._run_save, session)
+            self._queued_saves[session] = (write, future)
+            return future
+
+    def _run_save(self, session: bytes) -> None:
+        with self._queue_lock:
+            write, _ = self._queued_saves.pop(session)
+        write()
 
     def flush(self) -> Future[None]:
         """Done when every save and removal asked for so far is on disk."""

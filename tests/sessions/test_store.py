@@ -109,6 +109,7 @@ def test_saves_and_removals_run_on_the_writer_thread_in_order(tmp_path, monkeypa
     monkeypatch.setattr(Path, "unlink", unlink)
     record = _record(b"w" * 16)
     store.add(record)
+    store.flush().result(timeout=10)
     store.touch(record)
     store.remove(record.session_id)
     store.flush().result(timeout=10)
@@ -119,6 +120,35 @@ def test_saves_and_removals_run_on_the_writer_thread_in_order(tmp_path, monkeypa
     store.save(record)  # a late save of a removed session must not bring its file back
     store.close()
     assert not list(tmp_path.glob(f"{record.session_id.hex()}*"))
+
+
+def test_saves_waiting_for_the_writer_collapse_into_one_write_of_the_newest(tmp_path, monkeypatch):
+    store = _store(tmp_path)
+    writes: list[str] = []
+    real_replace = os.replace
+
+    def replace(src, dst):
+        writes.append(Path(dst).name)
+        real_replace(src, dst)
+
+    monkeypatch.setattr(os, "replace", replace)
+    gate = threading.Event()
+    store._writer.submit(gate.wait)  # the writer is busy: every save below has to wait
+    record = _record(b"s" * 16)
+    store.add(record)
+    store.touch(record)
+    first = store.save(record)
+    record.end = SessionEnd(EndReason.LENGTH, 0)
+    last = store.save(record)
+    other_record = _record(b"t" * 16)
+    store.add(other_record)
+    other = store.save(other_record)
+    gate.set()
+    for future in (first, last, other):
+        future.result(timeout=10)
+    assert sorted(writes) == sorted([f"{(b's' * 16).hex()}.meta", f"{(b't' * 16).hex()}.meta"])
+    again = _store(tmp_path).get(record.session_id)
+    assert again is not None and again.end == SessionEnd(EndReason.LENGTH, 0)
 
 
 def test_kv_blobs_spill_lru_to_disk_with_checksums(tmp_path):
