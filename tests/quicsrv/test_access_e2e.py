@@ -237,7 +237,9 @@ def _stall_stream_of(server: RunningServer, session_id: str) -> None:
     connection stays up (PINGs and ACKs flow): a stalled stream, as seen by the client."""
     session = server.sessions.live(bytes.fromhex(session_id))
     assert session is not None and session._attachment is not None
-    session._attachment.port.send_frame = lambda frame, end_stream: None  # type: ignore[method-assign]
+    port = session._attachment.port
+    port.send_frame = lambda frame, end_stream: None  # type: ignore[method-assign]
+    port.send_frames = lambda frames, end_stream: None  # type: ignore[method-assign]
 
 
 async def test_a_stalled_stream_is_resumed_and_the_output_is_exact(engine, certs):
