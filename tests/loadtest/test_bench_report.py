@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 from loadtest.bench.raw import BEST_VARIANT, RawResult
 from loadtest.bench.report import QUICSRV, Report
 from loadtest.bench.stats import LoadResult
@@ -88,3 +90,33 @@ def test_the_eight_stream_target_uses_the_fastest_raw_settings_of_the_round():
     assert report.paired_ratios(QUICSRV, 8, best=True) == [205.0 / 250.0]
     target = report.targets()[1]
     assert target[2] is False  # 82% of the fastest raw rate, though 102.5% of quicsrv's own
+
+
+def test_server_cpu_per_token_is_pooled_over_every_run_of_a_cell():
+    # One tick more or less in a short run moves its own figure by a lot; pooled, much less.
+    runs = [
+        dataclasses.replace(load(1, 100.0, round_), server_cpu_s=cpu_s)
+        for round_, cpu_s in enumerate((0.02, 0.03, 0.02))
+    ]
+    report = Report.build(META, [raw(1, 100.0, 0)], runs, [])
+    assert report.server_cpu_us_per_token(QUICSRV, 1) == 1e6 * 0.07 / 300
+    assert report.server_cpu_us_per_token(QUICSRV, 8) is None
+    row = next(line for line in report.markdown().splitlines() if line.startswith(f"| {QUICSRV}"))
+    assert "| 233 |" in row
+
+
+def test_the_cpu_target_compares_with_the_baseline_tree_pooled():
+    before = "quicsrv @ abc1234"
+    runs = [
+        dataclasses.replace(load(8, 100.0, 0), server_cpu_s=0.1),
+        dataclasses.replace(load(8, 100.0, 0, target=before), server_cpu_s=0.25),
+        dataclasses.replace(load(8, 100.0, 1), server_cpu_s=0.2),
+        dataclasses.replace(load(8, 100.0, 1, target=before), server_cpu_s=0.25),
+    ]
+    report = Report.build(META, [raw(8, 100.0, 0)], runs, [])
+    cpu = {what: (measured, met) for what, measured, met in report.targets()}
+    assert cpu[f"server CPU per token at 8 streams <= 50% of {before}"][1] is False  # 60%
+    assert cpu["server CPU per token at 1 stream <= 50% of the tree before (--baseline-tree)"] == (
+        "not measured",
+        None,
+    )
