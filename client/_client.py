@@ -524,8 +524,9 @@ class Client:
 
     async def open_request(
         self, path: str, frame: proto.Frame, session_id: str | None
-    ) -> AsyncIterator[Event]:
-        """One request stream's events, up to END (the machinery under :class:`Generation`)."""
+    ) -> AsyncIterator[list[Event]]:
+        """One request stream's events, up to END, a list per HTTP/3 event (the machinery
+        under :class:`Generation`)."""
         if path == GENERATE_PATH:
             # GENERATE is never sent as 0-RTT data: the server would refuse it (too_early).
             try:
@@ -556,10 +557,9 @@ class Client:
             protocol.h3.send_data(stream_id, proto.encode_frame(frame), end_stream=True)
             protocol.transmit()
             self._start_keepalive()
-            async for event in read_response(protocol, stream_id, queue):
-                if isinstance(event, GenerationEnded):
-                    finished = True
-                yield event
+            async for batch in read_response(protocol, stream_id, queue):
+                finished = isinstance(batch[-1], GenerationEnded)  # END comes last, if at all
+                yield batch
                 if finished:
                     return
             finished = True  # unreachable in practice: _read_response raises or ends on END

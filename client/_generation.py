@@ -67,8 +67,9 @@ class RequestSender(Protocol):
 
     def open_request(
         self, path: str, frame: proto.Frame, session_id: str | None
-    ) -> AsyncIterator[Event]:
-        """One request stream's events, up to and including END."""
+    ) -> AsyncIterator[list[Event]]:
+        """One request stream's events, up to and including END, in the batches they arrived
+        in (one per HTTP/3 event)."""
         ...
 
     async def reconnect(self) -> bool:
@@ -106,11 +107,12 @@ class Generation:
         self._failures = 0  # reconnect attempts since the last token
         self._streaming = False  # a token arrived: from now on, silence is a stall
         self._pending: deque[Event] = deque()
-        self._events = self._open(path, frame)
+        self._batches = self._open(path, frame)
 
-    def _open(self, path: str, frame: proto.Frame) -> AsyncGenerator[Event, None]:
+    def _open(self, path: str, frame: proto.Frame) -> AsyncGenerator[list[Event], None]:
         return cast(
-            AsyncGenerator[Event, None], self._client.open_request(path, frame, self.session_id)
+            AsyncGenerator[list[Event], None],
+            self._client.open_request(path, frame, self.session_id),
         )
 
     @property
@@ -131,15 +133,17 @@ class Generation:
     async def __anext__(self) -> Event:
         while not self._pending:
             try:
-                event = await self._next_event()
+                self._pending.extend(await self._next_batch())
             except TransportError as exc:
                 await self._resume_after(exc)
-                continue
-            self._pending.append(self._track(event))
-        return self._pending.popleft()
+        # Checked as the caller gets each event, so a bad one comes after every good one
+        # before it, and position never names a token the caller has not seen.
+        return self._track(self._pending.popleft())
 
-    async def _next_event(self) -> Event:
-        """The stream's next event; StallTimeout after ``stall_timeout_s`` of silence.
+    async def _next_batch(self) -> list[Event]:
+        """The stream's next events (what one DATA chunk carried: a burst of tokens arrives in
+        one, and is waited for, with its stall clock, once); StallTimeout after
+        ``stall_timeout_s`` of silence.
 
         The clock runs only while the caller waits for an event: a caller that stops reading
         pauses the generation by design, and that is no stall. Before the first token (of
@@ -148,13 +152,13 @@ class Generation:
         """
         stall_s = self._client.stall_timeout_s
         if stall_s is None or not self._streaming or self._ended:
-            return await self._events.__anext__()
+            return await self._batches.__anext__()
         try:
             async with asyncio.timeout(stall_s):
-                return await self._events.__anext__()
+                return await self._batches.__anext__()
         except TimeoutError:
             # The stream was cancelled as the wait was (the server pauses the session).
-            await self._events.aclose()
+            await self._batches.aclose()
             raise StallTimeout(
                 f"no event for {stall_s:g} s after token {self.last_index} while the "
                 "connection is alive"
@@ -209,7 +213,7 @@ class Generation:
                 snapshot_hash=position.snapshot_hash,
                 hash_index=position.checkpoint_index,
             )
-            self._events = self._open(RESUME_PATH, frame)
+            self._batches = self._open(RESUME_PATH, frame)
             # The resumed stream may wait for a slot and rebuild its KV cells first: like a
             # new request before its first token, that is no stall.
             self._streaming = False
@@ -229,7 +233,7 @@ class Generation:
 
     async def aclose(self) -> None:
         """Abandon the generation (the server stops it within a token); after END, nothing."""
-        await self._events.aclose()
+        await self._batches.aclose()
 
     async def __aenter__(self) -> Generation:
         return self
@@ -265,8 +269,9 @@ async def collect(events: Generation) -> GenerationResult:
 
 async def read_response(
     protocol: H3Protocol, stream_id: int, queue: asyncio.Queue[StreamItem]
-) -> AsyncIterator[Event]:
-    """Turn one request stream's H3 events into client events; stops after END."""
+) -> AsyncIterator[list[Event]]:
+    """Turn one request stream's H3 events into client events, a list per H3 event (a burst
+    of tokens is one DATA chunk); stops after END."""
     status: int | None = None
     decoder = proto.FrameDecoder()
     while True:
@@ -275,12 +280,15 @@ async def read_response(
             raise item
         h3_event, offset = item
         protocol.mark_consumed(stream_id, offset)
+        batch: list[Event] = []
         if isinstance(h3_event, HeadersReceived):
             if status is None:
                 status, session, resume_path, early = _parse_headers(h3_event.headers)
                 if session is not None and status == 200:
-                    yield SessionStarted(
-                        session_id=session, resume_path=resume_path, early_data=early
+                    batch.append(
+                        SessionStarted(
+                            session_id=session, resume_path=resume_path, early_data=early
+                        )
                     )
             frames: list[proto.Frame] = []  # trailers carry nothing we use
         elif isinstance(h3_event, DataReceived):
@@ -294,41 +302,55 @@ async def read_response(
             continue
         for frame in frames:
             assert status is not None
-            if isinstance(frame, proto.Error):
-                raise ServerError(
-                    frame.code,
-                    frame.message,
-                    http_status=status,
-                    retry_after_s=frame.retry_after_s,
+            if isinstance(frame, proto.Token) and status == 200:
+                batch.append(
+                    TokenReceived(index=frame.index, token_id=frame.token_id, text=frame.text)
                 )
-            if status != 200:
-                raise ProtocolError(
-                    f"HTTP {status} response body holds {type(frame).__name__}, not ERROR",
-                    proto.ErrorCode.UNEXPECTED_FRAME,
+            elif isinstance(frame, proto.Checkpoint) and status == 200:
+                batch.append(
+                    CheckpointReceived(index=frame.index, snapshot_hash=frame.snapshot_hash)
                 )
-            if isinstance(frame, proto.Token):
-                yield TokenReceived(index=frame.index, token_id=frame.token_id, text=frame.text)
-            elif isinstance(frame, proto.Checkpoint):
-                yield CheckpointReceived(index=frame.index, snapshot_hash=frame.snapshot_hash)
-            elif isinstance(frame, proto.End):
-                yield GenerationEnded(
-                    reason=frame.reason,
-                    prompt_tokens=frame.prompt_tokens,
-                    completion_tokens=frame.completion_tokens,
-                    text=frame.text,
+            elif isinstance(frame, proto.End) and status == 200:
+                batch.append(
+                    GenerationEnded(
+                        reason=frame.reason,
+                        prompt_tokens=frame.prompt_tokens,
+                        completion_tokens=frame.completion_tokens,
+                        text=frame.text,
+                    )
                 )
+                yield batch
                 return
             else:
-                raise ProtocolError(
-                    f"unexpected {type(frame).__name__} frame from the server",
-                    proto.ErrorCode.UNEXPECTED_FRAME,
-                )
+                if batch:
+                    yield batch  # what came before the bad frame is the caller's
+                raise _unexpected(frame, status)
+        if batch:
+            yield batch
         if h3_event.stream_ended:
             with map_exceptions():
                 decoder.end_of_stream()
             if status is not None and status != 200:
                 raise ServerError(0, f"HTTP {status} without an ERROR frame", http_status=status)
             raise NetworkError("stream ended before the END frame")
+
+
+def _unexpected(frame: proto.Frame, status: int) -> ServerError | ProtocolError:
+    """What a frame the response may not hold there means: the server's ERROR, or a
+    protocol error."""
+    if isinstance(frame, proto.Error):
+        return ServerError(
+            frame.code, frame.message, http_status=status, retry_after_s=frame.retry_after_s
+        )
+    if status != 200:
+        return ProtocolError(
+            f"HTTP {status} response body holds {type(frame).__name__}, not ERROR",
+            proto.ErrorCode.UNEXPECTED_FRAME,
+        )
+    return ProtocolError(
+        f"unexpected {type(frame).__name__} frame from the server",
+        proto.ErrorCode.UNEXPECTED_FRAME,
+    )
 
 
 def _parse_headers(
