@@ -302,29 +302,15 @@ async def read_response(
             continue
         for frame in frames:
             assert status is not None
-            if isinstance(frame, proto.Token) and status == 200:
-                batch.append(
-                    TokenReceived(index=frame.index, token_id=frame.token_id, text=frame.text)
-                )
-            elif isinstance(frame, proto.Checkpoint) and status == 200:
-                batch.append(
-                    CheckpointReceived(index=frame.index, snapshot_hash=frame.snapshot_hash)
-                )
-            elif isinstance(frame, proto.End) and status == 200:
-                batch.append(
-                    GenerationEnded(
-                        reason=frame.reason,
-                        prompt_tokens=frame.prompt_tokens,
-                        completion_tokens=frame.completion_tokens,
-                        text=frame.text,
-                    )
-                )
-                yield batch
-                return
-            else:
+            event = _event(frame) if status == 200 else None
+            if event is None:
                 if batch:
                     yield batch  # what came before the bad frame is the caller's
                 raise _unexpected(frame, status)
+            batch.append(event)
+            if isinstance(event, GenerationEnded):
+                yield batch
+                return
         if batch:
             yield batch
         if h3_event.stream_ended:
@@ -333,6 +319,22 @@ async def read_response(
             if status is not None and status != 200:
                 raise ServerError(0, f"HTTP {status} without an ERROR frame", http_status=status)
             raise NetworkError("stream ended before the END frame")
+
+
+def _event(frame: proto.Frame) -> Event | None:
+    """The client event a frame of a 200 response stands for; None: it may not be there."""
+    if isinstance(frame, proto.Token):
+        return TokenReceived(index=frame.index, token_id=frame.token_id, text=frame.text)
+    if isinstance(frame, proto.Checkpoint):
+        return CheckpointReceived(index=frame.index, snapshot_hash=frame.snapshot_hash)
+    if isinstance(frame, proto.End):
+        return GenerationEnded(
+            reason=frame.reason,
+            prompt_tokens=frame.prompt_tokens,
+            completion_tokens=frame.completion_tokens,
+            text=frame.text,
+        )
+    return None
 
 
 def _unexpected(frame: proto.Frame, status: int) -> ServerError | ProtocolError:

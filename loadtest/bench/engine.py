@@ -16,7 +16,7 @@ from collections.abc import Callable, Iterable
 from loadtest.bench.machine import CpuMeter
 from loadtest.bench.servers import ServerSettings
 from loadtest.bench.stats import PROMPTS, LoadResult, StreamResult, summarise
-from quicsrv.config import ServerConfig, engine_settings_for
+from quicsrv.config import ServerConfig
 from quicsrv.engine import FinishReason, SamplingParams, SequenceRequest
 from quicsrv.engine.llama import LlamaEngine
 
@@ -83,18 +83,7 @@ def measure_engine(
     """Every load ``repeats`` times against one engine built like ``quicsrv serve`` builds it."""
     # ``quicsrv serve`` takes its chunk from ServerConfig, whatever EngineSettings defaults to.
     chunk = ServerConfig().prefill_chunk_tokens if prefill_chunk is None else prefill_chunk
-    engine = LlamaEngine(
-        engine_settings_for(
-            settings.model_path,
-            n_seq_max=settings.parallel,
-            context_per_sequence=settings.context_per_sequence,
-            n_batch=settings.n_batch,
-            n_threads=settings.n_threads,
-            flash_attn=settings.flash_attn,
-            cpu_extra_buffers=settings.cpu_extra_buffers,
-            prefill_chunk=chunk,
-        )
-    )
+    engine = LlamaEngine(settings.engine_settings(prefill_chunk=chunk))
     try:
         _run(engine, 1, 4)
         results: list[LoadResult] = []

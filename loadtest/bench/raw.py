@@ -22,7 +22,6 @@ from llama_cpp._internals import LlamaModel
 from loadtest.bench.machine import CpuMeter
 from loadtest.bench.servers import ServerSettings
 from loadtest.bench.stats import PROMPTS
-from quicsrv.config import engine_settings_for
 from quicsrv.engine.llama import open_context
 
 __all__ = ["BEST_VARIANT", "RawResult", "end_of_generation_tokens", "measure_raw"]
@@ -61,18 +60,7 @@ class RawResult:
 
 class _RawEngine:
     def __init__(self, settings: ServerSettings) -> None:
-        self.model, self.context = open_context(
-            engine_settings_for(
-                settings.model_path,
-                n_seq_max=settings.parallel,
-                context_per_sequence=settings.context_per_sequence,
-                n_batch=settings.n_batch,
-                n_threads=settings.n_threads,
-                flash_attn=settings.flash_attn,
-                kv_unified=settings.kv_unified,
-                cpu_extra_buffers=settings.cpu_extra_buffers,
-            )
-        )
+        self.model, self.context = open_context(settings.engine_settings())
         self.memory = llama_cpp.llama_get_memory(self.context.ctx)
         self.n_batch = settings.n_batch
         self.batch = llama_cpp.llama_batch_init(settings.n_batch, 0, 1)

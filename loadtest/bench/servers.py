@@ -14,8 +14,13 @@ import sys
 from collections.abc import AsyncIterator, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING, Any
 
+from quicsrv.config import engine_settings_for
 from quicsrv.spawn import ServerDidNotStart, spawn_server_async
+
+if TYPE_CHECKING:
+    from quicsrv.engine.llama import EngineSettings
 
 __all__ = ["Child", "ServerSettings", "llama_cpp_server", "quicsrv_server"]
 
@@ -48,6 +53,20 @@ class ServerSettings:
     """Raw loop only: quicsrv keeps it off (a sequence's output would depend on the batch)."""
     cpu_extra_buffers: bool = True
     """llama.cpp's extra CPU weight buffers (AMX); quicsrv's canary decides (``probe``)."""
+
+    def engine_settings(self, **changes: Any) -> EngineSettings:
+        """The engine settings these make, with ``changes`` (the in-process rows)."""
+        return engine_settings_for(
+            self.model_path,
+            n_seq_max=self.parallel,
+            context_per_sequence=self.context_per_sequence,
+            n_batch=self.n_batch,
+            n_threads=self.n_threads,
+            flash_attn=self.flash_attn,
+            kv_unified=self.kv_unified,
+            cpu_extra_buffers=self.cpu_extra_buffers,
+            **changes,
+        )
 
 
 async def _drain(

@@ -55,8 +55,9 @@ def _pickled_as_fields(cls: type[_T]) -> type[_T]:
     through ``dataclasses._dataclass_setstate`` (a ``fields()`` walk and an
     ``object.__setattr__`` per field): four times slower to load, on the event loop, for every
     event of every step."""
-    get = attrgetter(*(f.name for f in fields(cls)))  # type: ignore[arg-type]
-    single = len(fields(cls)) == 1  # type: ignore[arg-type]
+    names = [f.name for f in fields(cls)]  # type: ignore[arg-type]
+    get = attrgetter(*names)
+    single = len(names) == 1  # attrgetter of one name returns the value, not a tuple
 
     def __reduce__(self: Any) -> tuple[type[_T], tuple[object, ...]]:
         values = get(self)

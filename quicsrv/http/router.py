@@ -126,10 +126,10 @@ class SsePort:
         if data or end_stream:
             self._sink.write(data, end_stream)
 
-    def send_frames(self, frames: Sequence[proto.Frame], end_stream: bool) -> None:
+    def send_frames(self, frames: Sequence[proto.Frame]) -> None:
         data = b"".join([self._encoder.encode(frame) for frame in frames])
-        if data or end_stream:
-            self._sink.write(data, end_stream)
+        if data:
+            self._sink.write(data, False)
 
     def sent_offset(self) -> int:
         return self._sink.sent_offset()

@@ -175,9 +175,9 @@ class CollectingPort:
         elif isinstance(frame, proto.Error):
             self.answer.set_exception(from_code(frame.code, frame.message, frame.retry_after_s))
 
-    def send_frames(self, frames: Sequence[proto.Frame], end_stream: bool) -> None:
-        for i, frame in enumerate(frames):
-            self.send_frame(frame, end_stream and i == len(frames) - 1)
+    def send_frames(self, frames: Sequence[proto.Frame]) -> None:
+        for frame in frames:
+            self.send_frame(frame, False)
 
     def sent_offset(self) -> int:
         return self._sent

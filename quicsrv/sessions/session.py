@@ -68,8 +68,8 @@ class StreamPort(Protocol):
 
     def send_frame(self, frame: proto.Frame, end_stream: bool) -> None: ...
 
-    def send_frames(self, frames: Sequence[proto.Frame], end_stream: bool) -> None:
-        """Several frames in one write (on QUIC, one HTTP/3 DATA frame)."""
+    def send_frames(self, frames: Sequence[proto.Frame]) -> None:
+        """Several frames in one write (on QUIC, one HTTP/3 DATA frame); the stream goes on."""
 
     def sent_offset(self) -> int:
         """Stream bytes written so far."""
@@ -550,10 +550,11 @@ class Session:
             i = attachment.next_index
             chunk.append(proto.Token(index=i, token_id=generated[i], text=texts[i]))
             attachment.next_index = i + 1
-            if (i + 1) % every == 0:
+            at_checkpoint = (i + 1) % every == 0
+            if at_checkpoint:
                 chunk.append(self._checkpoint(i))
-            if (i + 1) % every == 0 or i + 1 == sendable:
-                attachment.port.send_frames(chunk, False)
+            if at_checkpoint or i + 1 == sendable:
+                attachment.port.send_frames(chunk)
                 attachment.pending.append((i + 1, attachment.port.sent_offset()))
                 chunk = []
         end = self.record.end

@@ -111,9 +111,9 @@ class _StreamPort:
     def send_frame(self, frame: proto.Frame, end_stream: bool) -> None:
         self._protocol.send_data(self._stream_id, proto.encode_frame(frame), end_stream)
 
-    def send_frames(self, frames: Sequence[proto.Frame], end_stream: bool) -> None:
+    def send_frames(self, frames: Sequence[proto.Frame]) -> None:
         data = b"".join([proto.encode_frame(frame) for frame in frames])
-        self._protocol.send_data(self._stream_id, data, end_stream)
+        self._protocol.send_data(self._stream_id, data, False)
 
     def sent_offset(self) -> int:
         offsets = self._protocol.stream_offsets(self._stream_id)

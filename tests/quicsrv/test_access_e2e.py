@@ -239,7 +239,7 @@ def _stall_stream_of(server: RunningServer, session_id: str) -> None:
     assert session is not None and session._attachment is not None
     port = session._attachment.port
     port.send_frame = lambda frame, end_stream: None  # type: ignore[method-assign]
-    port.send_frames = lambda frames, end_stream: None  # type: ignore[method-assign]
+    port.send_frames = lambda frames: None  # type: ignore[method-assign]
 
 
 async def test_a_stalled_stream_is_resumed_and_the_output_is_exact(engine, certs):

@@ -29,9 +29,9 @@ class FakePort:
         if end_stream:
             self.ended.set()
 
-    def send_frames(self, frames: Sequence[proto.Frame], end_stream: bool) -> None:
-        for i, frame in enumerate(frames):
-            self.send_frame(frame, end_stream and i == len(frames) - 1)
+    def send_frames(self, frames: Sequence[proto.Frame]) -> None:
+        for frame in frames:
+            self.send_frame(frame, False)
         self.writes.append((len(frames), len(self.sent)))
 
     def sent_offset(self) -> int:

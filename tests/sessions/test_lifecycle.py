@@ -183,9 +183,9 @@ class Reader:
         self.sent += len(proto.encode_frame(frame))
         self.ended = self.ended or end_stream
 
-    def send_frames(self, frames: Sequence[proto.Frame], end_stream: bool) -> None:
-        for i, frame in enumerate(frames):
-            self.send_frame(frame, end_stream and i == len(frames) - 1)
+    def send_frames(self, frames: Sequence[proto.Frame]) -> None:
+        for frame in frames:
+            self.send_frame(frame, False)
 
     def sent_offset(self) -> int:
         return self.sent
