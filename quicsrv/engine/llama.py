@@ -21,6 +21,7 @@ from pathlib import Path
 
 import llama_cpp
 import numpy as np
+import numpy.typing as npt
 from llama_cpp import _logger as llama_cpp_logger
 from llama_cpp._internals import LlamaContext, LlamaModel
 
@@ -244,6 +245,7 @@ class LlamaEngine(ModelFacts):
         self._batch = llama_cpp.llama_batch_init(settings.n_batch, 0, 1)
         self._n_vocab = self._model.n_vocab()
         self.vocabulary = Vocabulary(self._model, file_digest(settings.model_path))
+        self._logit_views: dict[int, npt.NDArray[np.float32]] = {}
         self._inbox: queue.SimpleQueue[_Sequence | None] = queue.SimpleQueue()
         self._waiting: deque[_Sequence] = deque()
         self._active: list[_Sequence] = []
@@ -335,21 +337,18 @@ class LlamaEngine(ModelFacts):
 
     def _step(self) -> bool:
         idle = not self._active and not self._waiting
-        while True:
-            try:
-                item = self._inbox.get(block=idle)
-            except queue.Empty:
-                break
+        while idle or not self._inbox.empty():
+            item = self._inbox.get(block=idle)
             if item is None:
                 for sequence in [*self._active, *self._waiting]:
                     self._finish(sequence, FinishReason.SHUTDOWN)
                 return False
             self._waiting.append(item)
             idle = False
-        for sequence in [s for s in [*self._active, *self._waiting] if s.cancelled]:
-            self._finish(sequence, FinishReason.CANCELLED)
         for sequence in [*self._active, *self._waiting]:
-            if sequence.pause_requested or self._out_of_allowance(sequence):
+            if sequence.cancelled:
+                self._finish(sequence, FinishReason.CANCELLED)
+            elif sequence.pause_requested or self._out_of_allowance(sequence):
                 self._pause(sequence)
         while self._waiting and self._free_ids:
             sequence = self._waiting.popleft()
@@ -474,11 +473,27 @@ class LlamaEngine(ModelFacts):
         batch.seq_id[i][0] = seq_id
         batch.logits[i] = logits
 
+    def _logits(self, position: int) -> npt.NDArray[np.float32]:
+        """The logits row of batch entry ``position``, as a view (no copy) of llama.cpp's."""
+        address = ctypes.cast(
+            llama_cpp.llama_get_logits_ith(self._context.ctx, position), ctypes.c_void_p
+        ).value
+        if address is None:
+            raise RuntimeError(f"llama.cpp has no logits for batch entry {position}")
+        view = self._logit_views.get(address)
+        if view is None:
+            # Rows sit at the same addresses step after step, so their views are kept: making
+            # one costs more than the argmax over it. A new output buffer brings new addresses.
+            if len(self._logit_views) >= 4 * self.settings.n_batch:
+                self._logit_views.clear()
+            view = np.ctypeslib.as_array(
+                ctypes.cast(address, ctypes.POINTER(ctypes.c_float)), shape=(self._n_vocab,)
+            )
+            self._logit_views[address] = view
+        return view
+
     def _sample(self, sequence: _Sequence, position: int) -> None:
-        pointer = llama_cpp.llama_get_logits_ith(self._context.ctx, position)
-        logits = np.ctypeslib.as_array(
-            ctypes.cast(pointer, ctypes.POINTER(ctypes.c_float)), shape=(self._n_vocab,)
-        )
+        logits = self._logits(position)
         index = sequence.generated
         replayed = bool(sequence.forced)
         token = sequence.forced.popleft() if replayed else sequence.sampler.sample(logits, index)

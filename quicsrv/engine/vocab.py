@@ -27,6 +27,11 @@ class Vocabulary:
         self._owned = False
         self.model_digest = model_digest
         self._chat = _chat_formatter(model)
+        # Filled as tokens are met: the decode thread asks for every token it samples, and a
+        # list index is cheaper there than a ctypes call (into cache lines a decode evicted).
+        n_vocab = int(model.n_vocab())
+        self._pieces: list[bytes | None] = [None] * n_vocab
+        self._end_of_generation = bytearray(n_vocab)  # 0: not looked up, 1: no, 2: yes
 
     @classmethod
     def load(cls, model_path: Path) -> Vocabulary:
@@ -55,10 +60,20 @@ class Vocabulary:
         return str(self._chat(messages=messages).prompt)  # type: ignore[arg-type]
 
     def is_end_of_generation(self, token_id: int) -> bool:
-        return bool(llama_cpp.llama_vocab_is_eog(self._model.vocab, token_id))
+        known = self._end_of_generation[_checked(token_id)]
+        if not known:
+            known = 2 if llama_cpp.llama_vocab_is_eog(self._model.vocab, token_id) else 1
+            self._end_of_generation[token_id] = known
+        return known == 2
 
     def piece(self, token_id: int) -> bytes:
         """The token's bytes (possibly part of a UTF-8 character)."""
+        piece = self._pieces[_checked(token_id)]
+        if piece is None:
+            piece = self._pieces[token_id] = self._look_up_piece(token_id)
+        return piece
+
+    def _look_up_piece(self, token_id: int) -> bytes:
         size = 64
         while True:
             buffer = ctypes.create_string_buffer(size)
@@ -71,6 +86,13 @@ class Vocabulary:
         if self._owned:
             self._model.close()  # type: ignore[no-untyped-call]
             self._owned = False
+
+
+def _checked(token_id: int) -> int:
+    # A negative id would index the caches from the end; one past the vocabulary raises there.
+    if token_id < 0:
+        raise IndexError(f"token id {token_id} is negative")
+    return token_id
 
 
 def _chat_formatter(model: LlamaModel) -> Jinja2ChatFormatter | None:

@@ -327,10 +327,11 @@ class Router:
         return _json(200, body, ((SESSION_HEADER, session.session_id.hex().encode()),))
 
     async def _start(self, request: HttpRequest, who: ClientId, frame: proto.Generate) -> Session:
-        """The native GENERATE path's steps: tokenize off the loop, wait for a fair slot,
-        start, and answer only once the session record is on disk (so it can be resumed)."""
+        """The native GENERATE path's steps: tokenize (a long prompt off the loop), wait for a
+        fair slot, start, and answer only once the session record is on disk (so it can be
+        resumed)."""
         sessions = self._sessions
-        prepared = await asyncio.to_thread(sessions.prepare, frame)
+        prepared = await sessions.prepare_off_loop(frame)
         loop = asyncio.get_running_loop()
         slot = await sessions.admit(
             who.name, waited_s=loop.time() - request.arrived_at, deadline_ms=frame.deadline_ms

@@ -300,8 +300,8 @@ class _H3ServerProtocol(QuicConnectionProtocol):
         answering = _Answering(request)
         self._answering[request.stream_id] = answering
         if isinstance(action, StartGeneration):
-            # Tokenizing (and rendering a chat template) takes milliseconds per thousand
-            # tokens: off the loop, which meanwhile serves every other stream.
+            # On a task: a long prompt is tokenized on a thread (milliseconds per thousand
+            # tokens), while the loop serves every other stream.
             answering.starting = asyncio.get_running_loop().create_task(
                 self._guarded(answering, partial(self._start_generation, answering, action.frame))
             )
@@ -351,7 +351,7 @@ class _H3ServerProtocol(QuicConnectionProtocol):
     async def _start_generation(self, answering: _Answering, frame: proto.Generate) -> None:
         sessions = self._app.sessions
         request = answering.request
-        prepared = await asyncio.to_thread(sessions.prepare, frame)
+        prepared = await sessions.prepare_off_loop(frame)
         if self._answering.get(request.stream_id) is not answering:
             return  # the stream went away meanwhile: nothing was started
         loop = asyncio.get_running_loop()

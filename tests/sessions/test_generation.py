@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import threading
 from collections.abc import Sequence
 
 import pytest
@@ -12,6 +13,7 @@ from quicsrv.config import session_settings_for
 from quicsrv.engine import FinishReason
 from quicsrv.sessions import RequestRejected, SessionManager, build_request
 from quicsrv.sessions.admission import Slot
+from quicsrv.sessions.generation import INLINE_PROMPT_CHARS
 from tests.fakes import FakeEngine
 
 
@@ -207,3 +209,34 @@ def test_limits_are_checked_before_admission():
         build_request(engine, proto.Generate(prompt="x", max_tokens=65), max_tokens_limit=64)
     assert over.value.code == proto.ErrorCode.INVALID_FIELD
     assert not engine.sinks
+
+
+class _ThreadRecordingEngine(FakeEngine):
+    """Notes the thread each prompt is tokenized on."""
+
+    def __init__(self) -> None:
+        super().__init__(context_per_sequence=4096)
+        self.tokenized_on: list[int] = []
+
+    def tokenize(self, text: str, *, add_special: bool) -> list[int]:
+        self.tokenized_on.append(threading.get_ident())
+        return super().tokenize(text, add_special=add_special)
+
+
+@pytest.mark.asyncio
+async def test_a_short_prompt_is_tokenized_on_the_loop_and_a_long_one_on_a_thread(tmp_path):
+    engine = _ThreadRecordingEngine()
+    manager = SessionManager(engine, session_settings_for(tmp_path, max_tokens_limit=64))
+    loop_thread = threading.get_ident()
+    many_empty = [proto.ChatMessage(role="user", content="")] * 64
+    frames = [
+        proto.Generate(prompt="x" * INLINE_PROMPT_CHARS, max_tokens=4),
+        proto.Generate(prompt="x" * (INLINE_PROMPT_CHARS + 1), max_tokens=4),
+        proto.Generate(messages=(proto.ChatMessage(role="user", content="hi"),), max_tokens=4),
+        proto.Generate(messages=tuple(many_empty), max_tokens=4),
+    ]
+    for frame in frames:
+        request = await manager.prepare_off_loop(frame)
+        assert request.prompt_tokens == tuple(manager.prepare(frame).prompt_tokens)
+    on_loop = [thread == loop_thread for thread in engine.tokenized_on[::2]]
+    assert on_loop == [True, False, True, False]
