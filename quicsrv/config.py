@@ -232,6 +232,7 @@ class ServerConfig:
             low_watermark_bytes=self.send_low_watermark_bytes,
             checkpoint_every_tokens=self.checkpoint_every_tokens,
             inexact_reprefill=self.inexact_reprefill,
+            coalesce_s=self.token_coalesce_ms / 1000,
         )
 
     def socket_options(self) -> SocketOptions:

@@ -24,7 +24,7 @@ from collections import deque
 from collections.abc import Callable
 from typing import Any, cast
 
-__all__ = ["DelayLine"]
+__all__ = ["DelayLine", "DelayRelay"]
 
 Address = tuple[Any, ...]
 
@@ -77,7 +77,7 @@ class _Echo(asyncio.DatagramProtocol):
 class _Upstream(asyncio.DatagramProtocol):
     """One client's socket towards the server: answers go back through the delay line."""
 
-    def __init__(self, relay: _Relay, client: Address) -> None:
+    def __init__(self, relay: DelayRelay, client: Address) -> None:
         self.relay = relay
         self.client = client
         self.line = DelayLine(relay.delay_s)  # server -> client
@@ -93,7 +93,10 @@ class _Upstream(asyncio.DatagramProtocol):
             self.line.push(lambda: downstream.sendto(data, client))
 
 
-class _Relay(asyncio.DatagramProtocol):
+class DelayRelay(asyncio.DatagramProtocol):
+    """Forwards each client's datagrams to ``target`` and the answers back, each held
+    ``delay_s`` (bind it with ``loop.create_datagram_endpoint``)."""
+
     def __init__(self, target: tuple[str, int], delay_s: float) -> None:
         self.target = target
         self.delay_s = delay_s
@@ -104,6 +107,14 @@ class _Relay(asyncio.DatagramProtocol):
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         self.transport = cast(asyncio.DatagramTransport, transport)
+
+    def close(self) -> None:
+        """Close its socket and every client's socket towards the target."""
+        for upstream in self._upstreams.values():
+            if upstream.transport is not None:
+                upstream.transport.close()
+        if self.transport is not None:
+            self.transport.close()
 
     def datagram_received(self, data: bytes, addr: Address) -> None:
         line = self._lines.get(addr)
@@ -146,7 +157,7 @@ async def _serve(args: argparse.Namespace) -> None:
     if relaying:
         host, _, port = args.target.rpartition(":")
         await loop.create_datagram_endpoint(
-            lambda: _Relay((host, int(port)), delay_s), local_addr=(args.host, args.relay_port)
+            lambda: DelayRelay((host, int(port)), delay_s), local_addr=(args.host, args.relay_port)
         )
     print("ready", flush=True)
     await asyncio.Event().wait()  # until killed

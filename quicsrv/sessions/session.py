@@ -4,8 +4,9 @@ A session outlives its streams. The engine sequence belongs to the session; a st
 *attachment* that reads the session's frames from some token index on. Tokens are recorded (and
 persisted) before any stream sees them, so any attachment, now or after a restart, gets the very
 same frames. While the attached reader lags (its unacknowledged bytes past the high watermark, or
-``max_tokens_ahead`` tokens generated beyond what it acknowledged) the engine sequence is
-paused and its batch slot freed; it runs again once the reader drains below the low watermark.
+``max_tokens_ahead`` tokens generated beyond what it acknowledged, more for a reader whose
+acknowledgements take long: :mod:`.flow`) the engine sequence is paused and its batch slot
+freed; it runs again once the reader drains below the low watermark.
 """
 
 from __future__ import annotations
@@ -32,6 +33,7 @@ from ..engine import (
     SequenceRequest,
 )
 from .admission import FairGate, Slot
+from .flow import DeliveryMeter, tokens_ahead
 from .inbox import LoopInbox
 from .keys import KeyRing
 from .kvstore import KVStore
@@ -53,7 +55,7 @@ if TYPE_CHECKING:
 
 __all__ = ["FlowSettings", "Session", "StreamPort"]
 
-#: The engine's allowance advances in max_tokens_ahead / ALLOWANCE_STEPS token steps.
+#: The engine's allowance advances in steps of the tokens ahead / ALLOWANCE_STEPS.
 ALLOWANCE_STEPS = 4
 
 log = logging.getLogger(__name__)
@@ -83,7 +85,8 @@ class FlowSettings:
     """Derived from :class:`quicsrv.config.ServerConfig` (``flow_settings()``)."""
 
     max_tokens_ahead: int
-    """Tokens generated beyond what the reader acknowledged before the sequence pauses."""
+    """Tokens generated beyond what the reader acknowledged before the sequence pauses; more
+    where the reader's delay needs it (:mod:`.flow`)."""
     high_watermark_bytes: int
     """Unacknowledged stream bytes at which the reader counts as blocked."""
     low_watermark_bytes: int
@@ -91,6 +94,8 @@ class FlowSettings:
     checkpoint_every_tokens: int
     inexact_reprefill: bool
     """Rebuild missing KV by one chunked prefill (fast, not bit-exact) instead of the replay."""
+    coalesce_s: float = 0.0
+    """How long the engine may hold a token before sending it (the worker's coalescing)."""
 
 
 @dataclass(eq=False)
@@ -98,8 +103,10 @@ class _Attachment:
     port: StreamPort
     next_index: int  # the next token index to send
     acked_tokens: int  # tokens [0, acked_tokens) the reader holds or acknowledged
-    pending: deque[tuple[int, int]] = field(default_factory=deque)  # (tokens, stream offset)
+    # (tokens, stream offset, when written) of each write not yet acknowledged
+    pending: deque[tuple[int, int, float]] = field(default_factory=deque)
     blocked: bool = False
+    delivery: DeliveryMeter = field(default_factory=DeliveryMeter)  # this reader's ACK delay
 
 
 class Session:
@@ -302,8 +309,11 @@ class Session:
         if attachment is None:
             return
         acked = attachment.port.acked_offset()
-        while attachment.pending and attachment.pending[0][1] <= acked:
-            attachment.acked_tokens = attachment.pending.popleft()[0]
+        pending = attachment.pending
+        if pending and pending[0][1] <= acked:
+            while pending and pending[0][1] <= acked:
+                attachment.acked_tokens, _, written_at = pending.popleft()
+            attachment.delivery.acknowledged(written_at, self._loop.time())
         unacked = attachment.port.sent_offset() - acked
         if unacked >= self._flow.high_watermark_bytes:
             attachment.blocked = True
@@ -358,6 +368,8 @@ class Session:
 
     def _posted_pump(self) -> None:
         self._pump_posted = False
+        if self._attachment is not None:
+            self._attachment.delivery.recorded(len(self.record.generated), self._loop.time())
         self._pump()
 
     def _on_finished(self, reason: FinishReason, completion_tokens: int) -> None:
@@ -443,10 +455,15 @@ class Session:
             return len(self.record.generated)  # pause at the next step
         # Moves in quarter-allowance steps, not per acknowledged token: with an engine worker
         # every change is a message that wakes it (and a thread here) mid-decode. A reader
-        # keeping up still has 3/4 of max_tokens_ahead of headroom at the least.
-        ahead = self._flow.max_tokens_ahead
+        # keeping up still has 3/4 of the tokens ahead as headroom at the least.
+        ahead = self._tokens_ahead(attachment)
         step = max(1, ahead // ALLOWANCE_STEPS)
         return (attachment.acked_tokens + ahead) // step * step
+
+    def _tokens_ahead(self, attachment: _Attachment) -> int:
+        delivery = attachment.delivery
+        delay_s = self._flow.coalesce_s + delivery.ack_delay_s
+        return tokens_ahead(self._flow.max_tokens_ahead, delivery.tokens_per_s, delay_s)
 
     def _maybe_run(self) -> None:
         """Start (or restart) the engine sequence if a reader is there and has room."""
@@ -455,9 +472,9 @@ class Session:
             return  # nobody to run for, or it runs, waits to, has ended or is stale
         room = self._allowance(attachment) - len(self.record.generated)
         # Hysteresis: a paused sequence restarts only once the reader has caught up by half
-        # the allowance, so a slow reader costs one restore per max_tokens_ahead / 2 tokens
-        # rather than one per token.
-        if room < max(1, self._flow.max_tokens_ahead // 2):
+        # the allowance, so a slow reader costs one restore per half allowance rather than one
+        # per token.
+        if room < max(1, self._tokens_ahead(attachment) // 2):
             return
         self._transition(SessionEvent.RESUME_QUEUED)
         self._trace.restart_wanted()
@@ -521,6 +538,8 @@ class Session:
         self.paused.clear()
         self.idle.clear()
         attachment = self._attachment
+        if attachment is not None:
+            attachment.delivery.run_started()
         self._handle.allow(
             self._allowance(attachment)
             if attachment is not None
@@ -546,6 +565,7 @@ class Session:
         # at most a checkpoint interval of them, so a long replay is still acknowledged piece
         # by piece: the reader holds a chunk's tokens once the chunk's last byte is acked.
         chunk: list[proto.Frame] = []
+        now = self._loop.time()
         while attachment.next_index < sendable:
             i = attachment.next_index
             chunk.append(proto.Token(index=i, token_id=generated[i], text=texts[i]))
@@ -555,7 +575,7 @@ class Session:
                 chunk.append(self._checkpoint(i))
             if at_checkpoint or i + 1 == sendable:
                 attachment.port.send_frames(chunk)
-                attachment.pending.append((i + 1, attachment.port.sent_offset()))
+                attachment.pending.append((i + 1, attachment.port.sent_offset(), now))
                 chunk = []
         end = self.record.end
         if end is not None and attachment.next_index >= len(generated):

@@ -21,6 +21,7 @@ from quicsrv.apikeys import new_key
 from quicsrv.logs import JsonFormatter
 from quicsrv.metrics import ServerMetrics
 from quicsrv.sessions import SessionManager
+from quicsrv.sessions.flow import MAX_AHEAD_FACTOR
 from tests.helpers import raw_connection, running_server, session_settings
 
 pytestmark = [pytest.mark.model, pytest.mark.asyncio]
@@ -129,9 +130,10 @@ async def test_a_resume_counts_by_its_path_and_traces_its_phases(
         ),
         metrics=metrics,
     )
-    # Cut after 16 tokens: the reader's allowance (16 + max_tokens_ahead = 80) is below
-    # max_tokens, so the abandoned generation pauses rather than finishes, on any CPU.
-    max_tokens = 100
+    # Cut after 16 tokens: the reader's allowance (16 + at most MAX_AHEAD_FACTOR ×
+    # max_tokens_ahead, sessions.flow) is below max_tokens, so the abandoned generation pauses
+    # rather than finishes, on any CPU.
+    max_tokens = 16 + MAX_AHEAD_FACTOR * session_settings(tmp_path).flow.max_tokens_ahead + 1
     async with running_server(engine, certs, sessions=sessions) as server:
         ca = certs.ca_cert
         async with Client("127.0.0.1", server.port, ca=ca) as observer:
