@@ -92,10 +92,10 @@ class FlowSettings:
     low_watermark_bytes: int
     """...and below which it counts as drained again."""
     checkpoint_every_tokens: int
+    coalesce_s: float
+    """How long the engine may hold a token before sending it (the worker's coalescing)."""
     inexact_reprefill: bool
     """Rebuild missing KV by one chunked prefill (fast, not bit-exact) instead of the replay."""
-    coalesce_s: float = 0.0
-    """How long the engine may hold a token before sending it (the worker's coalescing)."""
 
 
 @dataclass(eq=False)

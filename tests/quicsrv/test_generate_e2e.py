@@ -327,7 +327,7 @@ async def test_utf8_characters_are_never_split(engine, certs):
     assert "\ufffd" not in "".join(texts)
 
 
-async def test_prompts_are_tokenized_and_chat_rendered_off_the_event_loop(
+async def test_long_prompts_are_tokenized_and_chat_rendered_off_the_event_loop(
     engine, certs, monkeypatch
 ):
     import threading
@@ -348,10 +348,15 @@ async def test_prompts_are_tokenized_and_chat_rendered_off_the_event_loop(
     monkeypatch.setattr(engine, "render_chat", recording_render_chat)
     async with running_server(engine, certs) as server:
         async with Client("127.0.0.1", server.port, ca=certs.ca_cert) as c:
+            # Past INLINE_PROMPT_CHARS: a short prompt is tokenized on the loop, at once.
+            long_text = "Tell me about the sea. " * 12
+            await c.generate_text(long_text, max_tokens=2)
+            await c.generate_text(messages=[{"role": "user", "content": long_text}], max_tokens=2)
+            off_loop = list(seen)
             await c.generate_text(PROMPT, max_tokens=2)
-            await c.generate_text(messages=[{"role": "user", "content": "Hi"}], max_tokens=2)
-    assert {name for name, _ in seen} == {"tokenize", "render_chat"}
-    assert all(thread is not loop_thread for _, thread in seen)
+    assert {name for name, _ in off_loop} == {"tokenize", "render_chat"}
+    assert all(thread is not loop_thread for _, thread in off_loop)
+    assert seen[len(off_loop) :] == [("tokenize", loop_thread)]
 
 
 async def test_the_client_delays_its_acknowledgements_after_the_handshake(engine, certs):
