@@ -106,7 +106,7 @@ class _Attachment:
     # (tokens, stream offset, when written) of each write not yet acknowledged
     pending: deque[tuple[int, int, float]] = field(default_factory=deque)
     blocked: bool = False
-    delivery: DeliveryMeter = field(default_factory=DeliveryMeter)  # this reader's ACK delay
+    delivery: DeliveryMeter = field(default_factory=DeliveryMeter)  # rate and ACK delay (.flow)
 
 
 class Session:
