@@ -310,9 +310,10 @@ class Session:
             return
         acked = attachment.port.acked_offset()
         pending = attachment.pending
-        if pending and pending[0][1] <= acked:
-            while pending and pending[0][1] <= acked:
-                attachment.acked_tokens, _, written_at = pending.popleft()
+        written_at = None  # of the newest write this acknowledgement covers
+        while pending and pending[0][1] <= acked:
+            attachment.acked_tokens, _, written_at = pending.popleft()
+        if written_at is not None:
             attachment.delivery.acknowledged(written_at, self._loop.time())
         unacked = attachment.port.sent_offset() - acked
         if unacked >= self._flow.high_watermark_bytes:
