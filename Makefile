@@ -7,10 +7,15 @@ STAMP := $(VENV)/.installed
 
 .PHONY: venv certs demo demo-resume test lint bench clean system-deps
 
-$(STAMP): pyproject.toml
+# The strict editable install links every file under its installed name (proto/ is quicsrv_proto,
+# client/ is quicsrv_client): mypy and plain imports see them without setuptools' import hook. A
+# file added or removed changes its folder, which relinks.
+PACKAGE_DIRS := $(shell find quicsrv proto client -type d -not -name __pycache__)
+
+$(STAMP): pyproject.toml $(PACKAGE_DIRS)
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install --quiet --upgrade pip
-	$(BIN)/python -m pip install --quiet -e '.[server,dev]'
+	$(BIN)/python -m pip install --quiet -e '.[server,dev]' --config-settings editable_mode=strict
 	touch $(STAMP)
 
 venv: $(STAMP)

@@ -3,7 +3,7 @@
 Usage::
 
     import asyncio
-    from client import Client, ClientConfig, GenerationEnded, SamplingOptions, TokenReceived
+    from quicsrv_client import Client, ClientConfig, GenerationEnded, SamplingOptions, TokenReceived
 
     async def main() -> None:
         config = ClientConfig(ca="certs/ca.pem")
@@ -22,7 +22,7 @@ Usage::
 
     asyncio.run(main())
 
-Errors (see :mod:`client._errors`): :class:`ServerError` for ERROR frames,
+Errors (see :mod:`quicsrv_client._errors`): :class:`ServerError` for ERROR frames,
 :class:`ProtocolError` for malformed server bytes, :class:`TransportError`
 (:class:`ConnectTimeout`, :class:`NetworkError`) for connection trouble; all are
 :class:`ClientError`. Leaving a ``stream`` block early cancels the request on the server.

@@ -25,8 +25,8 @@ from aioquic.quic.configuration import QuicConfiguration
 from aioquic.tls import SessionTicket
 from cryptography.x509 import load_pem_x509_certificates
 
-import proto
-from proto import http3
+import quicsrv_proto
+from quicsrv_proto import http3
 
 from ._errors import (
     ConnectTimeout,
@@ -74,7 +74,7 @@ __all__ = [
 
 GENERATE_PATH = http3.GENERATE_PATH.decode()
 
-MessageLike = proto.ChatMessage | Mapping[str, str]
+MessageLike = quicsrv_proto.ChatMessage | Mapping[str, str]
 #: The largest plain response body :meth:`Client.get` accepts (a /metrics page is a few KiB).
 MAX_PLAIN_BODY_BYTES = 16 << 20
 
@@ -108,11 +108,11 @@ class _MemoryTickets:
         self._tickets[key] = ticket
 
 
-def _to_message(message: MessageLike) -> proto.ChatMessage:
-    if isinstance(message, proto.ChatMessage):
+def _to_message(message: MessageLike) -> quicsrv_proto.ChatMessage:
+    if isinstance(message, quicsrv_proto.ChatMessage):
         return message
     try:
-        return proto.ChatMessage(role=str(message["role"]), content=str(message["content"]))
+        return quicsrv_proto.ChatMessage(role=str(message["role"]), content=str(message["content"]))
     except KeyError as exc:
         raise ValueError(f"chat message is missing {exc.args[0]!r}") from None
 
@@ -417,7 +417,7 @@ class Client:
             session_id = bytes.fromhex(session)
         except ValueError:
             raise ValueError(f"session {session!r} is not a hex id") from None
-        frame = proto.ResumeStream(
+        frame = quicsrv_proto.ResumeStream(
             session_id=session_id,
             last_index=last_index,
             snapshot_hash=snapshot_hash,
@@ -488,7 +488,7 @@ class Client:
                 f"GET {path}: no complete answer within {timeout_s}s"
             ),
             ValueError: lambda exc: ProtocolError(  # a :status that is not a number
-                f"GET {path}: {exc}", proto.ErrorCode.MALFORMED_PAYLOAD
+                f"GET {path}: {exc}", quicsrv_proto.ErrorCode.MALFORMED_PAYLOAD
             ),
         }
         try:
@@ -512,7 +512,7 @@ class Client:
                             if len(body) > max_body_bytes:
                                 raise ProtocolError(
                                     f"GET {path}: the body exceeds {max_body_bytes} bytes",
-                                    proto.ErrorCode.FRAME_TOO_LARGE,
+                                    quicsrv_proto.ErrorCode.FRAME_TOO_LARGE,
                                 )
                             protocol.mark_consumed(stream_id, offset)
                         complete = bool(getattr(event, "stream_ended", False))
@@ -523,7 +523,7 @@ class Client:
         return PlainResponse(status=status, headers=response_headers, body=bytes(body))
 
     async def open_request(
-        self, path: str, frame: proto.Frame, session_id: str | None
+        self, path: str, frame: quicsrv_proto.Frame, session_id: str | None
     ) -> AsyncIterator[list[Event]]:
         """One request stream's events, up to END, a list per HTTP/3 event (the machinery
         under :class:`Generation`)."""
@@ -554,7 +554,7 @@ class Client:
             headers.append((http3.AUTHORIZATION_HEADER, f"Bearer {self.config.api_key}".encode()))
         try:
             protocol.h3.send_headers(stream_id, headers)
-            protocol.h3.send_data(stream_id, proto.encode_frame(frame), end_stream=True)
+            protocol.h3.send_data(stream_id, quicsrv_proto.encode_frame(frame), end_stream=True)
             protocol.transmit()
             self._start_keepalive()
             async for batch in read_response(protocol, stream_id, queue):

@@ -16,7 +16,7 @@ from __future__ import annotations
 import contextlib
 from collections.abc import Callable, Iterator, Mapping
 
-import proto
+import quicsrv_proto
 
 __all__ = [
     "ClientError",
@@ -54,13 +54,13 @@ class StallTimeout(TransportError):
 class ProtocolError(ClientError):
     """The server sent bytes that are not valid frames, or frames out of place."""
 
-    def __init__(self, message: str, error_code: proto.ErrorCode) -> None:
+    def __init__(self, message: str, error_code: quicsrv_proto.ErrorCode) -> None:
         super().__init__(message)
         self.message = message
         self.error_code = error_code
 
     @classmethod
-    def from_proto(cls, exc: proto.ProtocolError) -> ProtocolError:
+    def from_proto(cls, exc: quicsrv_proto.ProtocolError) -> ProtocolError:
         """Wrap a codec error raised while decoding the server's stream."""
         return cls(exc.message, exc.error_code)
 
@@ -96,7 +96,7 @@ class ServerError(ClientError):
 
 def _slug(code: int) -> str:
     try:
-        return proto.ErrorCode(code).slug
+        return quicsrv_proto.ErrorCode(code).slug
     except ValueError:
         return f"code_{code}"
 
@@ -116,7 +116,7 @@ def map_exceptions(mapping: Mapping[type[Exception], ErrorFactory] | None = None
         yield
     except ClientError:
         raise
-    except proto.ProtocolError as exc:
+    except quicsrv_proto.ProtocolError as exc:
         raise ProtocolError.from_proto(exc) from None
     except Exception as exc:
         for source, make in (mapping or {}).items():

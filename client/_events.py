@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-import proto
+import quicsrv_proto
 
 __all__ = [
     "CheckpointReceived",
@@ -50,7 +50,7 @@ class CheckpointReceived:
 class GenerationEnded:
     """The generation finished normally; always the last event."""
 
-    reason: proto.EndReason
+    reason: quicsrv_proto.EndReason
     prompt_tokens: int
     completion_tokens: int
     text: str = ""

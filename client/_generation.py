@@ -17,8 +17,8 @@ from typing import Protocol, cast
 
 from aioquic.h3.events import DataReceived, HeadersReceived
 
-import proto
-from proto import http3
+import quicsrv_proto
+from quicsrv_proto import http3
 
 from ._errors import (
     NetworkError,
@@ -66,7 +66,7 @@ class RequestSender(Protocol):
     def stats(self) -> ClientStats: ...
 
     def open_request(
-        self, path: str, frame: proto.Frame, session_id: str | None
+        self, path: str, frame: quicsrv_proto.Frame, session_id: str | None
     ) -> AsyncIterator[list[Event]]:
         """One request stream's events, up to and including END, in the batches they arrived
         in (one per HTTP/3 event)."""
@@ -90,7 +90,7 @@ class Generation:
         self,
         client: RequestSender,
         path: str,
-        frame: proto.Frame,
+        frame: quicsrv_proto.Frame,
         *,
         session_id: str | None,
         last_index: int,
@@ -109,7 +109,7 @@ class Generation:
         self._pending: deque[Event] = deque()
         self._batches = self._open(path, frame)
 
-    def _open(self, path: str, frame: proto.Frame) -> AsyncGenerator[list[Event], None]:
+    def _open(self, path: str, frame: quicsrv_proto.Frame) -> AsyncGenerator[list[Event], None]:
         return cast(
             AsyncGenerator[list[Event], None],
             self._client.open_request(path, frame, self.session_id),
@@ -168,7 +168,7 @@ class Generation:
         if isinstance(event, SessionStarted):
             if self.session_id is not None and event.session_id != self.session_id:
                 raise ProtocolError(
-                    "the server answered for another session", proto.ErrorCode.INVALID_FIELD
+                    "the server answered for another session", quicsrv_proto.ErrorCode.INVALID_FIELD
                 )
             self.session_id = event.session_id
             self.resume_path = event.resume_path
@@ -176,7 +176,7 @@ class Generation:
             if event.index != self.last_index + 1:
                 raise ProtocolError(
                     f"token index {event.index} after {self.last_index}: lost or repeated",
-                    proto.ErrorCode.INVALID_FIELD,
+                    quicsrv_proto.ErrorCode.INVALID_FIELD,
                 )
             self.last_index = event.index
             self._failures = 0
@@ -207,7 +207,7 @@ class Generation:
                 continue
             self.reconnects += 1
             self._client.stats.reconnects += 1
-            frame = proto.ResumeStream(
+            frame = quicsrv_proto.ResumeStream(
                 session_id=bytes.fromhex(position.session_id),
                 last_index=position.last_index,
                 snapshot_hash=position.snapshot_hash,
@@ -273,7 +273,7 @@ async def read_response(
     """Turn one request stream's H3 events into client events, a list per H3 event (a burst
     of tokens is one DATA chunk); stops after END."""
     status: int | None = None
-    decoder = proto.FrameDecoder()
+    decoder = quicsrv_proto.FrameDecoder()
     while True:
         item = await queue.get()
         if isinstance(item, Exception):
@@ -290,11 +290,11 @@ async def read_response(
                             session_id=session, resume_path=resume_path, early_data=early
                         )
                     )
-            frames: list[proto.Frame] = []  # trailers carry nothing we use
+            frames: list[quicsrv_proto.Frame] = []  # trailers carry nothing we use
         elif isinstance(h3_event, DataReceived):
             if status is None:
                 raise ProtocolError(
-                    "DATA before response headers", proto.ErrorCode.UNEXPECTED_FRAME
+                    "DATA before response headers", quicsrv_proto.ErrorCode.UNEXPECTED_FRAME
                 )
             with map_exceptions():
                 frames = decoder.feed(h3_event.data)
@@ -321,13 +321,13 @@ async def read_response(
             raise NetworkError("stream ended before the END frame")
 
 
-def _event(frame: proto.Frame) -> Event | None:
+def _event(frame: quicsrv_proto.Frame) -> Event | None:
     """The client event a frame of a 200 response stands for; None: it may not be there."""
-    if isinstance(frame, proto.Token):
+    if isinstance(frame, quicsrv_proto.Token):
         return TokenReceived(index=frame.index, token_id=frame.token_id, text=frame.text)
-    if isinstance(frame, proto.Checkpoint):
+    if isinstance(frame, quicsrv_proto.Checkpoint):
         return CheckpointReceived(index=frame.index, snapshot_hash=frame.snapshot_hash)
-    if isinstance(frame, proto.End):
+    if isinstance(frame, quicsrv_proto.End):
         return GenerationEnded(
             reason=frame.reason,
             prompt_tokens=frame.prompt_tokens,
@@ -337,21 +337,21 @@ def _event(frame: proto.Frame) -> Event | None:
     return None
 
 
-def _unexpected(frame: proto.Frame, status: int) -> ServerError | ProtocolError:
+def _unexpected(frame: quicsrv_proto.Frame, status: int) -> ServerError | ProtocolError:
     """What a frame the response may not hold there means: the server's ERROR, or a
     protocol error."""
-    if isinstance(frame, proto.Error):
+    if isinstance(frame, quicsrv_proto.Error):
         return ServerError(
             frame.code, frame.message, http_status=status, retry_after_s=frame.retry_after_s
         )
     if status != 200:
         return ProtocolError(
             f"HTTP {status} response body holds {type(frame).__name__}, not ERROR",
-            proto.ErrorCode.UNEXPECTED_FRAME,
+            quicsrv_proto.ErrorCode.UNEXPECTED_FRAME,
         )
     return ProtocolError(
         f"unexpected {type(frame).__name__} frame from the server",
-        proto.ErrorCode.UNEXPECTED_FRAME,
+        quicsrv_proto.ErrorCode.UNEXPECTED_FRAME,
     )
 
 
@@ -368,7 +368,7 @@ def _parse_headers(
                 status = int(value)
             except ValueError:
                 raise ProtocolError(
-                    f"bad :status {value!r}", proto.ErrorCode.MALFORMED_PAYLOAD
+                    f"bad :status {value!r}", quicsrv_proto.ErrorCode.MALFORMED_PAYLOAD
                 ) from None
         elif name == http3.SESSION_HEADER:
             session = value.decode("ascii", errors="replace")
@@ -377,5 +377,5 @@ def _parse_headers(
         elif name == http3.EARLY_DATA_HEADER:
             early = value == b"1"
     if status is None:
-        raise ProtocolError("response has no :status", proto.ErrorCode.MALFORMED_PAYLOAD)
+        raise ProtocolError("response has no :status", quicsrv_proto.ErrorCode.MALFORMED_PAYLOAD)
     return status, session, resume_path, early

@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, TypedDict
 
-import proto
+import quicsrv_proto
 
 from ._protocol import DEFAULT_ACK_DELAY_S
 from ._reconnect import ReconnectPolicy
@@ -31,7 +31,7 @@ __all__ = [
     "SamplingSettings",
 ]
 
-_GENERATE: dict[str, Any] = {f.name: f.default for f in dataclasses.fields(proto.Generate)}
+_GENERATE: dict[str, Any] = {f.name: f.default for f in dataclasses.fields(quicsrv_proto.Generate)}
 
 DEFAULT_CA = "certs/ca.pem"
 #: Stream receive window: how far the server may run ahead of what the application has read.
@@ -130,11 +130,11 @@ class SamplingOptions:
         self,
         *,
         prompt: str | None,
-        messages: tuple[proto.ChatMessage, ...] | None,
+        messages: tuple[quicsrv_proto.ChatMessage, ...] | None,
         deadline_ms: int | None,
-    ) -> proto.Generate:
+    ) -> quicsrv_proto.Generate:
         """The GENERATE frame asking for these options (the frame checks every range)."""
-        return proto.Generate(
+        return quicsrv_proto.Generate(
             prompt=prompt,
             messages=messages,
             max_tokens=self.max_tokens,

@@ -20,14 +20,14 @@ from aioquic.quic.packet_builder import QuicPacketBuilder
 from aioquic.quic.recovery import QuicPacketSpace
 from aioquic.quic.stream import QuicStream
 
-from proto.http3 import H3_REQUEST_CANCELLED
+from quicsrv_proto.http3 import H3_REQUEST_CANCELLED
 
 from . import _aioquic_internals as internals
 from ._errors import NetworkError, TransportError
 
 __all__ = ["H3_REQUEST_CANCELLED", "StreamItem", "H3Protocol"]
 
-log = logging.getLogger("client.protocol")
+log = logging.getLogger("quicsrv_client.protocol")
 
 #: The ``max_ack_delay`` transport parameter aioquic advertises (25 ms), in seconds.
 MAX_ACK_DELAY_S = 0.025

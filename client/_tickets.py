@@ -27,7 +27,7 @@ from aioquic.tls import CipherSuite, SessionTicket
 
 __all__ = ["TicketCache", "default_ticket_cache_path", "ticket_cache_key"]
 
-log = logging.getLogger("client.tickets")
+log = logging.getLogger("quicsrv_client.tickets")
 
 FORMAT_VERSION = 1
 #: A file larger than this was not written by us; refuse to parse it.

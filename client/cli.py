@@ -17,7 +17,7 @@ import sys
 from collections.abc import Sequence
 from typing import TextIO
 
-import proto
+import quicsrv_proto
 
 from ._client import Client
 from ._errors import ClientError, ProtocolError, ServerError, TransportError
@@ -228,12 +228,12 @@ def _open(args: argparse.Namespace, client: Client) -> Generation:
             checkpoint_index=args.checkpoint_index,
         )
     prompt: str | None = args.prompt
-    messages: list[proto.ChatMessage] | None = None
+    messages: list[quicsrv_proto.ChatMessage] | None = None
     if args.chat or args.system is not None:
         messages = []
         if args.system is not None:
-            messages.append(proto.ChatMessage(role="system", content=args.system))
-        messages.append(proto.ChatMessage(role="user", content=args.prompt))
+            messages.append(quicsrv_proto.ChatMessage(role="system", content=args.system))
+        messages.append(quicsrv_proto.ChatMessage(role="user", content=args.prompt))
         prompt = None
     sampling = SamplingOptions(
         max_tokens=args.max_tokens,

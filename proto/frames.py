@@ -295,7 +295,7 @@ class Error(Frame):
     frame_type: ClassVar[FrameType] = FrameType.ERROR
 
     code: int
-    """A stable :class:`~proto.errors.ErrorCode` value (unknown codes are kept as ints)."""
+    """A stable :class:`~quicsrv_proto.errors.ErrorCode` value (unknown codes are kept as ints)."""
     message: str
     """Human-readable detail; never parse it."""
     retry_after_s: float | None = None

@@ -47,7 +47,7 @@ H3_NO_ERROR = 0x100
 
 def parse_session_header(value: bytes | None) -> bytes | None:
     """The session id a :data:`SESSION_HEADER` names (None when the header is absent); raises
-    :class:`~proto.errors.InvalidField` when it is not the hex of a session id."""
+    :class:`~quicsrv_proto.errors.InvalidField` when it is not the hex of a session id."""
     if value is None:
         return None
     try:

@@ -33,7 +33,9 @@ def main(argv: list[str] | None = None) -> int:
                     f"\n$ quicsrv-client generate {PROMPT!r} --chat --max-tokens 96\n", flush=True
                 )
                 arguments = ["generate", PROMPT, "--chat", *where, "--max-tokens", "96"]
-            return subprocess.run([sys.executable, "-m", "client.cli", *arguments]).returncode
+            return subprocess.run(
+                [sys.executable, "-m", "quicsrv_client.cli", *arguments]
+            ).returncode
     except ServerDidNotStart as exc:
         print(f"demo: {exc}", file=sys.stderr)
         return 1

@@ -17,7 +17,7 @@ from aioquic.h3.events import DataReceived, H3Event, HeadersReceived
 from aioquic.quic.configuration import QuicConfiguration
 from aioquic.quic.events import QuicEvent
 
-import proto
+import quicsrv_proto
 from quicsrv.config import ServerConfig, session_settings_for
 from quicsrv.devcerts import DevCertPaths
 from quicsrv.engine import Engine
@@ -90,8 +90,8 @@ class RawResponse:
     done: asyncio.Event = field(default_factory=asyncio.Event)
 
     @property
-    def frames(self) -> list[proto.Frame]:
-        return proto.decode_frames(bytes(self.body))
+    def frames(self) -> list[quicsrv_proto.Frame]:
+        return quicsrv_proto.decode_frames(bytes(self.body))
 
 
 class _RawProtocol(QuicConnectionProtocol):

@@ -11,7 +11,6 @@ from types import SimpleNamespace
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from proto import ErrorCode
 from quicsrv.apikeys import ApiKeys, new_key
 from quicsrv.engine import ResumePath
 from quicsrv.logs import JsonFormatter, log_handler
@@ -23,6 +22,7 @@ from quicsrv.transport.routes import (
     plain_endpoint,
     readiness,
 )
+from quicsrv_proto import ErrorCode
 
 
 def samples(metrics: ServerMetrics) -> dict[tuple[str, frozenset[tuple[str, str]]], float]:

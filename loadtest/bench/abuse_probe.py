@@ -24,10 +24,17 @@ from dataclasses import asdict, dataclass, field
 from datetime import UTC, datetime
 from pathlib import Path
 
-from client import Client, ClientError, GenerationEnded, ServerError, SessionStarted, TokenReceived
 from loadtest.bench.servers import ServerSettings, quicsrv_server
 from quicsrv.devcerts import ensure_dev_certs
 from quicsrv.engine import default_model_path
+from quicsrv_client import (
+    Client,
+    ClientError,
+    GenerationEnded,
+    ServerError,
+    SessionStarted,
+    TokenReceived,
+)
 
 HOG_PROMPT = "Write a very long story about a lighthouse keeper."
 

@@ -18,8 +18,8 @@ from typing import cast
 
 import httpx
 
-from client import Client, ClientError, Event, GenerationEnded, TokenReceived
 from loadtest.bench.stats import PROMPTS, StreamResult
+from quicsrv_client import Client, ClientError, Event, GenerationEnded, TokenReceived
 
 __all__ = ["run_quicsrv_load", "run_sse_load"]
 

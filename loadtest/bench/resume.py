@@ -31,7 +31,6 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from client import Client, SessionStarted, TokenReceived
 from quicsrv.config import (
     ServerConfig,
     engine_settings_for,
@@ -43,6 +42,7 @@ from quicsrv.engine import default_model_path
 from quicsrv.engine.llama import LlamaEngine
 from quicsrv.sessions import SessionManager, SessionSettings
 from quicsrv.transport import RunningServer, start_server
+from quicsrv_client import Client, SessionStarted, TokenReceived
 
 PROMPT = "Write a long, detailed history of the city of Rome, century by century."
 PATHS = ("kv-restore", "replay", "re-prefill")

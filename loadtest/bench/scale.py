@@ -32,9 +32,9 @@ from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
 from typing import Any
 
-from client import Client, GenerationEnded, TokenReceived
 from quicsrv.devcerts import DevCertPaths, ensure_dev_certs
 from quicsrv.spawn import spawn_server_async
+from quicsrv_client import Client, GenerationEnded, TokenReceived
 
 PROMPT = "Write a long, detailed history of the city of Rome, century by century."
 

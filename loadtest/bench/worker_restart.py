@@ -27,11 +27,11 @@ from dataclasses import asdict, dataclass
 from datetime import UTC, datetime
 from pathlib import Path
 
-from client import Client, TokenReceived
 from loadtest.bench.servers import ServerSettings, quicsrv_server
 from loadtest.bench.stats import PROMPTS
 from quicsrv.devcerts import ensure_dev_certs
 from quicsrv.engine import default_model_path
+from quicsrv_client import Client, TokenReceived
 
 PARAMS = dict(temperature=0.0, ignore_eos=True)
 

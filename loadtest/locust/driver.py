@@ -16,7 +16,8 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from client import (
+from loadtest.locust.raw import RawBadRequest, RawReply, raw_connection
+from quicsrv_client import (
     Client,
     ClientError,
     Event,
@@ -25,7 +26,6 @@ from client import (
     ResumePosition,
     TokenReceived,
 )
-from loadtest.locust.raw import RawBadRequest, RawReply, raw_connection
 
 __all__ = ["Connections", "Segment", "Target", "read", "send_raw"]
 

@@ -42,7 +42,6 @@ from locust import between, task
 # imported as the `loadtest` package, so the repository root must be there too.
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
-from client import Client, ClientError, Generation, ResumePosition, ServerError  # noqa: E402
 from loadtest.locust.bridge import BridgeTimeout  # noqa: E402
 from loadtest.locust.driver import send_raw  # noqa: E402
 from loadtest.locust.metrics import GenerationCheck, UnexpectedReply  # noqa: E402
@@ -54,6 +53,7 @@ from loadtest.locust.user import (  # noqa: E402
     QuicUser,
     StopAt,
 )
+from quicsrv_client import Client, ClientError, Generation, ResumePosition, ServerError  # noqa: E402
 
 #: A slow reader's generation must outrun its window plus the server's max_tokens_ahead (64)
 #: for the server to pause it: ~45 tokens fit in 2 KiB, so 160 tokens do.

@@ -21,9 +21,9 @@ from __future__ import annotations
 
 from typing import Any
 
-from client import GenerationEnded, ProtocolError, ServerError, TokenReceived
 from loadtest.locust.driver import Segment
 from loadtest.locust.ledger import LedgerVerdict, RunTally, TokenLedger
+from quicsrv_client import GenerationEnded, ProtocolError, ServerError, TokenReceived
 
 __all__ = ["GenerationCheck", "Reporter", "TokenOrderError", "UnexpectedReply", "error_name"]
 

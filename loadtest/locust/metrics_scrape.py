@@ -23,7 +23,7 @@ from pathlib import Path
 
 from prometheus_client.parser import text_string_to_metric_families
 
-from client import Client
+from quicsrv_client import Client
 
 __all__ = ["MetricsScraper", "Scrape", "main", "parse_scrape", "rates", "write_png"]
 

@@ -24,10 +24,10 @@ from locust import constant, task
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # see locustfile.py
 
-from client import Generation, ServerError  # noqa: E402
 from loadtest.locust.metrics import GenerationCheck  # noqa: E402
 from loadtest.locust.user import PROMPTS, QuicUser, StopAt  # noqa: E402
-from proto import ErrorCode  # noqa: E402
+from quicsrv_client import Generation, ServerError  # noqa: E402
+from quicsrv_proto import ErrorCode  # noqa: E402
 
 #: Far more than the window plus max_tokens_ahead, so that the generation pauses rather than ends.
 PARKED_TOKENS = 1024

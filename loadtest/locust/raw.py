@@ -22,17 +22,17 @@ from aioquic.h3.events import DataReceived, H3Event, HeadersReceived
 from aioquic.quic.configuration import QuicConfiguration
 from aioquic.quic.events import QuicEvent
 
-import proto
-from proto import ErrorCode
+import quicsrv_proto
+from quicsrv_proto import ErrorCode
 
 __all__ = ["RAW_BAD_REQUESTS", "RawBadRequest", "RawProtocol", "RawReply", "raw_connection"]
 
 _HEADER = struct.Struct(">4sBIB")
-_GOOD = proto.encode_frame(proto.Generate(prompt="x", max_tokens=4))
+_GOOD = quicsrv_proto.encode_frame(quicsrv_proto.Generate(prompt="x", max_tokens=4))
 
 
 def _with_header(
-    body: bytes, *, magic: bytes = proto.MAGIC, version: int = 1, kind: int = 1
+    body: bytes, *, magic: bytes = quicsrv_proto.MAGIC, version: int = 1, kind: int = 1
 ) -> bytes:
     return _HEADER.pack(magic, version, len(body), kind) + body
 
@@ -70,7 +70,7 @@ RAW_BAD_REQUESTS: tuple[RawBadRequest, ...] = (
         name="oversized_frame",
         method="POST",
         path="/v1/generate",
-        body=_HEADER.pack(proto.MAGIC, 1, 50_000_000, 1),  # declares 50 MB, sends none
+        body=_HEADER.pack(quicsrv_proto.MAGIC, 1, 50_000_000, 1),  # declares 50 MB, sends none
         code=ErrorCode.FRAME_TOO_LARGE,
         status=413,
     ),
@@ -102,7 +102,7 @@ RAW_BAD_REQUESTS: tuple[RawBadRequest, ...] = (
         name="wrong_frame",
         method="POST",
         path="/v1/generate",
-        body=proto.encode_frame(proto.Token(index=0, token_id=1, text="a")),
+        body=quicsrv_proto.encode_frame(quicsrv_proto.Token(index=0, token_id=1, text="a")),
         code=ErrorCode.UNEXPECTED_FRAME,
         status=400,
     ),
@@ -133,13 +133,13 @@ class RawReply:
     body: bytearray = field(default_factory=bytearray)
     done: asyncio.Event = field(default_factory=asyncio.Event)
 
-    def error(self) -> proto.Error | None:
+    def error(self) -> quicsrv_proto.Error | None:
         """The single ERROR frame of the body, or None if the body is anything else."""
         try:
-            frames = proto.decode_frames(bytes(self.body))
-        except proto.ProtocolError:
+            frames = quicsrv_proto.decode_frames(bytes(self.body))
+        except quicsrv_proto.ProtocolError:
             return None
-        if len(frames) == 1 and isinstance(frames[0], proto.Error):
+        if len(frames) == 1 and isinstance(frames[0], quicsrv_proto.Error):
             return frames[0]
         return None
 

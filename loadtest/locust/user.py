@@ -19,7 +19,11 @@ import gevent.lock
 from locust import User, events
 from locust.env import Environment
 
-from client import (
+from loadtest.locust.bridge import AsyncioBridge, BridgeTimeout
+from loadtest.locust.driver import Connections, Segment, Target, read
+from loadtest.locust.ledger import RunTally
+from loadtest.locust.metrics import GenerationCheck, Reporter, error_name
+from quicsrv_client import (
     CheckpointReceived,
     Client,
     ClientError,
@@ -28,10 +32,6 @@ from client import (
     ServerError,
     TokenReceived,
 )
-from loadtest.locust.bridge import AsyncioBridge, BridgeTimeout
-from loadtest.locust.driver import Connections, Segment, Target, read
-from loadtest.locust.ledger import RunTally
-from loadtest.locust.metrics import GenerationCheck, Reporter, error_name
 
 __all__ = [
     "CLOSE_TIMEOUT_S",

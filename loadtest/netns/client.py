@@ -30,7 +30,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from client import (
+from quicsrv_client import (
     Client,
     ResumePosition,
     SessionStarted,

@@ -21,7 +21,7 @@ from dataclasses import dataclass
 
 import blake3
 
-from proto.frames import MAX_TOKEN_INDEX
+from quicsrv_proto.frames import MAX_TOKEN_INDEX
 
 __all__ = [
     "CURSOR_CHARS",

@@ -12,7 +12,7 @@ from __future__ import annotations
 import json
 from typing import Any
 
-from proto import ErrorCode, http_status_for
+from quicsrv_proto import ErrorCode, http_status_for
 
 __all__ = ["ApiError", "error_type_for", "from_code"]
 

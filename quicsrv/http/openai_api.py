@@ -1,10 +1,11 @@
 """OpenAI's completion API, mapped onto a GENERATE, and its answers shaped the way OpenAI does.
 
 Request side: :func:`parse_completion` checks a ``/v1/chat/completions`` or ``/v1/completions``
-JSON body field by field and returns a :class:`CompletionRequest` (a ``proto.Generate`` plus how
-to answer). Only what the engine really does is accepted: ``n`` must be 1, ``logit_bias`` empty,
-``logprobs`` off, penalties 0; anything else, and every unknown field, is refused with a 400
-naming the parameter, so a client never believes a setting took effect when it did not.
+JSON body field by field and returns a :class:`CompletionRequest` (a ``quicsrv_proto.Generate``
+plus how to answer). Only what the engine really does is accepted: ``n`` must be 1,
+``logit_bias`` empty, ``logprobs`` off, penalties 0; anything else, and every unknown field, is
+refused with a 400 naming the parameter, so a client never believes a setting took effect when
+it did not.
 Extensions beside OpenAI's fields (llama-server's names): ``top_k``, ``min_p``,
 ``repeat_penalty``, ``ignore_eos``, and quicsrv's ``deadline_ms``.
 
@@ -19,9 +20,9 @@ import math
 from dataclasses import dataclass
 from typing import Any
 
-import proto
-from proto import EndReason
-from proto.frames import CHAT_ROLES, MAX_SEED
+import quicsrv_proto
+from quicsrv_proto import EndReason
+from quicsrv_proto.frames import CHAT_ROLES, MAX_SEED
 
 from .errors import ApiError
 
@@ -84,7 +85,7 @@ _ROLE_ALIASES = {"developer": "system"}
 
 @dataclass(frozen=True, slots=True, kw_only=True)
 class CompletionRequest:
-    generate: proto.Generate
+    generate: quicsrv_proto.Generate
     """What the engine is asked to do."""
     chat: bool
     """``/v1/chat/completions`` (True) or ``/v1/completions``."""
@@ -155,8 +156,8 @@ def parse_completion(body: bytes, *, chat: bool, model_id: str) -> CompletionReq
     if deadline_ms is not None:
         payload["deadline_ms"] = deadline_ms
     try:
-        generate = proto.Generate.from_payload(payload)
-    except proto.ProtocolError as exc:  # the wire format's own bounds (lengths, ranges)
+        generate = quicsrv_proto.Generate.from_payload(payload)
+    except quicsrv_proto.ProtocolError as exc:  # the wire format's own bounds (lengths, ranges)
         raise _invalid(exc.message, None) from None
     return CompletionRequest(
         generate=generate, chat=chat, stream=stream, include_usage=include_usage
@@ -234,7 +235,7 @@ def completion_body(
     model: str,
     created: int,
     text: str,
-    end: proto.End,
+    end: quicsrv_proto.End,
 ) -> dict[str, Any]:
     """The whole answer of a ``stream: false`` request."""
     choice: dict[str, Any] = {

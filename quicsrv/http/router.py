@@ -29,8 +29,8 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol
 
-import proto
-from proto import ErrorCode
+import quicsrv_proto
+from quicsrv_proto import ErrorCode
 
 from ..apikeys import AccessDenied, ApiKeys, ClientId
 from ..metrics import ServerMetrics
@@ -121,12 +121,12 @@ class SsePort:
         self._encoder = encoder
         self._sink = sink
 
-    def send_frame(self, frame: proto.Frame, end_stream: bool) -> None:
+    def send_frame(self, frame: quicsrv_proto.Frame, end_stream: bool) -> None:
         data = self._encoder.encode(frame)
         if data or end_stream:
             self._sink.write(data, end_stream)
 
-    def send_frames(self, frames: Sequence[proto.Frame]) -> None:
+    def send_frames(self, frames: Sequence[quicsrv_proto.Frame]) -> None:
         data = b"".join([self._encoder.encode(frame) for frame in frames])
         if data:
             self._sink.write(data, False)
@@ -326,7 +326,9 @@ class Router:
         )
         return _json(200, body, ((SESSION_HEADER, session.session_id.hex().encode()),))
 
-    async def _start(self, request: HttpRequest, who: ClientId, frame: proto.Generate) -> Session:
+    async def _start(
+        self, request: HttpRequest, who: ClientId, frame: quicsrv_proto.Generate
+    ) -> Session:
         """The native GENERATE path's steps: tokenize (a long prompt off the loop), wait for a
         fair slot, start, and answer only once the session record is on disk (so it can be
         resumed)."""
@@ -397,7 +399,9 @@ class Router:
         body = {
             "id": session_id.hex(),
             "object": "stream",
-            "status": "cancelled" if end.reason is proto.EndReason.CANCELLED else "finished",
+            "status": "cancelled"
+            if end.reason is quicsrv_proto.EndReason.CANCELLED
+            else "finished",
             "finish_reason": openai_api.finish_reason(end.reason),
             "completion_tokens": end.completion_tokens,
         }
@@ -447,7 +451,7 @@ def _session_id(text: str) -> bytes:
         session_id = bytes.fromhex(text)
     except ValueError:
         session_id = b""
-    if len(session_id) != proto.SESSION_ID_BYTES:
+    if len(session_id) != quicsrv_proto.SESSION_ID_BYTES:
         raise ApiError(404, "no such stream", code="unknown_session")
     return session_id
 

@@ -26,8 +26,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
-import proto
-from proto import EndReason
+import quicsrv_proto
+from quicsrv_proto import EndReason
 
 from . import openai_api
 from .cursor import FLAG_CHAT, FLAG_USAGE, encode_cursor
@@ -70,21 +70,23 @@ class SseEncoder:
         self.finished = False
         """The stream's last event was written (``[DONE]`` or an error)."""
 
-    def encode(self, frame: proto.Frame) -> bytes:
+    def encode(self, frame: quicsrv_proto.Frame) -> bytes:
         """The events ``frame`` makes on this stream (often none)."""
-        if isinstance(frame, proto.Token):
+        if isinstance(frame, quicsrv_proto.Token):
             return self._event(frame.index, text=frame.text) if frame.text else b""
-        if isinstance(frame, proto.Checkpoint):
+        if isinstance(frame, quicsrv_proto.Checkpoint):
             return self._event(-1, text="", role=True) if frame.index == -1 else b""
-        if isinstance(frame, proto.End):
+        if isinstance(frame, quicsrv_proto.End):
             return self._end(frame)
-        if isinstance(frame, proto.Error):
+        if isinstance(frame, quicsrv_proto.Error):
             return self._error(from_code(frame.code, frame.message, frame.retry_after_s))
         return b""
 
-    def _end(self, end: proto.End) -> bytes:
+    def _end(self, end: quicsrv_proto.End) -> bytes:
         if end.reason in (EndReason.SUPERSEDED, EndReason.SHUTDOWN):
-            code = proto.ErrorCode.SHUTTING_DOWN if end.reason is EndReason.SHUTDOWN else None
+            code = (
+                quicsrv_proto.ErrorCode.SHUTTING_DOWN if end.reason is EndReason.SHUTDOWN else None
+            )
             error = (
                 from_code(code, "the server is shutting down; resume with Last-Event-ID")
                 if code is not None
@@ -142,7 +144,7 @@ def _compact(body: dict[str, Any]) -> bytes:
 class CollectedAnswer:
     text: str
     """Every token's text and the END's held-back tail, joined."""
-    end: proto.End
+    end: quicsrv_proto.End
     """How the generation ended, with the token counts."""
 
 
@@ -158,24 +160,24 @@ class CollectingPort:
         self._sent = 0
         self.answer: asyncio.Future[CollectedAnswer] = asyncio.get_running_loop().create_future()
 
-    def send_frame(self, frame: proto.Frame, end_stream: bool) -> None:
+    def send_frame(self, frame: quicsrv_proto.Frame, end_stream: bool) -> None:
         self._sent += 1
         if self.answer.done():
             return
-        if isinstance(frame, proto.Token):
+        if isinstance(frame, quicsrv_proto.Token):
             self._parts.append(frame.text)
-        elif isinstance(frame, proto.End):
+        elif isinstance(frame, quicsrv_proto.End):
             if frame.reason in (EndReason.SUPERSEDED, EndReason.SHUTDOWN):
                 self.answer.set_exception(
-                    from_code(proto.ErrorCode.SHUTTING_DOWN, "the server is shutting down")
+                    from_code(quicsrv_proto.ErrorCode.SHUTTING_DOWN, "the server is shutting down")
                 )
             else:
                 text = "".join(self._parts) + frame.text
                 self.answer.set_result(CollectedAnswer(text=text, end=frame))
-        elif isinstance(frame, proto.Error):
+        elif isinstance(frame, quicsrv_proto.Error):
             self.answer.set_exception(from_code(frame.code, frame.message, frame.retry_after_s))
 
-    def send_frames(self, frames: Sequence[proto.Frame]) -> None:
+    def send_frames(self, frames: Sequence[quicsrv_proto.Frame]) -> None:
         for frame in frames:
             self.send_frame(frame, False)
 

@@ -24,7 +24,7 @@ from collections import Counter, deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from proto import ErrorCode
+from quicsrv_proto import ErrorCode
 
 from .generation import RequestRejected
 

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import secrets
 
-import proto
-from proto import ErrorCode
+import quicsrv_proto
+from quicsrv_proto import ErrorCode
 
 from ..engine import Engine, SamplingParams, SequenceRequest
 
@@ -27,7 +27,7 @@ class RequestRejected(Exception):
         self.retry_after_s = retry_after_s
 
 
-def prompt_chars(frame: proto.Generate) -> int:
+def prompt_chars(frame: quicsrv_proto.Generate) -> int:
     """About how many characters a GENERATE gives the tokenizer (a chat: its messages, each
     with its template overhead, so many empty messages do not pass for a short prompt)."""
     if frame.messages is not None:
@@ -36,7 +36,7 @@ def prompt_chars(frame: proto.Generate) -> int:
 
 
 def build_request(
-    engine: Engine, frame: proto.Generate, *, max_tokens_limit: int
+    engine: Engine, frame: quicsrv_proto.Generate, *, max_tokens_limit: int
 ) -> SequenceRequest:
     """Validate a GENERATE against this server's limits and tokenize its prompt."""
     if frame.max_tokens > max_tokens_limit:

@@ -21,8 +21,8 @@ from pathlib import Path
 
 import redis
 
-import proto
-from proto import ErrorCode
+import quicsrv_proto
+from quicsrv_proto import ErrorCode
 
 from ..engine import Engine, EngineError, EngineUnavailable, PromptTooLong, SequenceRequest
 from ..metrics import ServerMetrics
@@ -180,12 +180,12 @@ class SessionManager:
 
     # --- new generations ----------------------------------------------------------------
 
-    def prepare(self, frame: proto.Generate) -> SequenceRequest:
+    def prepare(self, frame: quicsrv_proto.Generate) -> SequenceRequest:
         """Check a GENERATE against the limits and tokenize its prompt (rendering the chat
         template first): the slow, pure part of a start, safe to run on any thread."""
         return build_request(self._engine, frame, max_tokens_limit=self.settings.max_tokens_limit)
 
-    async def prepare_off_loop(self, frame: proto.Generate) -> SequenceRequest:
+    async def prepare_off_loop(self, frame: quicsrv_proto.Generate) -> SequenceRequest:
         """:meth:`prepare` on a thread, except for a short prompt: tokenizing one takes tens
         of microseconds, the trip to a thread and back a millisecond or more of the time to
         first token (measured on 2 busy cores). A long one would hold up every other stream."""
@@ -207,7 +207,7 @@ class SessionManager:
 
     def start(
         self,
-        frame: proto.Generate,
+        frame: quicsrv_proto.Generate,
         request: SequenceRequest | None = None,
         *,
         slot: Slot,
@@ -226,7 +226,7 @@ class SessionManager:
 
     def _start(
         self,
-        frame: proto.Generate,
+        frame: quicsrv_proto.Generate,
         request: SequenceRequest | None,
         slot: Slot,
         owner: str,
@@ -243,7 +243,7 @@ class SessionManager:
         now = self._clock()
         record = SessionRecord(
             # 128 random bits: unguessable, so a session can only be named by whoever was told.
-            session_id=secrets.token_bytes(proto.SESSION_ID_BYTES),
+            session_id=secrets.token_bytes(quicsrv_proto.SESSION_ID_BYTES),
             model_digest=self._engine.model_digest,
             prompt_tokens=request.prompt_tokens,
             sampling=request.sampling,
@@ -278,7 +278,7 @@ class SessionManager:
 
     def resume(
         self,
-        frame: proto.ResumeStream,
+        frame: quicsrv_proto.ResumeStream,
         header_session: bytes | None,
         *,
         key_id: str | None = None,
@@ -299,7 +299,7 @@ class SessionManager:
 
     async def resume_shared(
         self,
-        frame: proto.ResumeStream,
+        frame: quicsrv_proto.ResumeStream,
         header_session: bytes | None,
         *,
         key_id: str | None = None,
@@ -388,7 +388,7 @@ class SessionManager:
 
     def _check_resume(
         self,
-        frame: proto.ResumeStream,
+        frame: quicsrv_proto.ResumeStream,
         header_session: bytes | None,
         record: SessionRecord | None,
         session: Session | None,

@@ -44,7 +44,7 @@ from redis.asyncio.retry import Retry as AsyncRetry
 from redis.backoff import ExponentialBackoff
 from redis.retry import Retry
 
-from proto import canonical_cbor
+from quicsrv_proto import canonical_cbor
 
 from .store import _TOKEN, SessionRecord, SessionStore
 

@@ -18,8 +18,8 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Protocol
 
-import proto
-from proto import EndReason
+import quicsrv_proto
+from quicsrv_proto import EndReason
 
 from ..engine import (
     Engine,
@@ -68,9 +68,9 @@ class StreamPort(Protocol):
     the native stream, SSE events on the OpenAI one) without decoding anything back.
     """
 
-    def send_frame(self, frame: proto.Frame, end_stream: bool) -> None: ...
+    def send_frame(self, frame: quicsrv_proto.Frame, end_stream: bool) -> None: ...
 
-    def send_frames(self, frames: Sequence[proto.Frame]) -> None:
+    def send_frames(self, frames: Sequence[quicsrv_proto.Frame]) -> None:
         """Several frames in one write (on QUIC, one HTTP/3 DATA frame); the stream goes on."""
 
     def sent_offset(self) -> int:
@@ -222,7 +222,7 @@ class Session:
         old = self._attachment
         if old is not None:
             # The newest attach wins; the old reader is told why its stream ends here.
-            old.port.send_frame(proto.End(reason=EndReason.SUPERSEDED), True)
+            old.port.send_frame(quicsrv_proto.End(reason=EndReason.SUPERSEDED), True)
         attachment = _Attachment(port=port, next_index=from_index, acked_tokens=from_index)
         self._attachment = attachment
         self.idle.clear()
@@ -268,7 +268,7 @@ class Session:
         left = self._transition(SessionEvent.SHUT_DOWN)
         attachment, self._attachment = self._attachment, None
         if attachment is not None:
-            end = proto.End(
+            end = quicsrv_proto.End(
                 reason=EndReason.SHUTDOWN,
                 prompt_tokens=len(self.record.prompt_tokens),
                 completion_tokens=attachment.next_index,
@@ -293,10 +293,12 @@ class Session:
         left = self._transition(SessionEvent.OWNERSHIP_LOST)
         attachment, self._attachment = self._attachment, None
         if attachment is not None:
-            frame: proto.Frame = (
-                proto.End(reason=EndReason.SUPERSEDED)
+            frame: quicsrv_proto.Frame = (
+                quicsrv_proto.End(reason=EndReason.SUPERSEDED)
                 if failure is None
-                else proto.Error(code=proto.ErrorCode.STORE_UNAVAILABLE, message=failure)
+                else quicsrv_proto.Error(
+                    code=quicsrv_proto.ErrorCode.STORE_UNAVAILABLE, message=failure
+                )
             )
             attachment.port.send_frame(frame, True)
         self._pause_sequence(left, capture_kv=False)
@@ -565,11 +567,11 @@ class Session:
         # A burst's frames leave in one write (one HTTP/3 DATA frame, one QUIC stream write),
         # at most a checkpoint interval of them, so a long replay is still acknowledged piece
         # by piece: the reader holds a chunk's tokens once the chunk's last byte is acked.
-        chunk: list[proto.Frame] = []
+        chunk: list[quicsrv_proto.Frame] = []
         now = self._loop.time()
         while attachment.next_index < sendable:
             i = attachment.next_index
-            chunk.append(proto.Token(index=i, token_id=generated[i], text=texts[i]))
+            chunk.append(quicsrv_proto.Token(index=i, token_id=generated[i], text=texts[i]))
             attachment.next_index = i + 1
             at_checkpoint = (i + 1) % every == 0
             if at_checkpoint:
@@ -580,7 +582,7 @@ class Session:
                 chunk = []
         end = self.record.end
         if end is not None and attachment.next_index >= len(generated):
-            frame_end = proto.End(
+            frame_end = quicsrv_proto.End(
                 reason=end.reason,
                 prompt_tokens=len(self.record.prompt_tokens),
                 completion_tokens=end.completion_tokens,
@@ -595,9 +597,9 @@ class Session:
         if progress:
             self.on_transport_progress()
 
-    def _checkpoint(self, index: int) -> proto.Checkpoint:
+    def _checkpoint(self, index: int) -> quicsrv_proto.Checkpoint:
         snapshot_hash = self._signer.mac(self._keys.current, index)
-        return proto.Checkpoint(
+        return quicsrv_proto.Checkpoint(
             session_id=self.session_id, index=index, snapshot_hash=snapshot_hash
         )
 
@@ -608,7 +610,9 @@ class Session:
         attachment, self._attachment = self._attachment, None
         if attachment is not None:
             self._transition(SessionEvent.READER_FAILED)
-            error = proto.Error(code=proto.ErrorCode.ENGINE_UNAVAILABLE, message=message)
+            error = quicsrv_proto.Error(
+                code=quicsrv_proto.ErrorCode.ENGINE_UNAVAILABLE, message=message
+            )
             attachment.port.send_frame(error, True)
         self._check_idle()
 

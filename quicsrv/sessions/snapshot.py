@@ -25,7 +25,7 @@ from dataclasses import dataclass
 
 import blake3
 
-from proto import canonical_cbor
+from quicsrv_proto import canonical_cbor
 
 from ..engine import SamplingParams
 

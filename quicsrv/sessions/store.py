@@ -29,7 +29,7 @@ from typing import Any
 
 import cbor2
 
-from proto import EndReason, canonical_cbor
+from quicsrv_proto import EndReason, canonical_cbor
 
 from ..engine import SamplingParams
 from .snapshot import Snapshot

@@ -21,9 +21,9 @@ from dataclasses import dataclass, field
 
 from aioquic.h3.events import DataReceived, HeadersReceived
 
-import proto
-from proto import ErrorCode
-from proto.http3 import (
+import quicsrv_proto
+from quicsrv_proto import ErrorCode
+from quicsrv_proto.http3 import (
     AUTHORIZATION_HEADER,
     CONTENT_TYPE,
     GENERATE_PATH,
@@ -59,13 +59,13 @@ class IncomingRequest:
     stream_id: int
     path: bytes
     session_header: bytes | None
-    decoder: proto.FrameDecoder
+    decoder: quicsrv_proto.FrameDecoder
     arrived_at: float
     client: str
     """Whose request it is, for per-client limits: its API key id, else its connection."""
     key_id: str | None = None
     """The API key it presented (None on an open server)."""
-    frames: list[proto.Frame] = field(default_factory=list)
+    frames: list[quicsrv_proto.Frame] = field(default_factory=list)
 
     @property
     def endpoint(self) -> str:
@@ -89,7 +89,7 @@ class StartGeneration:
     """Admit and start ``frame``'s generation, then answer 200 and stream it."""
 
     request: IncomingRequest
-    frame: proto.Generate
+    frame: quicsrv_proto.Generate
 
 
 @dataclass(frozen=True, slots=True)
@@ -97,7 +97,7 @@ class StartResume:
     """Check ``frame`` against its session and attach the stream to it."""
 
     request: IncomingRequest
-    frame: proto.ResumeStream
+    frame: quicsrv_proto.ResumeStream
     header_session: bytes | None
     early: bool
     """The whole request arrived in 0-RTT data (the answer says so)."""
@@ -119,7 +119,8 @@ class RequestIntake:
         self, event: HeadersReceived, *, now: float, accepting: bool
     ) -> Action | None:
         """A request's headers (``event.headers``): remembered until its body is whole, or
-        rejected at once. Call only for :data:`~proto.http3.NATIVE_PATHS` and unknown paths."""
+        rejected at once. Call only for :data:`~quicsrv_proto.http3.NATIVE_PATHS` and unknown
+        paths."""
         headers = dict(event.headers)
         method, path = headers.get(b":method"), headers.get(b":path") or b""
         denied: AccessDenied | None = None
@@ -133,7 +134,7 @@ class RequestIntake:
             stream_id=event.stream_id,
             path=path,
             session_header=headers.get(SESSION_HEADER),
-            decoder=proto.FrameDecoder(max_payload_bytes=self._max_request_bytes),
+            decoder=quicsrv_proto.FrameDecoder(max_payload_bytes=self._max_request_bytes),
             arrived_at=now,
             client=who.name,
             key_id=who.key_id,
@@ -161,7 +162,7 @@ class RequestIntake:
         try:
             request.frames.extend(request.decoder.feed(event.data))
             if len(request.frames) > 1:
-                raise proto.UnexpectedFrame("the request body holds more than one frame")
+                raise quicsrv_proto.UnexpectedFrame("the request body holds more than one frame")
             if not event.stream_ended:
                 return None
             request.decoder.end_of_stream()
@@ -180,11 +181,13 @@ class RequestIntake:
     def _complete(self, request: IncomingRequest, early: bool) -> Action:
         self._pending.pop(request.stream_id, None)
         if not request.frames:
-            raise proto.MissingField("the request body holds no frame")
+            raise quicsrv_proto.MissingField("the request body holds no frame")
         frame = request.frames[0]
         if request.path == GENERATE_PATH:
-            if not isinstance(frame, proto.Generate):
-                raise proto.UnexpectedFrame(f"expected GENERATE, got {frame.frame_type.name}")
+            if not isinstance(frame, quicsrv_proto.Generate):
+                raise quicsrv_proto.UnexpectedFrame(
+                    f"expected GENERATE, got {frame.frame_type.name}"
+                )
             if early:
                 return Reject(
                     request,
@@ -193,8 +196,10 @@ class RequestIntake:
                     retry_after_s=0.0,
                 )
             return StartGeneration(request, frame)
-        if not isinstance(frame, proto.ResumeStream):
-            raise proto.UnexpectedFrame(f"expected RESUME_STREAM, got {frame.frame_type.name}")
+        if not isinstance(frame, quicsrv_proto.ResumeStream):
+            raise quicsrv_proto.UnexpectedFrame(
+                f"expected RESUME_STREAM, got {frame.frame_type.name}"
+            )
         return StartResume(request, frame, parse_session_header(request.session_header), early)
 
 
@@ -206,7 +211,7 @@ def rejection_for(exc: BaseException, request: IncomingRequest) -> Reject:
     """
     if isinstance(exc, RequestRejected):
         return Reject(request, exc.code, exc.message, exc.retry_after_s)
-    if isinstance(exc, proto.ProtocolError):
+    if isinstance(exc, quicsrv_proto.ProtocolError):
         return Reject(request, exc.error_code, exc.message)
     if isinstance(exc, AccessDenied):
         return Reject(request, ErrorCode.UNAUTHORIZED, exc.message, None, _CHALLENGE)
@@ -223,11 +228,11 @@ def rejection_for(exc: BaseException, request: IncomingRequest) -> Reject:
 def error_response(reject: Reject) -> tuple[list[tuple[bytes, bytes]], bytes]:
     """The headers and body that answer ``reject``: its status and one ERROR frame."""
     headers = [
-        (b":status", str(proto.http_status_for(reject.code)).encode()),
+        (b":status", str(quicsrv_proto.http_status_for(reject.code)).encode()),
         (b"content-type", CONTENT_TYPE),
         *reject.extra_headers,
     ]
-    frame = proto.Error(
+    frame = quicsrv_proto.Error(
         code=reject.code, message=reject.message, retry_after_s=reject.retry_after_s
     )
-    return headers, proto.encode_frame(frame)
+    return headers, quicsrv_proto.encode_frame(frame)

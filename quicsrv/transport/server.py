@@ -50,9 +50,9 @@ from aioquic.quic.events import (
     StreamReset,
 )
 
-import proto
-from proto import ErrorCode
-from proto.http3 import (
+import quicsrv_proto
+from quicsrv_proto import ErrorCode
+from quicsrv_proto.http3 import (
     EARLY_DATA_HEADER,
     H3_NO_ERROR,
     H3_REQUEST_CANCELLED,
@@ -108,11 +108,11 @@ class _StreamPort:
         self._protocol = protocol
         self._stream_id = stream_id
 
-    def send_frame(self, frame: proto.Frame, end_stream: bool) -> None:
-        self._protocol.send_data(self._stream_id, proto.encode_frame(frame), end_stream)
+    def send_frame(self, frame: quicsrv_proto.Frame, end_stream: bool) -> None:
+        self._protocol.send_data(self._stream_id, quicsrv_proto.encode_frame(frame), end_stream)
 
-    def send_frames(self, frames: Sequence[proto.Frame]) -> None:
-        data = b"".join([proto.encode_frame(frame) for frame in frames])
+    def send_frames(self, frames: Sequence[quicsrv_proto.Frame]) -> None:
+        data = b"".join([quicsrv_proto.encode_frame(frame) for frame in frames])
         self._protocol.send_data(self._stream_id, data, False)
 
     def sent_offset(self) -> int:
@@ -348,7 +348,7 @@ class _H3ServerProtocol(QuicConnectionProtocol):
         extra.append((RESUME_PATH_HEADER, b"none" if path is None else path.value.encode()))
         self._respond(answering, session, action.frame.last_index + 1, extra)
 
-    async def _start_generation(self, answering: _Answering, frame: proto.Generate) -> None:
+    async def _start_generation(self, answering: _Answering, frame: quicsrv_proto.Generate) -> None:
         sessions = self._app.sessions
         request = answering.request
         prepared = await sessions.prepare_off_loop(frame)
@@ -401,7 +401,7 @@ class _H3ServerProtocol(QuicConnectionProtocol):
             request.stream_id,
             [
                 (b":status", b"200"),
-                (b"content-type", proto.http3.CONTENT_TYPE),
+                (b"content-type", quicsrv_proto.http3.CONTENT_TYPE),
                 (SESSION_HEADER, session.session_id.hex().encode()),
                 *extra,
             ],

@@ -18,7 +18,7 @@ async def _cli(port: int, ca, *args: str) -> subprocess.CompletedProcess[str]:
     command = [
         sys.executable,
         "-m",
-        "client.cli",
+        "quicsrv_client.cli",
         *args,
         "--host",
         "127.0.0.1",

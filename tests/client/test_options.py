@@ -7,8 +7,8 @@ from pathlib import Path
 
 import pytest
 
-import proto
-from client import (
+import quicsrv_proto
+from quicsrv_client import (
     Client,
     ClientConfig,
     ConnectTimeout,
@@ -17,7 +17,7 @@ from client import (
     ReconnectPolicy,
     SamplingOptions,
 )
-from client._errors import map_exceptions
+from quicsrv_client._errors import map_exceptions
 
 CLIENT_DIR = Path(__file__).resolve().parents[2] / "client"
 
@@ -53,7 +53,7 @@ def test_config_values_are_checked():
 def test_sampling_options_become_the_generate_frame():
     creative = SamplingOptions(temperature=0.8, seed=7, stop=["\n\n"])
     frame = creative.replace(max_tokens=5).to_frame(prompt="hi", messages=None, deadline_ms=1500)
-    assert frame == proto.Generate(
+    assert frame == quicsrv_proto.Generate(
         prompt="hi",
         max_tokens=5,
         temperature=0.8,
@@ -77,8 +77,8 @@ def test_stream_merges_sampling_and_keywords_without_connecting():
 def test_map_exceptions_turns_foreign_errors_into_client_errors():
     with pytest.raises(ProtocolError) as caught:
         with map_exceptions():
-            raise proto.FrameTooLarge("too big")
-    assert caught.value.error_code is proto.ErrorCode.FRAME_TOO_LARGE
+            raise quicsrv_proto.FrameTooLarge("too big")
+    assert caught.value.error_code is quicsrv_proto.ErrorCode.FRAME_TOO_LARGE
     mapping = {
         TimeoutError: lambda exc: ConnectTimeout("slow"),
         OSError: lambda exc: NetworkError(f"down: {exc}"),

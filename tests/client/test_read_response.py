@@ -8,10 +8,16 @@ from typing import Any, cast
 import pytest
 from aioquic.h3.events import DataReceived, HeadersReceived
 
-import proto
-from client import CheckpointReceived, GenerationEnded, ServerError, SessionStarted, TokenReceived
-from client._generation import read_response
-from client._protocol import H3Protocol
+import quicsrv_proto
+from quicsrv_client import (
+    CheckpointReceived,
+    GenerationEnded,
+    ServerError,
+    SessionStarted,
+    TokenReceived,
+)
+from quicsrv_client._generation import read_response
+from quicsrv_client._protocol import H3Protocol
 
 SESSION = "ab" * 16
 
@@ -24,8 +30,8 @@ class _Consumed:
         self.offsets.append(offset)
 
 
-def _data(*frames: proto.Frame) -> DataReceived:
-    payload = b"".join(proto.encode_frame(f) for f in frames)
+def _data(*frames: quicsrv_proto.Frame) -> DataReceived:
+    payload = b"".join(quicsrv_proto.encode_frame(f) for f in frames)
     return DataReceived(data=payload, stream_id=0, stream_ended=False)
 
 
@@ -34,7 +40,10 @@ async def _batches(*events: Any) -> tuple[list[list[Any]], BaseException | None]
     queue.put_nowait(
         (
             HeadersReceived(
-                headers=[(b":status", b"200"), (proto.http3.SESSION_HEADER, SESSION.encode())],
+                headers=[
+                    (b":status", b"200"),
+                    (quicsrv_proto.http3.SESSION_HEADER, SESSION.encode()),
+                ],
                 stream_id=0,
                 stream_ended=False,
             ),
@@ -55,11 +64,17 @@ async def _batches(*events: Any) -> tuple[list[list[Any]], BaseException | None]
 @pytest.mark.asyncio
 async def test_a_burst_in_one_data_chunk_is_one_batch_in_order():
     burst = _data(
-        proto.Token(index=0, token_id=5, text="a"),
-        proto.Checkpoint(session_id=bytes.fromhex(SESSION), index=0, snapshot_hash=b"h" * 32),
-        proto.Token(index=1, token_id=6, text="b"),
+        quicsrv_proto.Token(index=0, token_id=5, text="a"),
+        quicsrv_proto.Checkpoint(
+            session_id=bytes.fromhex(SESSION), index=0, snapshot_hash=b"h" * 32
+        ),
+        quicsrv_proto.Token(index=1, token_id=6, text="b"),
     )
-    end = _data(proto.End(reason=proto.EndReason.LENGTH, prompt_tokens=1, completion_tokens=2))
+    end = _data(
+        quicsrv_proto.End(
+            reason=quicsrv_proto.EndReason.LENGTH, prompt_tokens=1, completion_tokens=2
+        )
+    )
     batches, ended_by = await _batches(burst, end)
     assert ended_by is None
     assert [[type(e) for e in batch] for batch in batches] == [
@@ -73,8 +88,8 @@ async def test_a_burst_in_one_data_chunk_is_one_batch_in_order():
 @pytest.mark.asyncio
 async def test_tokens_before_an_error_in_the_same_chunk_are_delivered_first():
     chunk = _data(
-        proto.Token(index=0, token_id=5, text="a"),
-        proto.Error(code=proto.ErrorCode.ENGINE_UNAVAILABLE, message="engine gone"),
+        quicsrv_proto.Token(index=0, token_id=5, text="a"),
+        quicsrv_proto.Error(code=quicsrv_proto.ErrorCode.ENGINE_UNAVAILABLE, message="engine gone"),
     )
     batches, ended_by = await _batches(chunk)
     assert [[type(e) for e in batch] for batch in batches] == [[SessionStarted], [TokenReceived]]

@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 from aioquic.tls import CipherSuite, SessionTicket
 
-from client._tickets import TicketCache, default_ticket_cache_path, ticket_cache_key
+from quicsrv_client._tickets import TicketCache, default_ticket_cache_path, ticket_cache_key
 
 KEY = ticket_cache_key("127.0.0.1", 4433, "localhost")
 
@@ -110,7 +110,7 @@ def test_a_corrupt_file_is_ignored_with_a_warning(
     path.write_bytes(content)
     path.chmod(0o600)
     cache = TicketCache(path)
-    with caplog.at_level(logging.WARNING, logger="client.tickets"):
+    with caplog.at_level(logging.WARNING, logger="quicsrv_client.tickets"):
         assert cache.get(KEY) is None
     assert f"ignoring corrupt ticket cache {path}" in caplog.text
     # The next ticket simply replaces the corrupt file.
@@ -127,7 +127,7 @@ def test_a_field_of_the_wrong_type_makes_the_file_corrupt(
     document = json.loads(path.read_text())
     document["tickets"][KEY]["max_early_data_size"] = True
     path.write_text(json.dumps(document))
-    with caplog.at_level(logging.WARNING, logger="client.tickets"):
+    with caplog.at_level(logging.WARNING, logger="quicsrv_client.tickets"):
         assert cache.get(KEY) is None
     assert "max_early" in caplog.text
 
@@ -139,7 +139,7 @@ def test_a_file_others_can_read_is_not_trusted(
     cache = TicketCache(path)
     cache.put(KEY, _ticket())
     path.chmod(0o644)
-    with caplog.at_level(logging.WARNING, logger="client.tickets"):
+    with caplog.at_level(logging.WARNING, logger="quicsrv_client.tickets"):
         assert cache.get(KEY) is None
     assert "mode 644" in caplog.text
 
@@ -150,7 +150,7 @@ def test_a_write_failure_is_logged_not_raised(
     blocker = tmp_path / "a-file"
     blocker.write_text("")
     cache = TicketCache(blocker / "tickets.json")  # its parent is a file: nothing can be made
-    with caplog.at_level(logging.WARNING, logger="client.tickets"):
+    with caplog.at_level(logging.WARNING, logger="quicsrv_client.tickets"):
         cache.put(KEY, _ticket())
     assert "cannot write ticket cache" in caplog.text
 

@@ -6,9 +6,9 @@ import json
 
 import pytest
 
-from proto import EndReason
 from quicsrv.http.errors import ApiError
 from quicsrv.http.openai_api import DEFAULT_MAX_TOKENS, finish_reason, parse_completion
+from quicsrv_proto import EndReason
 
 MODEL = "m"
 

@@ -4,23 +4,23 @@ from __future__ import annotations
 
 import json
 
-import proto
-from proto import EndReason, ErrorCode
+import quicsrv_proto
 from quicsrv.http.cursor import decode_cursor
 from quicsrv.http.sse import SseEncoder, StreamShape
+from quicsrv_proto import EndReason, ErrorCode
 
 KEY = b"k" * 32
 SESSION = b"s" * 16
 
 
-def _frames() -> list[proto.Frame]:
+def _frames() -> list[quicsrv_proto.Frame]:
     return [
-        proto.Checkpoint(session_id=SESSION, index=-1, snapshot_hash=b"h" * 32),
-        proto.Token(index=0, token_id=1, text="Hel"),
-        proto.Token(index=1, token_id=2, text=""),  # half a character: no event
-        proto.Token(index=2, token_id=3, text="lo"),
-        proto.Checkpoint(session_id=SESSION, index=2, snapshot_hash=b"h" * 32),
-        proto.End(reason=EndReason.LENGTH, prompt_tokens=4, completion_tokens=3, text="!"),
+        quicsrv_proto.Checkpoint(session_id=SESSION, index=-1, snapshot_hash=b"h" * 32),
+        quicsrv_proto.Token(index=0, token_id=1, text="Hel"),
+        quicsrv_proto.Token(index=1, token_id=2, text=""),  # half a character: no event
+        quicsrv_proto.Token(index=2, token_id=3, text="lo"),
+        quicsrv_proto.Checkpoint(session_id=SESSION, index=2, snapshot_hash=b"h" * 32),
+        quicsrv_proto.End(reason=EndReason.LENGTH, prompt_tokens=4, completion_tokens=3, text="!"),
     ]
 
 
@@ -37,7 +37,7 @@ def _events(data: bytes) -> list[tuple[str | None, str]]:
     return events
 
 
-def _encode(encoder: SseEncoder, frames: list[proto.Frame]) -> bytes:
+def _encode(encoder: SseEncoder, frames: list[quicsrv_proto.Frame]) -> bytes:
     return b"".join(encoder.encode(f) for f in frames)
 
 
@@ -76,9 +76,9 @@ def test_text_completion_chunks_without_usage():
 
 def test_errors_and_interruptions_end_the_stream_without_an_id():
     for frame, code in [
-        (proto.Error(code=ErrorCode.ENGINE_UNAVAILABLE, message="x"), "engine_unavailable"),
-        (proto.End(reason=EndReason.SHUTDOWN), "shutting_down"),
-        (proto.End(reason=EndReason.SUPERSEDED), "superseded"),
+        (quicsrv_proto.Error(code=ErrorCode.ENGINE_UNAVAILABLE, message="x"), "engine_unavailable"),
+        (quicsrv_proto.End(reason=EndReason.SHUTDOWN), "shutting_down"),
+        (quicsrv_proto.End(reason=EndReason.SUPERSEDED), "superseded"),
     ]:
         encoder = SseEncoder(_shape(), mac_key=KEY)
         events = _events(encoder.encode(frame))

@@ -6,8 +6,8 @@ import asyncio
 
 import pytest
 
-from client import Client
 from loadtest.locust.metrics_scrape import MetricsScraper, Scrape, rates, write_png
+from quicsrv_client import Client
 from tests.helpers import running_server
 
 

@@ -8,7 +8,7 @@ from typing import Any
 import cbor2
 from hypothesis import strategies as st
 
-from proto import (
+from quicsrv_proto import (
     MAGIC,
     VERSION,
     ChatMessage,
@@ -21,7 +21,7 @@ from proto import (
     ResumeStream,
     Token,
 )
-from proto.frames import (
+from quicsrv_proto.frames import (
     CHAT_ROLES,
     MAX_DEADLINE_MS,
     MAX_MAX_TOKENS,
@@ -34,7 +34,7 @@ from proto.frames import (
     SNAPSHOT_HASH_BYTES,
 )
 
-# The wire header, spelled out independently of proto.codec so a codec bug cannot hide here.
+# The wire header, spelled out independently of quicsrv_proto.codec so a codec bug cannot hide here.
 HEADER = struct.Struct(">4sBIB")
 
 # Short texts keep the examples fast; the length limits get their own boundary tests.

@@ -9,7 +9,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from proto import (
+from quicsrv_proto import (
     DEFAULT_MAX_PAYLOAD_BYTES,
     HEADER_SIZE,
     MAGIC,

@@ -12,8 +12,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-import proto
-from proto import (
+import quicsrv_proto
+from quicsrv_proto import (
     HEADER_SIZE,
     MAGIC,
     MAX_MAX_TOKENS,
@@ -35,7 +35,7 @@ from proto import (
     encode_frame,
     http_status_for,
 )
-from proto.frames import (
+from quicsrv_proto.frames import (
     FRAME_CLASSES,
     MAX_ERROR_MESSAGE_CHARS,
     MAX_MESSAGES,
@@ -411,8 +411,8 @@ def test_error_codes_are_unique() -> None:
 def test_each_protocol_error_class_has_its_own_code() -> None:
     classes = [
         c
-        for name in proto.__all__
-        if isinstance(c := getattr(proto, name), type) and issubclass(c, ProtocolError)
+        for name in quicsrv_proto.__all__
+        if isinstance(c := getattr(quicsrv_proto, name), type) and issubclass(c, ProtocolError)
     ]
     subclasses = [c for c in classes if c is not ProtocolError]
     assert len(subclasses) == 10
@@ -478,7 +478,7 @@ def test_http_status_is_an_error_status_for_every_code() -> None:
 
 # --- sans-I/O ------------------------------------------------------------------------------
 
-PROTO_DIR = Path(proto.__file__).parent
+PROTO_DIR = Path(quicsrv_proto.__file__).parent
 FORBIDDEN = {"asyncio", "socket", "time", "datetime"}
 
 

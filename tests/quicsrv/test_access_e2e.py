@@ -10,7 +10,9 @@ from pathlib import Path
 
 import pytest
 
-from client import (
+from quicsrv.apikeys import hash_key, new_key
+from quicsrv.transport import RunningServer
+from quicsrv_client import (
     Client,
     GenerationEnded,
     Reconnected,
@@ -20,9 +22,7 @@ from client import (
     StallTimeout,
     TokenReceived,
 )
-from proto import ErrorCode
-from quicsrv.apikeys import hash_key, new_key
-from quicsrv.transport import RunningServer
+from quicsrv_proto import ErrorCode
 from tests.helpers import running_server, session_settings
 
 pytestmark = [pytest.mark.model, pytest.mark.asyncio]

@@ -6,10 +6,10 @@ import asyncio
 
 import pytest
 
-from client import Client, ServerError, SessionStarted
-from proto import ErrorCode
 from quicsrv.config import engine_settings_for
 from quicsrv.engine.llama import LlamaEngine
+from quicsrv_client import Client, ServerError, SessionStarted
+from quicsrv_proto import ErrorCode
 from tests.helpers import running_server
 
 pytestmark = [pytest.mark.model, pytest.mark.asyncio]

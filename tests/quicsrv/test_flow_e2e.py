@@ -7,8 +7,8 @@ import asyncio
 
 import pytest
 
-from client import Client, SessionStarted, TokenReceived
 from loadtest.netns.link import DelayRelay
+from quicsrv_client import Client, SessionStarted, TokenReceived
 from tests.helpers import running_server, session_settings
 
 pytestmark = [pytest.mark.model, pytest.mark.asyncio]

@@ -9,9 +9,9 @@ import cbor2
 import llama_cpp
 import pytest
 
-import proto
-from client import Client, GenerationEnded, ServerError, TokenReceived
-from proto import ErrorCode
+import quicsrv_proto
+from quicsrv_client import Client, GenerationEnded, ServerError, TokenReceived
+from quicsrv_proto import ErrorCode
 from tests.helpers import llama_extra_buffers, raw_connection, running_server
 
 PROMPT = "The capital of France is"
@@ -46,7 +46,7 @@ async def test_greedy_matches_llama_cpp_python(engine, certs, model_path):
         async with Client("127.0.0.1", server.port, ca=certs.ca_cert) as c:
             result = await c.generate_text(PROMPT, max_tokens=40, ignore_eos=True)
     assert list(result.token_ids) == expected
-    assert result.end.reason is proto.EndReason.LENGTH
+    assert result.end.reason is quicsrv_proto.EndReason.LENGTH
     assert result.end.completion_tokens == 40
 
 
@@ -101,7 +101,7 @@ async def test_stop_sequence_is_not_emitted(engine, certs):
             full = await c.generate_text(PROMPT, max_tokens=30, ignore_eos=True)
             assert "." in full.text
             stopped = await c.generate_text(PROMPT, max_tokens=30, stop=(".",), ignore_eos=True)
-    assert stopped.end.reason is proto.EndReason.STOP
+    assert stopped.end.reason is quicsrv_proto.EndReason.STOP
     assert stopped.text == full.text[: full.text.index(".")]
 
 
@@ -256,7 +256,9 @@ BAD_REQUESTS = [
 
 
 async def test_every_bad_input_gets_its_code_and_the_connection_goes_on(engine, certs):
-    good = proto.encode_frame(proto.Generate(prompt=PROMPT, max_tokens=4, ignore_eos=True))
+    good = quicsrv_proto.encode_frame(
+        quicsrv_proto.Generate(prompt=PROMPT, max_tokens=4, ignore_eos=True)
+    )
     async with running_server(engine, certs) as server:
         async with raw_connection(server.port, certs.ca_cert) as conn:
             # A generation in flight on the same connection while the bad requests arrive.
@@ -264,8 +266,8 @@ async def test_every_bad_input_gets_its_code_and_the_connection_goes_on(engine, 
                 conn.request(
                     "POST",
                     "/v1/generate",
-                    proto.encode_frame(
-                        proto.Generate(prompt=PROMPT, max_tokens=48, ignore_eos=True)
+                    quicsrv_proto.encode_frame(
+                        quicsrv_proto.Generate(prompt=PROMPT, max_tokens=48, ignore_eos=True)
                     ),
                 )
             )
@@ -273,14 +275,14 @@ async def test_every_bad_input_gets_its_code_and_the_connection_goes_on(engine, 
                 response = await conn.request(method, path, body)
                 frames = response.frames
                 assert response.status == status, name
-                assert len(frames) == 1 and isinstance(frames[0], proto.Error), name
+                assert len(frames) == 1 and isinstance(frames[0], quicsrv_proto.Error), name
                 assert frames[0].code == code, (name, frames[0])
                 assert frames[0].message, name
                 after = await conn.request("POST", "/v1/generate", good)
                 assert after.status == 200, name
-                assert isinstance(after.frames[-1], proto.End), name
+                assert isinstance(after.frames[-1], quicsrv_proto.End), name
             long_run = await in_flight
-    tokens = [f for f in long_run.frames if isinstance(f, proto.Token)]
+    tokens = [f for f in long_run.frames if isinstance(f, quicsrv_proto.Token)]
     assert [t.index for t in tokens] == list(range(48))
 
 
@@ -304,7 +306,7 @@ async def test_shutdown_ends_open_streams_with_reason_shutdown(engine, certs):
                     server.app.shut_down_streams()
     end = seen[-1]
     assert isinstance(end, GenerationEnded)
-    assert end.reason is proto.EndReason.SHUTDOWN
+    assert end.reason is quicsrv_proto.EndReason.SHUTDOWN
 
 
 async def test_utf8_characters_are_never_split(engine, certs):

@@ -9,8 +9,8 @@ import secrets
 
 import pytest
 
-import proto
-from proto import ErrorCode
+import quicsrv_proto
+from quicsrv_proto import ErrorCode
 from tests.helpers import raw_connection, running_server
 
 pytestmark = [pytest.mark.model, pytest.mark.asyncio]
@@ -21,11 +21,11 @@ def _tracebacks(caplog: pytest.LogCaptureFixture) -> list[logging.LogRecord]:
 
 
 def _resume_frame() -> bytes:
-    return proto.encode_frame(
-        proto.ResumeStream(
-            session_id=secrets.token_bytes(proto.SESSION_ID_BYTES),
+    return quicsrv_proto.encode_frame(
+        quicsrv_proto.ResumeStream(
+            session_id=secrets.token_bytes(quicsrv_proto.SESSION_ID_BYTES),
             last_index=0,
-            snapshot_hash=bytes(proto.SNAPSHOT_HASH_BYTES),
+            snapshot_hash=bytes(quicsrv_proto.SNAPSHOT_HASH_BYTES),
         )
     )
 
@@ -44,7 +44,7 @@ async def test_a_bug_in_a_resume_answers_internal_error_and_the_connection_goes_
                 response = await conn.request("POST", "/v1/resume", _resume_frame())
             assert response.status == 500
             [frame] = response.frames
-            assert isinstance(frame, proto.Error)
+            assert isinstance(frame, quicsrv_proto.Error)
             assert frame.code == ErrorCode.INTERNAL_ERROR
             assert "boom" not in frame.message  # no internals for the peer
             assert len(_tracebacks(caplog)) == 1
@@ -52,10 +52,12 @@ async def test_a_bug_in_a_resume_answers_internal_error_and_the_connection_goes_
             ok = await conn.request(
                 "POST",
                 "/v1/generate",
-                proto.encode_frame(proto.Generate(prompt="Hi", max_tokens=4, ignore_eos=True)),
+                quicsrv_proto.encode_frame(
+                    quicsrv_proto.Generate(prompt="Hi", max_tokens=4, ignore_eos=True)
+                ),
             )
             assert ok.status == 200
-            assert isinstance(ok.frames[-1], proto.End)
+            assert isinstance(ok.frames[-1], quicsrv_proto.End)
 
 
 async def test_a_bug_while_starting_a_generation_answers_internal_error(
@@ -65,7 +67,7 @@ async def test_a_bug_while_starting_a_generation_answers_internal_error(
         real_prepare = server.app.sessions.prepare
         calls = 0
 
-        def prepare_once_broken(frame: proto.Generate) -> object:
+        def prepare_once_broken(frame: quicsrv_proto.Generate) -> object:
             nonlocal calls
             calls += 1
             if calls == 1:
@@ -73,15 +75,17 @@ async def test_a_bug_while_starting_a_generation_answers_internal_error(
             return real_prepare(frame)
 
         monkeypatch.setattr(server.app.sessions, "prepare", prepare_once_broken)
-        body = proto.encode_frame(proto.Generate(prompt="Hi", max_tokens=4, ignore_eos=True))
+        body = quicsrv_proto.encode_frame(
+            quicsrv_proto.Generate(prompt="Hi", max_tokens=4, ignore_eos=True)
+        )
         async with raw_connection(server.port, certs.ca_cert) as conn:
             with caplog.at_level(logging.ERROR, logger="quicsrv"):
                 broken = await conn.request("POST", "/v1/generate", body)
             assert broken.status == 500
             [frame] = broken.frames
-            assert isinstance(frame, proto.Error) and frame.code == ErrorCode.INTERNAL_ERROR
+            assert isinstance(frame, quicsrv_proto.Error) and frame.code == ErrorCode.INTERNAL_ERROR
             assert len(_tracebacks(caplog)) == 1
             served = await conn.request("POST", "/v1/generate", body)
             assert served.status == 200
-            assert isinstance(served.frames[-1], proto.End)
+            assert isinstance(served.frames[-1], quicsrv_proto.End)
         assert server.app.refusals[ErrorCode.INTERNAL_ERROR] == 1

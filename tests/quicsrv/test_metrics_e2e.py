@@ -16,12 +16,18 @@ from opentelemetry.sdk.trace.export import SimpleSpanProcessor
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 from prometheus_client.parser import text_string_to_metric_families
 
-from client import CheckpointReceived, Client, GenerationEnded, SessionStarted, TokenReceived
 from quicsrv.apikeys import new_key
 from quicsrv.logs import JsonFormatter
 from quicsrv.metrics import ServerMetrics
 from quicsrv.sessions import SessionManager
 from quicsrv.sessions.flow import MAX_AHEAD_FACTOR
+from quicsrv_client import (
+    CheckpointReceived,
+    Client,
+    GenerationEnded,
+    SessionStarted,
+    TokenReceived,
+)
 from tests.helpers import raw_connection, running_server, session_settings
 
 pytestmark = [pytest.mark.model, pytest.mark.asyncio]

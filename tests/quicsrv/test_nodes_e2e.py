@@ -21,8 +21,8 @@ from collections.abc import Iterator
 
 import pytest
 
-from client import Client, GenerationEnded, TokenReceived
 from loadtest.netns.certs import issue_certs
+from quicsrv_client import Client, GenerationEnded, TokenReceived
 from tests.helpers import server_process
 from tests.redis_server import redis_server
 

@@ -7,7 +7,7 @@ import signal
 
 import pytest
 
-from client import Client, GenerationEnded, ResumePosition, TokenReceived
+from quicsrv_client import Client, GenerationEnded, ResumePosition, TokenReceived
 from tests.helpers import server_process
 
 pytestmark = [pytest.mark.model, pytest.mark.asyncio, pytest.mark.slow]

@@ -8,8 +8,10 @@ from dataclasses import dataclass, field
 
 import pytest
 
-import proto
-from client import (
+import quicsrv_proto
+from quicsrv.sessions import ResumeConflict, SessionManager
+from quicsrv.sessions.flow import MAX_AHEAD_FACTOR
+from quicsrv_client import (
     CheckpointReceived,
     Client,
     Event,
@@ -19,9 +21,7 @@ from client import (
     SessionStarted,
     TokenReceived,
 )
-from proto import ErrorCode
-from quicsrv.sessions import ResumeConflict, SessionManager
-from quicsrv.sessions.flow import MAX_AHEAD_FACTOR
+from quicsrv_proto import ErrorCode
 from tests.helpers import running_server, session_settings
 
 pytestmark = [pytest.mark.model, pytest.mark.asyncio]
@@ -313,7 +313,7 @@ async def test_a_second_resume_supersedes_the_first_reader(engine, certs, tmp_pa
             old_rest = [e async for e in old]
     # The old stream ended with `superseded`; the new one got everything after the position.
     assert isinstance(old_rest[-1], GenerationEnded)
-    assert old_rest[-1].reason is proto.EndReason.SUPERSEDED
+    assert old_rest[-1].reason is quicsrv_proto.EndReason.SUPERSEDED
     new_ids = [e.token_id for e in new_events if isinstance(e, TokenReceived)]
     assert new_ids == reference.ids[position.last_index + 1 :]
 

@@ -17,9 +17,9 @@ from aioquic.quic.configuration import QuicConfiguration
 from aioquic.quic.events import QuicEvent, StreamDataReceived
 from aioquic.tls import SessionTicket
 
-import proto
-from client import Client, GenerationEnded, ResumePosition, SessionStarted, TokenReceived
+import quicsrv_proto
 from quicsrv.devcerts import DevCertPaths
+from quicsrv_client import Client, GenerationEnded, ResumePosition, SessionStarted, TokenReceived
 from tests.helpers import server_process
 
 pytestmark = [pytest.mark.model, pytest.mark.asyncio, pytest.mark.slow]
@@ -121,7 +121,7 @@ async def test_a_generation_cut_on_one_process_continues_exactly_on_another(
     assert started.resume_path == "kv-restore"  # A's blob, restored by B
     assert ids + more == reference[0]
     assert "".join(text) + rest == reference[1]
-    assert end.reason is proto.EndReason.LENGTH
+    assert end.reason is quicsrv_proto.EndReason.LENGTH
 
 
 @pytest.mark.parametrize("params", [GREEDY, SEEDED], ids=["greedy", "seeded"])
@@ -171,10 +171,10 @@ async def test_a_resume_on_another_process_takes_the_lease_and_supersedes_the_re
                     elif isinstance(event, GenerationEnded):
                         old_end = event
     assert started.resume_path in ("kv-restore", "replay")
-    assert end.reason is proto.EndReason.LENGTH
+    assert end.reason is quicsrv_proto.EndReason.LENGTH
     assert old_ids[:10] + new_ids == reference[0]
     assert old_ids == reference[0][: len(old_ids)]
-    assert old_end is not None and old_end.reason is proto.EndReason.SUPERSEDED
+    assert old_end is not None and old_end.reason is quicsrv_proto.EndReason.SUPERSEDED
     assert len(old_ids) < len(reference[0])
 
 

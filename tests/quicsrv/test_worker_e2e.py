@@ -17,12 +17,12 @@ from pathlib import Path
 
 import pytest
 
-from client import Client, GenerationEnded, ServerError, SessionStarted, TokenReceived
-from proto import ErrorCode
 from quicsrv.config import engine_settings_for, supervisor_settings_for
 from quicsrv.engine import EngineUnavailable
 from quicsrv.engine.supervisor import CpuExtraBuffers, WorkerEngine
 from quicsrv.engine.worker import FAULT_ENV
+from quicsrv_client import Client, GenerationEnded, ServerError, SessionStarted, TokenReceived
+from quicsrv_proto import ErrorCode
 from tests.helpers import running_server
 
 #: A worker's replacement may take any time on a loaded machine; what these tests check is that

@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 import redis
 
-from client import Client, GenerationEnded, ResumePosition, TokenReceived
+from quicsrv_client import Client, GenerationEnded, ResumePosition, TokenReceived
 from tests.helpers import server_process
 
 pytestmark = [pytest.mark.model, pytest.mark.asyncio, pytest.mark.slow]

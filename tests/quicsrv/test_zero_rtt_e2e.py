@@ -17,8 +17,8 @@ from aioquic.quic.configuration import QuicConfiguration
 from aioquic.quic.events import QuicEvent, StreamDataReceived
 from aioquic.tls import SessionTicket
 
-import proto
-from client import (
+import quicsrv_proto
+from quicsrv_client import (
     Client,
     GenerationEnded,
     Reconnected,
@@ -27,7 +27,7 @@ from client import (
     TicketCache,
     TokenReceived,
 )
-from proto import ErrorCode
+from quicsrv_proto import ErrorCode
 from tests.helpers import running_server, server_process
 
 pytestmark = [pytest.mark.model, pytest.mark.asyncio]
@@ -136,7 +136,7 @@ async def test_generate_in_early_data_is_too_early_and_a_replay_starts_nothing(e
         configuration.load_verify_locations(str(ca))
         configuration.server_name = "localhost"
         configuration.session_ticket = await _ticket_for(port, ca)
-        body = proto.encode_frame(proto.Generate(prompt=PROMPT, max_tokens=8))
+        body = quicsrv_proto.encode_frame(quicsrv_proto.Generate(prompt=PROMPT, max_tokens=8))
         async with connect(
             "127.0.0.1",
             port,
@@ -160,8 +160,8 @@ async def test_generate_in_early_data_is_too_early_and_a_replay_starts_nothing(e
             await asyncio.wait_for(raw.done.wait(), 30)
             assert raw._quic.tls.early_data_accepted
         assert raw.status == 425
-        [error] = proto.decode_frames(bytes(raw.body))
-        assert isinstance(error, proto.Error) and error.code == ErrorCode.TOO_EARLY
+        [error] = quicsrv_proto.decode_frames(bytes(raw.body))
+        assert isinstance(error, quicsrv_proto.Error) and error.code == ErrorCode.TOO_EARLY
         assert len(server.sessions.store) == 0  # no compute was started
         generated_before = engine.tokens_generated_total
 

@@ -6,7 +6,6 @@ import asyncio
 
 import pytest
 
-from proto import ErrorCode
 from quicsrv.sessions import RequestRejected
 from quicsrv.sessions.admission import (
     MAX_REFUSAL_KEYS,
@@ -15,6 +14,7 @@ from quicsrv.sessions.admission import (
     FairGate,
     Slot,
 )
+from quicsrv_proto import ErrorCode
 
 pytestmark = pytest.mark.asyncio
 

@@ -8,7 +8,7 @@ from collections.abc import Sequence
 
 import pytest
 
-import proto
+import quicsrv_proto
 from quicsrv.config import session_settings_for
 from quicsrv.engine import FinishReason
 from quicsrv.sessions import RequestRejected, SessionManager, build_request
@@ -26,12 +26,12 @@ class FakePort:
         self.ended = asyncio.Event()
         self.writes: list[tuple[int, int]] = []  # each send_frames: (frames, offset after)
 
-    def send_frame(self, frame: proto.Frame, end_stream: bool) -> None:
-        self.sent.extend(proto.encode_frame(frame))
+    def send_frame(self, frame: quicsrv_proto.Frame, end_stream: bool) -> None:
+        self.sent.extend(quicsrv_proto.encode_frame(frame))
         if end_stream:
             self.ended.set()
 
-    def send_frames(self, frames: Sequence[proto.Frame]) -> None:
+    def send_frames(self, frames: Sequence[quicsrv_proto.Frame]) -> None:
         for frame in frames:
             self.send_frame(frame, False)
         self.writes.append((len(frames), len(self.sent)))
@@ -43,8 +43,8 @@ class FakePort:
         return self.acked
 
     @property
-    def frames(self) -> list[proto.Frame]:
-        return proto.decode_frames(bytes(self.sent))
+    def frames(self) -> list[quicsrv_proto.Frame]:
+        return quicsrv_proto.decode_frames(bytes(self.sent))
 
 
 def _manager(tmp_path, engine: FakeEngine, **flow) -> SessionManager:
@@ -64,7 +64,7 @@ async def _slot(manager: SessionManager) -> Slot:
 async def _stream(tmp_path, pieces: list[bytes], *, stop=(), finish=FinishReason.LENGTH):
     engine = FakeEngine()
     manager = _manager(tmp_path, engine)
-    frame = proto.Generate(prompt="hi", max_tokens=len(pieces) or 1, stop=stop)
+    frame = quicsrv_proto.Generate(prompt="hi", max_tokens=len(pieces) or 1, stop=stop)
     session = manager.start(frame, slot=await _slot(manager))
     port = FakePort()
     session.attach(port, 0)
@@ -77,9 +77,9 @@ async def _stream(tmp_path, pieces: list[bytes], *, stop=(), finish=FinishReason
 async def test_a_character_split_across_tokens_is_never_sent_broken(tmp_path):
     euro = "€".encode()  # three bytes
     frames, _, _ = await _stream(tmp_path, [b"a", euro[:1], euro[1:2], euro[2:], b"b"])
-    texts = [f.text for f in frames if isinstance(f, proto.Token)]
+    texts = [f.text for f in frames if isinstance(f, quicsrv_proto.Token)]
     assert texts == ["a", "", "", "€", "b"]
-    assert [f.index for f in frames if isinstance(f, proto.Token)] == [0, 1, 2, 3, 4]
+    assert [f.index for f in frames if isinstance(f, quicsrv_proto.Token)] == [0, 1, 2, 3, 4]
 
 
 @pytest.mark.asyncio
@@ -87,9 +87,9 @@ async def test_stop_sequence_across_tokens_is_held_back_and_not_emitted(tmp_path
     frames, engine, _ = await _stream(
         tmp_path, [b"Hel", b"lo ", b"EN", b"D", b"more"], stop=("END",)
     )
-    tokens = [f for f in frames if isinstance(f, proto.Token)]
+    tokens = [f for f in frames if isinstance(f, quicsrv_proto.Token)]
     end = frames[-1]
-    assert isinstance(end, proto.End) and end.reason is proto.EndReason.STOP
+    assert isinstance(end, quicsrv_proto.End) and end.reason is quicsrv_proto.EndReason.STOP
     assert "".join(t.text for t in tokens) == "Hello "
     assert engine.handles[-1].cancelled  # the engine stops generating at once
 
@@ -97,9 +97,9 @@ async def test_stop_sequence_across_tokens_is_held_back_and_not_emitted(tmp_path
 @pytest.mark.asyncio
 async def test_held_back_prefix_is_released_in_end_when_no_stop_follows(tmp_path):
     frames, _, _ = await _stream(tmp_path, [b"abc", b"E"], stop=("END",))
-    tokens = [f for f in frames if isinstance(f, proto.Token)]
+    tokens = [f for f in frames if isinstance(f, quicsrv_proto.Token)]
     end = frames[-1]
-    assert isinstance(end, proto.End) and end.reason is proto.EndReason.LENGTH
+    assert isinstance(end, quicsrv_proto.End) and end.reason is quicsrv_proto.EndReason.LENGTH
     assert "".join(t.text for t in tokens) + end.text == "abcE"
 
 
@@ -107,16 +107,20 @@ async def test_held_back_prefix_is_released_in_end_when_no_stop_follows(tmp_path
 async def test_eos_ends_with_usage(tmp_path):
     frames, _, _ = await _stream(tmp_path, [b"x", b"y"], finish=FinishReason.EOS)
     end = frames[-1]
-    assert isinstance(end, proto.End)
-    assert (end.reason, end.prompt_tokens, end.completion_tokens) == (proto.EndReason.EOS, 2, 2)
+    assert isinstance(end, quicsrv_proto.End)
+    assert (end.reason, end.prompt_tokens, end.completion_tokens) == (
+        quicsrv_proto.EndReason.EOS,
+        2,
+        2,
+    )
 
 
 @pytest.mark.asyncio
 async def test_first_frame_is_a_checkpoint_naming_the_session(tmp_path):
     frames, _, manager = await _stream(tmp_path, [b"x"] * 20)
     first = frames[0]
-    assert isinstance(first, proto.Checkpoint) and first.index == -1
-    checkpoints = [f for f in frames if isinstance(f, proto.Checkpoint)]
+    assert isinstance(first, quicsrv_proto.Checkpoint) and first.index == -1
+    checkpoints = [f for f in frames if isinstance(f, quicsrv_proto.Checkpoint)]
     assert [c.index for c in checkpoints] == [-1, 15]
     record = manager.store.get(first.session_id)
     assert record is not None
@@ -129,9 +133,9 @@ async def test_a_resume_replays_exactly_the_frames_after_last_index(tmp_path):
     pieces = [b"a", "é".encode()[:1], "é".encode()[1:], b" b", b"c"]
     frames, _, manager = await _stream(tmp_path, pieces)
     checkpoint = frames[0]
-    assert isinstance(checkpoint, proto.Checkpoint)
+    assert isinstance(checkpoint, quicsrv_proto.Checkpoint)
     for cut in range(-1, len(pieces)):
-        resume = proto.ResumeStream(
+        resume = quicsrv_proto.ResumeStream(
             session_id=checkpoint.session_id,
             last_index=cut,
             snapshot_hash=checkpoint.snapshot_hash,
@@ -141,8 +145,10 @@ async def test_a_resume_replays_exactly_the_frames_after_last_index(tmp_path):
         port = FakePort()
         session.attach(port, cut + 1)
         await port.ended.wait()
-        replayed = [f for f in port.frames if isinstance(f, proto.Token | proto.End)]
-        original = [f for f in frames if isinstance(f, proto.Token | proto.End)]
+        replayed = [
+            f for f in port.frames if isinstance(f, quicsrv_proto.Token | quicsrv_proto.End)
+        ]
+        original = [f for f in frames if isinstance(f, quicsrv_proto.Token | quicsrv_proto.End)]
         assert replayed == original[cut + 1 :]
 
 
@@ -150,7 +156,9 @@ async def test_a_resume_replays_exactly_the_frames_after_last_index(tmp_path):
 async def test_a_reader_that_stops_acknowledging_pauses_the_engine(tmp_path):
     engine = FakeEngine()
     manager = _manager(tmp_path, engine, max_tokens_ahead=4)
-    session = manager.start(proto.Generate(prompt="hi", max_tokens=60), slot=await _slot(manager))
+    session = manager.start(
+        quicsrv_proto.Generate(prompt="hi", max_tokens=60), slot=await _slot(manager)
+    )
     port = FakePort()
     session.attach(port, 0)
     handle = engine.handles[-1]
@@ -180,7 +188,9 @@ async def test_a_reader_that_stops_acknowledging_pauses_the_engine(tmp_path):
 async def test_a_burst_leaves_in_one_write_per_checkpoint_interval(tmp_path):
     engine = FakeEngine()
     manager = _manager(tmp_path, engine, max_tokens_ahead=64)
-    session = manager.start(proto.Generate(prompt="hi", max_tokens=60), slot=await _slot(manager))
+    session = manager.start(
+        quicsrv_proto.Generate(prompt="hi", max_tokens=60), slot=await _slot(manager)
+    )
     port = FakePort()
     session.attach(port, 0)
     engine.emit([b"x"] * 20)  # one burst, as one worker message delivers it
@@ -203,11 +213,15 @@ async def test_a_burst_leaves_in_one_write_per_checkpoint_interval(tmp_path):
 def test_limits_are_checked_before_admission():
     engine = FakeEngine(context_per_sequence=10)
     with pytest.raises(RequestRejected) as too_long:
-        build_request(engine, proto.Generate(prompt="x" * 8, max_tokens=4), max_tokens_limit=64)
-    assert too_long.value.code == proto.ErrorCode.PROMPT_TOO_LONG
+        build_request(
+            engine, quicsrv_proto.Generate(prompt="x" * 8, max_tokens=4), max_tokens_limit=64
+        )
+    assert too_long.value.code == quicsrv_proto.ErrorCode.PROMPT_TOO_LONG
     with pytest.raises(RequestRejected) as over:
-        build_request(engine, proto.Generate(prompt="x", max_tokens=65), max_tokens_limit=64)
-    assert over.value.code == proto.ErrorCode.INVALID_FIELD
+        build_request(
+            engine, quicsrv_proto.Generate(prompt="x", max_tokens=65), max_tokens_limit=64
+        )
+    assert over.value.code == quicsrv_proto.ErrorCode.INVALID_FIELD
     assert not engine.sinks
 
 
@@ -228,12 +242,14 @@ async def test_a_short_prompt_is_tokenized_on_the_loop_and_a_long_one_on_a_threa
     engine = _ThreadRecordingEngine()
     manager = SessionManager(engine, session_settings_for(tmp_path, max_tokens_limit=64))
     loop_thread = threading.get_ident()
-    many_empty = [proto.ChatMessage(role="user", content="")] * 64
+    many_empty = [quicsrv_proto.ChatMessage(role="user", content="")] * 64
     frames = [
-        proto.Generate(prompt="x" * INLINE_PROMPT_CHARS, max_tokens=4),
-        proto.Generate(prompt="x" * (INLINE_PROMPT_CHARS + 1), max_tokens=4),
-        proto.Generate(messages=(proto.ChatMessage(role="user", content="hi"),), max_tokens=4),
-        proto.Generate(messages=tuple(many_empty), max_tokens=4),
+        quicsrv_proto.Generate(prompt="x" * INLINE_PROMPT_CHARS, max_tokens=4),
+        quicsrv_proto.Generate(prompt="x" * (INLINE_PROMPT_CHARS + 1), max_tokens=4),
+        quicsrv_proto.Generate(
+            messages=(quicsrv_proto.ChatMessage(role="user", content="hi"),), max_tokens=4
+        ),
+        quicsrv_proto.Generate(messages=tuple(many_empty), max_tokens=4),
     ]
     for frame in frames:
         request = await manager.prepare_off_loop(frame)

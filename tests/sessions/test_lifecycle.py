@@ -19,7 +19,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
-import proto
+import quicsrv_proto
 from quicsrv.config import session_settings_for
 from quicsrv.engine import EngineUnavailable, FinishReason, PausedState, SequenceRequest, TokenSink
 from quicsrv.sessions import SessionManager
@@ -169,21 +169,21 @@ class Reader:
 
     def __init__(self, from_index: int) -> None:
         self.from_index = from_index
-        self.frames: list[proto.Frame] = []
+        self.frames: list[quicsrv_proto.Frame] = []
         self.sent = 0
         self.acked = 0
         self.ended = False  # it was sent its last frame (end_stream)
         self.left = False  # its stream went away (the machine detached it)
-        self.late: list[proto.Frame] = []  # frames after it ended or left: must stay empty
+        self.late: list[quicsrv_proto.Frame] = []  # frames after it ended or left: must stay empty
 
-    def send_frame(self, frame: proto.Frame, end_stream: bool) -> None:
+    def send_frame(self, frame: quicsrv_proto.Frame, end_stream: bool) -> None:
         if self.ended or self.left:
             self.late.append(frame)
         self.frames.append(frame)
-        self.sent += len(proto.encode_frame(frame))
+        self.sent += len(quicsrv_proto.encode_frame(frame))
         self.ended = self.ended or end_stream
 
-    def send_frames(self, frames: Sequence[proto.Frame]) -> None:
+    def send_frames(self, frames: Sequence[quicsrv_proto.Frame]) -> None:
         for frame in frames:
             self.send_frame(frame, False)
 
@@ -223,7 +223,7 @@ class SessionLifecycleMachine(RuleBasedStateMachine):
         self.reader: Reader | None = None  # the newest one attached
         self.stale = False
         self.log: list[int] = []
-        self.end: tuple[proto.EndReason, int] | None = None
+        self.end: tuple[quicsrv_proto.EndReason, int] | None = None
         self.submits_at_end: int | None = None
         self.loop.run_until_complete(self._start())
 
@@ -238,7 +238,7 @@ class SessionLifecycleMachine(RuleBasedStateMachine):
         )
         self.manager = SessionManager(self.engine, settings)
         slot = await self.manager.admit("client", waited_s=0.0, deadline_ms=None)
-        frame = proto.Generate(prompt="hi", max_tokens=MAX_TOKENS, stop=(STOP,))
+        frame = quicsrv_proto.Generate(prompt="hi", max_tokens=MAX_TOKENS, stop=(STOP,))
         self.session = self.manager.start(frame, slot=slot)
         self.record = self.session.record
         await self._after()
@@ -470,14 +470,14 @@ class SessionLifecycleMachine(RuleBasedStateMachine):
         generated = self.record.generated
         for reader in self.readers:
             assert reader.late == []
-            tokens = [f for f in reader.frames if isinstance(f, proto.Token)]
+            tokens = [f for f in reader.frames if isinstance(f, quicsrv_proto.Token)]
             indexes = [t.index for t in tokens]
             assert indexes == list(range(reader.from_index, reader.from_index + len(tokens)))
             assert all(t.token_id == generated[t.index] for t in tokens)
             last = reader.frames[-1] if reader.frames else None
-            if isinstance(last, proto.End) and last.reason not in (
-                proto.EndReason.SUPERSEDED,
-                proto.EndReason.SHUTDOWN,
+            if isinstance(last, quicsrv_proto.End) and last.reason not in (
+                quicsrv_proto.EndReason.SUPERSEDED,
+                quicsrv_proto.EndReason.SHUTDOWN,
             ):
                 end = self.record.end
                 assert end is not None and last.reason is end.reason

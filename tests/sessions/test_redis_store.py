@@ -10,9 +10,9 @@ import time
 
 import pytest
 
-from proto import EndReason
 from quicsrv.sessions.keys import SharedKeyRing
 from quicsrv.sessions.store import SessionEnd, SessionRecord
+from quicsrv_proto import EndReason
 from tests.sessions.test_store import _record
 
 redis = pytest.importorskip("redis")

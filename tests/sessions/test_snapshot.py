@@ -92,8 +92,8 @@ def test_the_incremental_signer_gives_the_same_macs_as_a_snapshot_from_scratch()
 def test_checkpoints_issued_in_the_previous_format_still_verify():
     import blake3
 
-    from proto import canonical_cbor
     from quicsrv.sessions.snapshot import MAC_BYTES, digest_tokens
+    from quicsrv_proto import canonical_cbor
 
     key = b"k" * 32
     snap = _snapshot()

@@ -7,10 +7,10 @@ import stat
 import threading
 from pathlib import Path
 
-from proto import EndReason
 from quicsrv.engine import SamplingParams
 from quicsrv.sessions.kvstore import KVStore
 from quicsrv.sessions.store import SessionEnd, SessionRecord, SessionStore
+from quicsrv_proto import EndReason
 
 
 def _record(session: bytes, *, expires: float = 100.0) -> SessionRecord:

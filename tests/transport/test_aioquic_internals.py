@@ -19,9 +19,9 @@ from aioquic.quic.packet_builder import QuicPacketBuilder
 from aioquic.quic.recovery import QuicPacketSpace
 from aioquic.quic.stream import QuicStream
 
-from client import _aioquic_internals as client_internals
 from quicsrv.devcerts import DevCertPaths
 from quicsrv.transport import aioquic_internals as server_internals
+from quicsrv_client import _aioquic_internals as client_internals
 
 CLIENT_ADDR = ("1.2.3.4", 1234)
 SERVER_ADDR = ("2.3.4.5", 4433)

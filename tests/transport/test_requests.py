@@ -7,8 +7,7 @@ import logging
 import pytest
 from aioquic.h3.events import DataReceived, HeadersReceived
 
-import proto
-from proto import ErrorCode
+import quicsrv_proto
 from quicsrv.apikeys import ApiKeys
 from quicsrv.sessions import RequestRejected
 from quicsrv.transport.requests import (
@@ -20,12 +19,13 @@ from quicsrv.transport.requests import (
     error_response,
     rejection_for,
 )
+from quicsrv_proto import ErrorCode
 
-SESSION = bytes(range(proto.SESSION_ID_BYTES))
-GENERATE = proto.encode_frame(proto.Generate(prompt="hi", max_tokens=4))
-RESUME = proto.encode_frame(
-    proto.ResumeStream(
-        session_id=SESSION, last_index=3, snapshot_hash=bytes(proto.SNAPSHOT_HASH_BYTES)
+SESSION = bytes(range(quicsrv_proto.SESSION_ID_BYTES))
+GENERATE = quicsrv_proto.encode_frame(quicsrv_proto.Generate(prompt="hi", max_tokens=4))
+RESUME = quicsrv_proto.encode_frame(
+    quicsrv_proto.ResumeStream(
+        session_id=SESSION, last_index=3, snapshot_hash=bytes(quicsrv_proto.SNAPSHOT_HASH_BYTES)
     )
 )
 
@@ -105,7 +105,7 @@ def test_a_whole_generate_starts_a_generation() -> None:
     assert intake.data_received(DataReceived(GENERATE[:3], 0, False), early=False) is None
     action = intake.data_received(DataReceived(GENERATE[3:], 0, True), early=False)
     assert isinstance(action, StartGeneration)
-    assert action.frame == proto.Generate(prompt="hi", max_tokens=4)
+    assert action.frame == quicsrv_proto.Generate(prompt="hi", max_tokens=4)
     assert action.request.arrived_at == 7.5
     assert action.request.client == "conn:1"
     assert action.request.endpoint == "generate"
@@ -174,7 +174,7 @@ def test_refusals_keep_their_code_and_retry_hint(caplog: pytest.LogCaptureFixtur
     request = _pending_request()
     with caplog.at_level(logging.ERROR, logger="quicsrv"):
         reject = rejection_for(RequestRejected(ErrorCode.OVERLOADED, "full", 2.5), request)
-        protocol = rejection_for(proto.InvalidField("bad"), request)
+        protocol = rejection_for(quicsrv_proto.InvalidField("bad"), request)
     assert (reject.code, reject.message, reject.retry_after_s) == (
         ErrorCode.OVERLOADED,
         "full",
@@ -201,8 +201,8 @@ def test_an_error_response_is_its_status_and_one_error_frame() -> None:
     reject = Reject(request, ErrorCode.TOO_EARLY, "later", 0.0, ((b"x-extra", b"1"),))
     headers, body = error_response(reject)
     assert headers[0] == (b":status", b"425")
-    assert (b"content-type", proto.http3.CONTENT_TYPE) in headers
+    assert (b"content-type", quicsrv_proto.http3.CONTENT_TYPE) in headers
     assert (b"x-extra", b"1") in headers
-    assert proto.decode_frames(body) == [
-        proto.Error(code=ErrorCode.TOO_EARLY, message="later", retry_after_s=0.0)
+    assert quicsrv_proto.decode_frames(body) == [
+        quicsrv_proto.Error(code=ErrorCode.TOO_EARLY, message="later", retry_after_s=0.0)
     ]
