@@ -69,7 +69,11 @@ def encode_cursor(key: bytes, session_id: bytes, index: int, flags: int) -> str:
     """The cursor of ``session_id`` at ``index``, MACed with ``key`` (the ring's current)."""
     body = _BODY.pack(session_id, index, flags)
     mac = blake3.blake3(_DOMAIN + body, key=key).digest(_MAC_BYTES)
-    return base64.urlsafe_b64encode(body + mac).rstrip(b"=").decode("ascii")
+    return _text(body + mac)
+
+
+def _text(raw: bytes) -> str:
+    return base64.urlsafe_b64encode(raw).rstrip(b"=").decode("ascii")
 
 
 def decode_cursor(text: str, keys: list[bytes]) -> Cursor:
@@ -80,7 +84,9 @@ def decode_cursor(text: str, keys: list[bytes]) -> Cursor:
         raw = base64.urlsafe_b64decode(text + "=" * (-len(text) % 4))
     except (binascii.Error, ValueError):
         raise InvalidCursor("the cursor is not one this server issued") from None
-    if len(raw) != _RAW_BYTES:
+    # Strict: base64 ignores stray characters and the unused bits of the last one, so several
+    # texts decode to the same bytes; only the one this server wrote is accepted.
+    if len(raw) != _RAW_BYTES or _text(raw) != text:
         raise InvalidCursor("the cursor is not one this server issued")
     body, presented = raw[: _BODY.size], raw[_BODY.size :]
     ok = False
