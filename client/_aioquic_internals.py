@@ -10,8 +10,10 @@ versions it passed on are :data:`TESTED_AIOQUIC_VERSIONS`, and pyproject.toml pi
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import Callable
 
+from aioquic.asyncio.protocol import QuicConnectionProtocol
 from aioquic.quic.connection import MAX_STREAM_DATA_FRAME_CAPACITY, QuicConnection
 from aioquic.quic.packet import QuicFrameType
 from aioquic.quic.packet_builder import QuicPacketBuilder
@@ -21,6 +23,7 @@ from aioquic.quic.stream import QuicStream
 __all__ = [
     "TESTED_AIOQUIC_VERSIONS",
     "StreamLimitsWriter",
+    "connected_waiter",
     "received_offset",
     "replace_stream_limits_writer",
     "set_ack_delay",
@@ -83,3 +86,10 @@ def set_ack_delay(quic: QuicConnection, delay_s: float) -> bool:
         return False
     quic._ack_delay = delay_s
     return True
+
+
+def connected_waiter(protocol: QuicConnectionProtocol) -> asyncio.Future[None] | None:
+    """The future ``wait_connected()`` waits on, while the handshake is still under way (None
+    once it completed or before anyone waited)."""
+    waiter: asyncio.Future[None] | None = protocol._connected_waiter
+    return waiter

@@ -107,7 +107,7 @@ class H3Protocol(QuicConnectionProtocol):
         except asyncio.CancelledError:
             # Connect timed out: the shielded waiter later fails with ConnectionError when the
             # connection is closed; retrieve it so asyncio does not log "never retrieved".
-            waiter = self._connected_waiter
+            waiter = internals.connected_waiter(self)
             if waiter is not None:
                 waiter.add_done_callback(consume_result)
             raise

@@ -4,6 +4,9 @@ client library (it starts it as a process when it needs one), the client never t
 from __future__ import annotations
 
 import ast
+import importlib
+import inspect
+import re
 from pathlib import Path
 
 import pytest
@@ -42,3 +45,82 @@ def test_the_check_sees_an_import() -> None:
     assert "quicsrv_client" in _imported_packages(
         Path(__file__).parent / "client" / "test_options.py"
     )
+
+
+# aioquic's private state is read and changed in these two modules only, each tested against
+# every aioquic release in the pinned range (tests/transport/test_aioquic_internals.py).
+AIOQUIC_QUARANTINE = {"quicsrv/transport/aioquic_internals.py", "client/_aioquic_internals.py"}
+# The connection a protocol subclass drives: aioquic's own examples use it, as we do.
+AIOQUIC_SUBCLASS_HANDLE = "_quic"
+
+
+def _aioquic_private_names(base: type) -> set[str]:
+    """The underscore names aioquic's classes in ``base``'s MRO define or set on ``self``."""
+    names: set[str] = set()
+    for klass in base.__mro__:
+        if klass.__module__.startswith("aioquic"):
+            names.update(re.findall(r"self\.(_[a-z]\w*)", inspect.getsource(klass)))
+            names.update(n for n in vars(klass) if n.startswith("_") and not n.startswith("__"))
+    return names - {AIOQUIC_SUBCLASS_HANDLE}
+
+
+def _aioquic_private_uses(source: str) -> list[str]:
+    """Where ``source`` touches aioquic's private state: ``self._x`` or a ``_x`` method in a
+    subclass of an aioquic class, when aioquic defines ``_x``; ``._quic._x`` anywhere."""
+    tree = ast.parse(source)
+    imported: dict[str, object] = {}
+    for node in ast.walk(tree):
+        if isinstance(node, ast.ImportFrom) and (node.module or "").startswith("aioquic"):
+            module = importlib.import_module(node.module or "")
+            for alias in node.names:
+                imported[alias.asname or alias.name] = getattr(module, alias.name, None)
+    uses = []
+    for node in ast.walk(tree):
+        if (
+            isinstance(node, ast.Attribute)
+            and node.attr.startswith("_")
+            and isinstance(node.value, ast.Attribute)
+            and node.value.attr == AIOQUIC_SUBCLASS_HANDLE
+        ):
+            uses.append(f"{node.lineno}: {ast.unparse(node)}")
+        if not isinstance(node, ast.ClassDef):
+            continue
+        bases = [imported.get(b.id) for b in node.bases if isinstance(b, ast.Name)]
+        private = set().union(*(_aioquic_private_names(b) for b in bases if isinstance(b, type)))
+        for inner in ast.walk(node):
+            if (
+                isinstance(inner, ast.Attribute)
+                and isinstance(inner.value, ast.Name)
+                and inner.value.id == "self"
+                and inner.attr in private
+            ):
+                uses.append(f"{inner.lineno}: {ast.unparse(inner)}")
+            elif isinstance(inner, ast.FunctionDef) and inner.name in private:
+                uses.append(f"{inner.lineno}: def {inner.name} (overrides aioquic's)")
+    return sorted(set(uses))
+
+
+def test_aioquic_private_state_stays_in_the_quarantine_modules() -> None:
+    offenders = {
+        str(path.relative_to(ROOT)): uses
+        for folder in ("quicsrv", "client")
+        for path in sorted((ROOT / folder).rglob("*.py"))
+        if str(path.relative_to(ROOT)) not in AIOQUIC_QUARANTINE
+        and (uses := _aioquic_private_uses(path.read_text()))
+    }
+    assert offenders == {}
+
+
+def test_the_aioquic_check_sees_private_uses() -> None:
+    """Not vacuous: an override, a read and a reach through the connection are all caught."""
+    source = (
+        "from aioquic.asyncio.protocol import QuicConnectionProtocol\n"
+        "class P(QuicConnectionProtocol):\n"
+        "    def _transmit_soon(self):\n"
+        "        return self._connected_waiter, self._quic._streams, self._quic.send_ping\n"
+    )
+    assert _aioquic_private_uses(source) == [
+        "3: def _transmit_soon (overrides aioquic's)",
+        "4: self._connected_waiter",
+        "4: self._quic._streams",
+    ]

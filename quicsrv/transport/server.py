@@ -236,9 +236,6 @@ class _H3ServerProtocol(QuicConnectionProtocol):
         except Exception as exc:  # the stream may already be gone
             log.debug("stream %d: not stopped: %r", stream_id, exc)
 
-    def transmit_soon(self) -> None:
-        self._transmit_soon()
-
     @property
     def handshake_complete(self) -> bool:
         return self._handshake_done
@@ -406,7 +403,7 @@ class _H3ServerProtocol(QuicConnectionProtocol):
                 *extra,
             ],
         )
-        self._transmit_soon()
+        self.transmit_soon()
         session.attach(answering.port, from_index, request.client)
 
     def send_data(self, stream_id: int, data: bytes, end_stream: bool) -> None:
@@ -421,7 +418,7 @@ class _H3ServerProtocol(QuicConnectionProtocol):
             answering = self._answering.pop(stream_id, None)
             if answering is not None and answering.session is not None:
                 self._log_stream_ended(answering.request, answering.session)
-        self._transmit_soon()
+        self.transmit_soon()
 
     def _log_stream_ended(self, request: IncomingRequest, session: Session) -> None:
         duration_s = asyncio.get_running_loop().time() - request.arrived_at
@@ -441,7 +438,7 @@ class _H3ServerProtocol(QuicConnectionProtocol):
             },
         )
 
-    def _transmit_soon(self) -> None:
+    def transmit_soon(self) -> None:
         # Many frames are often written in one go (a resume replays history): one transmit.
         if not self._transmit_scheduled:
             self._transmit_scheduled = True
@@ -484,7 +481,7 @@ class _H3ServerProtocol(QuicConnectionProtocol):
                 "peer %s stream %d: gone before its answer: %r", self._peer, request.stream_id, exc
             )
             return
-        self._transmit_soon()
+        self.transmit_soon()
 
     def _detach(self, stream_id: int, *, capture_kv: bool) -> None:
         self._intake.forget(stream_id)

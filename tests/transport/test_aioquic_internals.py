@@ -11,6 +11,7 @@ import ssl
 from importlib.metadata import version
 
 import pytest
+from aioquic.asyncio.protocol import QuicConnectionProtocol
 from aioquic.asyncio.server import QuicServer
 from aioquic.h3.connection import H3_ALPN
 from aioquic.quic.configuration import QuicConfiguration
@@ -152,6 +153,17 @@ def test_server_sees_the_peer_close_before_aioquic_reports_it(
     assert "ConnectionTerminated" not in events
     # Our own close is not the peer's.
     assert not server_internals.peer_closed(client)
+
+
+@pytest.mark.asyncio
+async def test_client_finds_the_connected_waiter() -> None:
+    protocol = QuicConnectionProtocol(QuicConnection(configuration=QuicConfiguration()))
+    assert client_internals.connected_waiter(protocol) is None
+    waiting = protocol.wait_connected()
+    waiting.send(None)  # runs to its first await, having made its waiter
+    waiter = client_internals.connected_waiter(protocol)
+    assert isinstance(waiter, asyncio.Future) and not waiter.done()
+    waiting.close()
 
 
 @pytest.mark.asyncio
