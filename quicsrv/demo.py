@@ -12,6 +12,7 @@ from __future__ import annotations
 import subprocess
 import sys
 import tempfile
+from pathlib import Path
 
 from .spawn import ServerDidNotStart, spawn_server
 
@@ -20,10 +21,13 @@ PROMPT = "Explain in two sentences why the sky is blue."
 
 def main(argv: list[str] | None = None) -> int:
     mode = (argv if argv is not None else sys.argv[1:])[:1]
-    data_dir = tempfile.mkdtemp(prefix="quicsrv-demo-")
-    serve = ["--host", "127.0.0.1", "--port", "0", "--data-dir", data_dir]
+    data_dir = Path(tempfile.mkdtemp(prefix="quicsrv-demo-"))
+    # The server's log goes to a file: nothing it says lands in the middle of the generated text.
+    log = data_dir / "server.log"
+    serve = ["--host", "127.0.0.1", "--port", "0", "--data-dir", str(data_dir)]
+    print("starting quicsrv serve (loading the model) ...", flush=True)
     try:
-        with spawn_server(serve, on_line=lambda line: print(line, end="", flush=True)) as server:
+        with spawn_server(serve, log=log) as server:
             where = ["--host", "127.0.0.1", "--port", str(server.port)]
             if mode == ["resume"]:
                 print("\n$ quicsrv-client demo-resume\n", flush=True)
@@ -33,12 +37,13 @@ def main(argv: list[str] | None = None) -> int:
                     f"\n$ quicsrv-client generate {PROMPT!r} --chat --max-tokens 96\n", flush=True
                 )
                 arguments = ["generate", PROMPT, "--chat", *where, "--max-tokens", "96"]
-            return subprocess.run(
-                [sys.executable, "-m", "quicsrv_client.cli", *arguments]
-            ).returncode
+            client = [sys.executable, "-m", "quicsrv_client.cli", *arguments]
+            status = subprocess.run(client).returncode
     except ServerDidNotStart as exc:
-        print(f"demo: {exc}", file=sys.stderr)
+        print(f"demo: {exc}\nthe server's log: {log}", file=sys.stderr)
         return 1
+    print(f"\nthe server's log: {log}", flush=True)
+    return status
 
 
 if __name__ == "__main__":

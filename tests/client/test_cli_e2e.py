@@ -4,8 +4,10 @@ from __future__ import annotations
 
 import asyncio
 import json
+import re
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
@@ -76,3 +78,17 @@ def test_make_demo_resume_joins_the_text_exactly():
     assert done.returncode == 0, done.stdout + done.stderr
     assert "joined output identical to the uninterrupted run: yes" in done.stdout
     assert "time to first resumed token" in done.stdout
+
+
+def test_make_demo_shows_the_text_and_names_the_server_log():
+    # `make demo`: the generated text alone on the terminal, the server's log in a file.
+    done = subprocess.run(
+        [sys.executable, "-m", "quicsrv.demo"], capture_output=True, text=True, timeout=600
+    )
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert "[end: " in done.stderr  # the client's closing line
+    for output in (done.stdout, done.stderr):  # no server log line (timestamped) on either
+        assert re.search(r"^\d{4}-\d\d-\d\d \d\d:\d\d:\d\d", output, re.MULTILINE) is None
+    log = Path(done.stdout.rstrip().rsplit("the server's log: ", 1)[1])
+    assert "quicsrv listening on" in log.read_text()
+    assert "stream ended" in log.read_text()
