@@ -1,16 +1,22 @@
-"""``quicsrv``: ``serve`` runs the HTTP/3 server, ``certs`` makes the dev PKI."""
+"""``quicsrv``: ``serve`` runs the HTTP/3 server, ``certs`` makes the dev PKI, ``keys`` and
+``api-key`` manage the snapshot MAC keys and the API keys.
+
+Only ``serve`` and ``keys --store redis://`` need the ``server`` extra (llama.cpp, Redis, ...):
+the other commands and every ``--help`` work with the base install. A failure is one line on
+stderr and an exit status, never a traceback: 2 for usage, configuration or a missing extra,
+1 for a failure while running, 130 interrupted.
+"""
 
 from __future__ import annotations
 
 import argparse
-import asyncio
+import contextlib
 import dataclasses
 import logging
-import signal
 import sys
 import time
 import tomllib
-from collections.abc import Callable
+from collections.abc import Iterator
 from pathlib import Path
 
 from .config import (
@@ -20,20 +26,26 @@ from .config import (
     OtelExporter,
     ResumeConflict,
     ServerConfig,
-    redact_store_url,
 )
 from .devcerts import describe, ensure_dev_certs
-from .engine import EngineUnavailable
 from .logs import configure_logging
 from .tracing import configure_exporter
 
-__all__ = ["main"]
+__all__ = ["ServerExtraMissing", "main"]
 
 log = logging.getLogger("quicsrv")
 
+EXIT_FAILED = 1
+EXIT_USAGE = 2
+_OWN_PACKAGES = frozenset({"quicsrv", "quicsrv_proto", "quicsrv_client"})
+
 
 def _parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="quicsrv", description=__doc__)
+    parser = argparse.ArgumentParser(
+        prog="quicsrv",
+        description="Stream tokens from a local LLM over HTTP/3, with resumable generations; "
+        "make its dev certificates, MAC keys and API keys.",
+    )
     commands = parser.add_subparsers(dest="command", required=True)
     serve = commands.add_parser("serve", help="run the HTTP/3 server")
     serve.add_argument("--config", type=Path, help="TOML file with ServerConfig keys")
@@ -193,17 +205,32 @@ def _parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
+    """Entry point of ``quicsrv``; returns the exit status."""
     args = _parser().parse_args(argv)
     configure_logging("plain")
-    if args.command == "certs":
-        print(describe(ensure_dev_certs(args.dir)))
-        return 0
-    if args.command == "keys":
-        if args.store not in ("", "file"):
-            return _rotate_shared_keys(args.store, args.previous_key_ttl)
-        return _rotate_keys(args.data_dir, args.previous_key_ttl)
-    if args.command == "api-key":
-        return _api_key(args)
+    try:
+        if args.command == "certs":
+            print(describe(ensure_dev_certs(args.dir)))
+            return 0
+        if args.command == "keys":
+            if args.store not in ("", "file"):
+                with _needs_server_extra():
+                    return _rotate_shared_keys(args.store, args.previous_key_ttl)
+            return _rotate_keys(args.data_dir, args.previous_key_ttl)
+        if args.command == "api-key":
+            return _api_key(args)
+        return _serve(args)
+    except ServerExtraMissing as exc:
+        log.error("quicsrv %s: %s", args.command, exc)
+        return EXIT_USAGE
+    except OSError as exc:  # a file or directory that cannot be read or written
+        log.error("quicsrv %s: %s", args.command, exc)
+        return EXIT_FAILED
+
+
+def _serve(args: argparse.Namespace) -> int:
+    with _needs_server_extra():
+        from . import app
     # Every serve flag's dest is a ServerConfig field; a flag left out is None (not given).
     overrides = {f.name: getattr(args, f.name, None) for f in dataclasses.fields(ServerConfig)}
     try:
@@ -213,22 +240,35 @@ def main(argv: list[str] | None = None) -> int:
         configure_exporter(config.otel_exporter)
     except (ConfigError, ValueError, OSError, tomllib.TOMLDecodeError) as exc:
         log.error("cannot serve: %s", exc)
-        return 2
-    if (problem := _unreachable_store(config.store)) is not None:
+        return EXIT_USAGE
+    if (problem := app.preflight(config)) is not None:
         log.error("cannot serve: %s", problem)
-        return 2
+        return EXIT_USAGE
     if config.workers > 1:
         from .workers import run_workers
 
         return run_workers(config)
+    return app.run(config)
+
+
+class ServerExtraMissing(Exception):
+    """A command needs a package only the ``server`` extra installs."""
+
+
+@contextlib.contextmanager
+def _needs_server_extra() -> Iterator[None]:
+    """Turn a missing third-party module into :class:`ServerExtraMissing`: every module the
+    base install lacks comes with the ``server`` extra (a missing module of our own is a bug,
+    and stays a traceback)."""
     try:
-        asyncio.run(serve(config))
-    except KeyboardInterrupt:
-        return 130
-    except EngineUnavailable as exc:
-        log.error("cannot serve: %s", exc)
-        return 1
-    return 0
+        yield
+    except ModuleNotFoundError as exc:
+        package = (exc.name or "").partition(".")[0]
+        if not package or package in _OWN_PACKAGES:
+            raise
+        raise ServerExtraMissing(
+            f"needs the server extra (no module named {package!r}): pip install 'quicsrv[server]'"
+        ) from None
 
 
 def _api_key(args: argparse.Namespace) -> int:
@@ -281,57 +321,6 @@ def _rotate_shared_keys(url: str, previous_key_ttl_s: float) -> int:
         f"the new key after its next sweep; older checkpoints verify for {previous_key_ttl_s:.0f}s"
     )
     return 0
-
-
-def _unreachable_store(url: str) -> str | None:
-    """Why the shared session store at ``url`` cannot be used now (None: it can, or the
-    store is the local file one): checked before anything starts, for a one-line error."""
-    if url in ("", "file"):
-        return None
-    import redis
-
-    from .sessions.redis_store import connect
-
-    try:
-        connect(url, timeout_s=5.0, retries=0).ping()
-    except (redis.RedisError, ValueError) as exc:
-        return f"the session store {redact_store_url(url)} cannot be reached: {exc}"
-    return None
-
-
-async def serve(config: ServerConfig, announce: Callable[[int], None] | None = None) -> None:
-    """Run one server until SIGINT/SIGTERM; ``announce(port)`` once it listens (default: print
-    the "listening" line that scripts and tests wait for)."""
-    from .engine.model import default_model_path
-    from .engine.supervisor import WorkerEngine
-    from .transport import start_server
-
-    log.info("config: %s", config.describe())
-    model_path = config.model_path or default_model_path()
-    # Blocks until the worker loaded the model and passed its canary (safe mode decided).
-    engine = await asyncio.to_thread(
-        WorkerEngine, config.engine_settings(model_path), config.supervisor_settings()
-    )
-    running = await start_server(engine, config)
-    if announce is not None:
-        announce(running.port)
-    else:
-        host = f"[{config.host}]" if ":" in config.host else config.host
-        transports = "udp, h3" + (" + tcp, h2, http/1.1" if running.tcp is not None else "")
-        print(
-            f"quicsrv listening on {host}:{running.port} ({transports}) model={model_path.name}",
-            flush=True,
-        )
-    stop = asyncio.Event()
-    loop = asyncio.get_running_loop()
-    for signum in (signal.SIGINT, signal.SIGTERM):
-        loop.add_signal_handler(signum, stop.set)
-    await stop.wait()
-    log.info("shutting down: ending open streams")
-    await running.shutdown(config.shutdown_grace_s)
-    log.info("store usage at exit: %s", running.sessions.usage())
-    await asyncio.to_thread(engine.close)
-    log.info("stopped")
 
 
 if __name__ == "__main__":

@@ -19,15 +19,16 @@ from enum import Enum, StrEnum
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from .engine.supervisor import CpuExtraBuffers
+from .engine import CpuExtraBuffers
 from .logs import LogFormat
-from .sessions.manager import ResumeConflict
+from .sessions.lifecycle import ResumeConflict
 from .tracing import OtelExporter
 
 if TYPE_CHECKING:
     from .engine.llama import EngineSettings
     from .engine.supervisor import SupervisorSettings
-    from .sessions import FlowSettings, SessionSettings
+    from .sessions.manager import SessionSettings
+    from .sessions.session import FlowSettings
     from .transport.sockets import SocketOptions
 
 __all__ = [
@@ -168,6 +169,12 @@ class ServerConfig:
         }
         return " ".join(f"{k}={v}" for k, v in shown.items())
 
+    def address(self, port: int) -> str:
+        """``host:port`` as one writes it, an IPv6 host in brackets (``[::]:4433``); ``port``
+        is the bound one (``self.port`` may be 0)."""
+        host = f"[{self.host}]" if ":" in self.host else self.host
+        return f"{host}:{port}"
+
     def engine_settings(self, model_path: Path) -> EngineSettings:
         from .engine.llama import EngineSettings
 
@@ -199,7 +206,7 @@ class ServerConfig:
         )
 
     def session_settings(self) -> SessionSettings:
-        from .sessions import SessionSettings
+        from .sessions.manager import SessionSettings
 
         return SessionSettings(
             data_dir=self.data_dir,
@@ -222,7 +229,7 @@ class ServerConfig:
         )
 
     def flow_settings(self) -> FlowSettings:
-        from .sessions import FlowSettings
+        from .sessions.session import FlowSettings
 
         if self.send_low_watermark_bytes >= self.send_high_watermark_bytes:
             raise ConfigError("send_low_watermark_bytes must be below send_high_watermark_bytes")

@@ -27,7 +27,7 @@ from .tracing import GenerationSpans, configured_tracer
 
 if TYPE_CHECKING:
     from .engine import Engine, ResumePath
-    from .sessions import SessionManager
+    from .sessions.manager import SessionManager
 
 __all__ = ["CONTENT_TYPE", "GenerationTrace", "ServerMetrics", "TransportFacts"]
 

@@ -82,10 +82,9 @@ def run_workers(config: ServerConfig) -> int:
                 return 1
         for holder in holders:
             holder.close()
-        host = f"[{config.host}]" if ":" in config.host else config.host
         transports = "udp, h3" + (" + tcp, h2, http/1.1" if config.tcp_listener else "")
         print(
-            f"quicsrv listening on {host}:{port} ({transports}) workers={len(workers)} "
+            f"quicsrv listening on {config.address(port)} ({transports}) workers={len(workers)} "
             f"pids={','.join(str(p.pid) for p, _, _ in workers)}",
             flush=True,
         )
@@ -151,7 +150,7 @@ def _worker_main(
 ) -> None:
     import asyncio
 
-    from .cli import serve
+    from .app import serve
     from .logs import configure_logging
 
     _die_with_parent()

@@ -124,3 +124,82 @@ def test_the_aioquic_check_sees_private_uses() -> None:
         "4: self._connected_waiter",
         "4: self._quic._streams",
     ]
+
+
+def _module_imports(package: str) -> dict[str, set[str]]:
+    """Which of ``package``'s modules each of its modules imports, at any depth of the code
+    (imports inside functions count: they still make the modules need each other) except
+    under ``if TYPE_CHECKING:``."""
+    modules = {}
+    for path in (ROOT / package).rglob("*.py"):
+        parts = path.relative_to(ROOT).with_suffix("").parts
+        is_package = parts[-1] == "__init__"
+        modules[".".join(parts[:-1] if is_package else parts)] = (path, is_package)
+    graph: dict[str, set[str]] = {name: set() for name in modules}
+    for name, (path, is_package) in modules.items():
+        here = name.split(".") if is_package else name.split(".")[:-1]
+        tree = ast.parse(path.read_text())
+        skipped = set()
+        for node in ast.walk(tree):
+            if isinstance(node, ast.If) and "TYPE_CHECKING" in ast.unparse(node.test):
+                skipped.update(id(n) for n in ast.walk(node))
+        for node in ast.walk(tree):
+            if id(node) in skipped:
+                continue
+            targets: list[str] = []
+            if isinstance(node, ast.Import):
+                targets = [alias.name for alias in node.names]
+            elif isinstance(node, ast.ImportFrom):
+                base = node.module or ""
+                if node.level:
+                    prefix = here[: len(here) - node.level + 1]
+                    base = ".".join(prefix + ([node.module] if node.module else []))
+                # `from X import y`: the module X.y when y is one, else X itself.
+                targets = [
+                    f"{base}.{alias.name}" if f"{base}.{alias.name}" in modules else base
+                    for alias in node.names
+                ]
+            graph[name].update(t for t in targets if t in modules and t != name)
+    return graph
+
+
+def _cycles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """The strongly connected components of more than one module (Tarjan)."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    found: list[list[str]] = []
+
+    def visit(node: str) -> None:
+        index[node] = low[node] = len(index)
+        stack.append(node)
+        for nxt in sorted(graph[node]):
+            if nxt not in index:
+                visit(nxt)
+                low[node] = min(low[node], low[nxt])
+            elif nxt in stack:
+                low[node] = min(low[node], index[nxt])
+        if low[node] == index[node]:
+            component = []
+            while (member := stack.pop()) != node:
+                component.append(member)
+            component.append(node)
+            if len(component) > 1:
+                found.append(sorted(component))
+
+    for node in sorted(graph):
+        if node not in index:
+            visit(node)
+    return found
+
+
+@pytest.mark.parametrize("package", ["quicsrv", "proto", "client"])
+def test_no_import_cycle(package: str) -> None:
+    assert _cycles(_module_imports(package)) == []
+
+
+def test_the_cycle_check_sees_a_cycle() -> None:
+    """Not vacuous: two modules importing each other (even inside a function) are one."""
+    graph = _module_imports("quicsrv")
+    graph["quicsrv.config"].add("quicsrv.cli")  # cli imports config
+    assert any({"quicsrv.cli", "quicsrv.config"} <= set(cycle) for cycle in _cycles(graph))

@@ -1,6 +1,7 @@
 """The generation engine: llama.cpp behind a small interface. Knows nothing of QUIC."""
 
 from ._api import (
+    CpuExtraBuffers,
     Engine,
     EngineError,
     EngineUnavailable,
@@ -17,6 +18,7 @@ from ._api import (
 from .model import default_model_path
 
 __all__ = [
+    "CpuExtraBuffers",
     "Engine",
     "EngineError",
     "EngineUnavailable",

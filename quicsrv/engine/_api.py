@@ -12,6 +12,7 @@ from enum import StrEnum
 from typing import Protocol
 
 __all__ = [
+    "CpuExtraBuffers",
     "Engine",
     "EngineError",
     "EngineUnavailable",
@@ -25,6 +26,15 @@ __all__ = [
     "SequenceRequest",
     "TokenSink",
 ]
+
+
+class CpuExtraBuffers(StrEnum):
+    """llama.cpp's extra CPU weight buffers (AMX, repacked layouts): a setting of the engine
+    worker's supervisor, here so that the configuration can name it without loading llama.cpp."""
+
+    AUTO = "auto"  # on, unless the canary (or two kernel faults in a row) say otherwise
+    ON = "on"
+    OFF = "off"
 
 
 class FinishReason(StrEnum):

@@ -47,12 +47,12 @@ import time
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from enum import StrEnum
 from multiprocessing.connection import Connection
 from pathlib import Path
 
 from ..logs import current_log_format
 from ._api import (
+    CpuExtraBuffers,
     EngineError,
     EngineUnavailable,
     FinishReason,
@@ -79,7 +79,7 @@ from .llama import EngineSettings, ModelFacts, check_admission, check_request
 from .vocab import Vocabulary
 from .worker import EXIT_CANARY_FAILED, EXIT_ENGINE_FAILED, WorkerOptions
 
-__all__ = ["CpuExtraBuffers", "SupervisorSettings", "WorkerEngine", "probe_cpu_extra_buffers"]
+__all__ = ["SupervisorSettings", "WorkerEngine", "probe_cpu_extra_buffers"]
 
 log = logging.getLogger("quicsrv.engine")
 
@@ -87,14 +87,6 @@ log = logging.getLogger("quicsrv.engine")
 #: kill from outside (SIGKILL by the OOM killer or an operator, SIGTERM).
 _FAULT_SIGNALS = frozenset({signal.SIGSEGV, signal.SIGBUS, signal.SIGILL, signal.SIGFPE})
 _ADMISSION_UNLIMITED = 1 << 30  # the worker's own limit: the server process admits
-
-
-class CpuExtraBuffers(StrEnum):
-    """llama.cpp's extra CPU weight buffers (AMX, repacked layouts)."""
-
-    AUTO = "auto"  # on, unless the canary (or two kernel faults in a row) say otherwise
-    ON = "on"
-    OFF = "off"
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)

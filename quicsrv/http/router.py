@@ -34,7 +34,9 @@ from quicsrv_proto import ErrorCode
 
 from ..apikeys import AccessDenied, ApiKeys, ClientId
 from ..metrics import ServerMetrics
-from ..sessions import RequestRejected, Session, SessionManager
+from ..sessions.generation import RequestRejected
+from ..sessions.manager import SessionManager
+from ..sessions.session import Session
 from . import openai_api
 from .cursor import InvalidCursor, decode_cursor
 from .errors import ApiError, from_code

@@ -1,16 +1,8 @@
-"""Sessions: generations that outlive their streams. Knows nothing of aioquic."""
+"""Sessions: generations that outlive their streams. Knows nothing of aioquic.
 
-from .generation import RequestRejected, build_request
-from .manager import ResumeConflict, SessionManager, SessionSettings
-from .session import FlowSettings, Session, StreamPort
-
-__all__ = [
-    "FlowSettings",
-    "RequestRejected",
-    "ResumeConflict",
-    "Session",
-    "SessionManager",
-    "SessionSettings",
-    "StreamPort",
-    "build_request",
-]
+Import from the modules: ``manager`` (:class:`~.manager.SessionManager`, its settings),
+``session`` (a live session, its stream port, flow settings), ``generation`` (a request checked
+and turned into an engine request), ``lifecycle`` (the state table and the resume-conflict
+policy), the stores and the KV spill. The package itself imports nothing, so that the
+configuration can name its choices without Redis, Prometheus or llama.cpp installed.
+"""

@@ -16,7 +16,6 @@ import secrets
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
-from enum import StrEnum
 from pathlib import Path
 
 import redis
@@ -31,23 +30,17 @@ from .generation import INLINE_PROMPT_CHARS, RequestRejected, build_request, pro
 from .inbox import LoopInbox
 from .keys import KeyRing, SharedKeyRing
 from .kvstore import KVStore
+from .lifecycle import ResumeConflict
 from .redis_store import RedisSessionStore, connect, connect_async, process_owner_id
 from .session import FlowSettings, Session
 from .shared_kv import SharedKV
 from .store import SessionEnd, SessionRecord, SessionStore
 
-__all__ = ["ResumeConflict", "SessionManager", "SessionSettings"]
+__all__ = ["SessionManager", "SessionSettings"]
 
 log = logging.getLogger(__name__)
 
 KEYRING_KEY = "quicsrv:mac-keys"
-
-
-class ResumeConflict(StrEnum):
-    """What a resume does to a session another stream is still reading."""
-
-    SUPERSEDE = "supersede"  # the newest attach wins; the old stream ends with `superseded`
-    REFUSE = "refuse"  # the resume gets `session_busy`
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)

@@ -34,7 +34,7 @@ from quicsrv_proto.http3 import (
 )
 
 from ..apikeys import AccessDenied, ApiKeys, ClientId
-from ..sessions import RequestRejected
+from ..sessions.generation import RequestRejected
 
 __all__ = [
     "Action",

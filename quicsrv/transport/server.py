@@ -67,8 +67,10 @@ from ..engine import Engine
 from ..http.router import Router
 from ..http.tcp import TcpListener, open_tcp_socket, start_tcp_listener
 from ..metrics import TransportFacts
-from ..sessions import RequestRejected, Session, SessionManager
+from ..sessions.generation import RequestRejected
+from ..sessions.manager import SessionManager
 from ..sessions.redis_store import connect
+from ..sessions.session import Session
 from . import aioquic_internals
 from .h3_routed import RoutedStreams
 from .redis_tickets import RedisTicketStore
@@ -590,10 +592,9 @@ async def start_server(
         log.info("API keys: %d accepted; requests without one get 401", len(api_keys))
     else:
         log.warning(
-            "NO API KEY CONFIGURED: anyone who reaches %s:%d can generate "
+            "NO API KEY CONFIGURED: anyone who reaches %s can generate "
             "(set --api-key, QUICSRV_API_KEY or api_keys_file)",
-            config.host,
-            config.port,
+            config.address(sock.getsockname()[1]),
         )
     app = QuicServerApp(engine, config, sessions, api_keys, model_id=_model_id(config, engine))
     server = await serve_on_socket(

@@ -6,6 +6,7 @@ The real model, the real server, real QUIC on loopback.
 from __future__ import annotations
 
 import asyncio
+import logging
 from pathlib import Path
 
 import pytest
@@ -302,3 +303,12 @@ async def test_a_stall_without_auto_resume_is_a_clear_error(engine, certs):
                     break
             await resumed.aclose()
     assert first == position.last_index + 1
+
+
+async def test_without_keys_the_warning_names_the_bound_port(engine, certs, caplog):
+    with caplog.at_level(logging.WARNING, logger="quicsrv"):
+        async with running_server(engine, certs) as server:  # port 0: the OS picks
+            port = server.port
+    warnings = [r.getMessage() for r in caplog.records if "NO API KEY" in r.getMessage()]
+    assert len(warnings) == 1
+    assert f"anyone who reaches 127.0.0.1:{port} can generate" in warnings[0]

@@ -19,8 +19,8 @@ from prometheus_client.parser import text_string_to_metric_families
 from quicsrv.apikeys import new_key
 from quicsrv.logs import JsonFormatter
 from quicsrv.metrics import ServerMetrics
-from quicsrv.sessions import SessionManager
 from quicsrv.sessions.flow import MAX_AHEAD_FACTOR
+from quicsrv.sessions.manager import SessionManager
 from quicsrv_client import (
     CheckpointReceived,
     Client,

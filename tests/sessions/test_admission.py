@@ -6,7 +6,6 @@ import asyncio
 
 import pytest
 
-from quicsrv.sessions import RequestRejected
 from quicsrv.sessions.admission import (
     MAX_REFUSAL_KEYS,
     OTHER_CLIENTS,
@@ -14,6 +13,7 @@ from quicsrv.sessions.admission import (
     FairGate,
     Slot,
 )
+from quicsrv.sessions.generation import RequestRejected
 from quicsrv_proto import ErrorCode
 
 pytestmark = pytest.mark.asyncio

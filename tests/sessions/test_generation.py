@@ -11,9 +11,9 @@ import pytest
 import quicsrv_proto
 from quicsrv.config import session_settings_for
 from quicsrv.engine import FinishReason
-from quicsrv.sessions import RequestRejected, SessionManager, build_request
 from quicsrv.sessions.admission import Slot
-from quicsrv.sessions.generation import INLINE_PROMPT_CHARS
+from quicsrv.sessions.generation import INLINE_PROMPT_CHARS, RequestRejected, build_request
+from quicsrv.sessions.manager import SessionManager
 from tests.fakes import FakeEngine
 
 

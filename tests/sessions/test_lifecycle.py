@@ -22,7 +22,6 @@ from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, 
 import quicsrv_proto
 from quicsrv.config import session_settings_for
 from quicsrv.engine import EngineUnavailable, FinishReason, PausedState, SequenceRequest, TokenSink
-from quicsrv.sessions import SessionManager
 from quicsrv.sessions.admission import Slot
 from quicsrv.sessions.lifecycle import (
     HOLDS_SEQUENCE,
@@ -35,6 +34,7 @@ from quicsrv.sessions.lifecycle import (
     allows,
     next_state,
 )
+from quicsrv.sessions.manager import SessionManager
 from tests.fakes import FakeEngine, FakeHandle
 
 S = SessionState

@@ -9,7 +9,7 @@ from aioquic.h3.events import DataReceived, HeadersReceived
 
 import quicsrv_proto
 from quicsrv.apikeys import ApiKeys
-from quicsrv.sessions import RequestRejected
+from quicsrv.sessions.generation import RequestRejected
 from quicsrv.transport.requests import (
     IncomingRequest,
     Reject,
