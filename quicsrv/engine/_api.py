@@ -17,6 +17,7 @@ __all__ = [
     "EngineError",
     "EngineUnavailable",
     "FinishReason",
+    "Overloaded",
     "PausedState",
     "PromptTooLong",
     "ResumePath",
@@ -47,7 +48,21 @@ class FinishReason(StrEnum):
 
 
 class EngineError(Exception):
-    """The engine refused a request."""
+    """The engine refused a request (this class itself: it is shutting down, or the request
+    can never run on it). ``retry_after_s``: when trying again may succeed (None: no hint)."""
+
+    def __init__(self, message: str, retry_after_s: float | None = None) -> None:
+        super().__init__(message)
+        self.retry_after_s = retry_after_s
+
+
+class Overloaded(EngineError):
+    """Every sequence slot is busy and the admission queue is full (a retry hint always)."""
+
+    retry_after_s: float
+
+    def __init__(self, message: str, retry_after_s: float) -> None:
+        super().__init__(message, retry_after_s)
 
 
 class EngineUnavailable(EngineError):

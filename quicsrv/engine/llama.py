@@ -29,6 +29,7 @@ from ._api import (
     EngineError,
     EngineUnavailable,
     FinishReason,
+    Overloaded,
     PausedState,
     PromptTooLong,
     ResumePath,
@@ -43,7 +44,6 @@ __all__ = [
     "EngineSettings",
     "LlamaEngine",
     "ModelFacts",
-    "Overloaded",
     "check_admission",
     "check_request",
     "open_context",
@@ -72,14 +72,6 @@ def check_request(settings: EngineSettings, request: SequenceRequest) -> int:
             f"{settings.context_per_sequence} tokens"
         )
     return chunk
-
-
-class Overloaded(EngineError):
-    """Every sequence slot is busy and the admission queue is full."""
-
-    def __init__(self, message: str, retry_after_s: float) -> None:
-        super().__init__(message)
-        self.retry_after_s = retry_after_s
 
 
 def check_admission(settings: EngineSettings, admitted: int) -> None:

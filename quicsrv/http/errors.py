@@ -1,20 +1,91 @@
-"""OpenAI-style errors: ``{"error": {"message", "type", "param", "code"}}`` with an HTTP status.
+"""Every refusal, whatever raised it, as one wire code: the one table, and its two renderings.
 
-Every refusal on the JSON API becomes one :class:`ApiError`, in one place per cause: request
-validation raises it directly (OpenAI's own codes such as ``unknown_parameter``), and the
-server's wire errors (:class:`~quicsrv.sessions.RequestRejected`, ``proto`` errors) are turned
-into one by :func:`from_code`, keeping the native protocol's stable slugs (``client_limit``,
-``hash_mismatch``...) as ``code`` and its HTTP status.
+:func:`refusal_for` maps an exception from the engine (``Overloaded``, ``PromptTooLong``...),
+the sessions (:class:`~quicsrv.sessions.generation.RequestRejected`), access control
+(:class:`~quicsrv.apikeys.AccessDenied`) or the wire format (``quicsrv_proto`` errors) to a
+:class:`Refusal`: its stable :class:`~quicsrv_proto.ErrorCode`, which fixes the HTTP status and
+OpenAI's error ``type``, its message, and its retry hint (a typed field on each of those errors,
+never guessed). Anything else is a bug: ``refusal_for`` returns None and the caller answers
+``internal_error``. A native request is answered with the status and one ERROR frame; the JSON
+API with an OpenAI-style :class:`ApiError` (``{"error": {"message", "type", "param", "code"}}``),
+which request validation also raises directly with OpenAI's own codes (``unknown_parameter``).
 """
 
 from __future__ import annotations
 
 import json
+from collections.abc import Mapping
+from dataclasses import dataclass
 from typing import Any
 
+import quicsrv_proto
 from quicsrv_proto import ErrorCode, http_status_for
 
-__all__ = ["ApiError", "error_type_for", "from_code"]
+from ..apikeys import AccessDenied
+from ..engine import EngineError, EngineUnavailable, Overloaded, PromptTooLong
+from ..sessions.generation import RequestRejected
+
+__all__ = ["CHALLENGE", "ApiError", "Refusal", "error_type_for", "from_code", "refusal_for"]
+
+# Who gets a Bearer challenge (RFC 6750 §3) with a 401.
+CHALLENGE = ((b"www-authenticate", b'Bearer realm="quicsrv"'),)
+
+# The engine's refusals, most specific first (EngineError itself: the engine is shutting down).
+_ENGINE_CODES: Mapping[type[EngineError], ErrorCode] = {
+    PromptTooLong: ErrorCode.PROMPT_TOO_LONG,
+    EngineUnavailable: ErrorCode.ENGINE_UNAVAILABLE,
+    Overloaded: ErrorCode.OVERLOADED,
+    EngineError: ErrorCode.SHUTTING_DOWN,
+}
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Refusal:
+    """A request refused before it produced anything: what every front end answers with."""
+
+    code: ErrorCode
+    """The stable wire code: the HTTP status and OpenAI's error type follow from it."""
+    message: str
+    """For people; never parsed."""
+    retry_after_s: float | None = None
+    """When trying again may succeed (None: no hint)."""
+    headers: tuple[tuple[bytes, bytes], ...] = ()
+    """Extra response headers (a 401's challenge)."""
+
+    @property
+    def status(self) -> int:
+        return http_status_for(self.code)
+
+    @property
+    def openai_type(self) -> str:
+        return error_type_for(self.status)
+
+    def frame(self) -> quicsrv_proto.Error:
+        """The native answer's body: one ERROR frame."""
+        return quicsrv_proto.Error(
+            code=self.code, message=self.message, retry_after_s=self.retry_after_s
+        )
+
+    def api_error(self) -> ApiError:
+        """The JSON API's answer."""
+        error = from_code(self.code, self.message, self.retry_after_s)
+        error.headers = self.headers
+        return error
+
+
+def refusal_for(exc: BaseException) -> Refusal | None:
+    """The refusal ``exc`` stands for; None when it is none (a bug, to be logged)."""
+    if isinstance(exc, RequestRejected):
+        return Refusal(code=exc.code, message=exc.message, retry_after_s=exc.retry_after_s)
+    if isinstance(exc, quicsrv_proto.ProtocolError):
+        return Refusal(code=exc.error_code, message=exc.message)
+    if isinstance(exc, AccessDenied):
+        return Refusal(code=ErrorCode.UNAUTHORIZED, message=exc.message, headers=CHALLENGE)
+    if isinstance(exc, EngineError):
+        code = next(c for kind, c in _ENGINE_CODES.items() if isinstance(exc, kind))
+        return Refusal(code=code, message=str(exc), retry_after_s=exc.retry_after_s)
+    return None
+
 
 # OpenAI's error types, by HTTP status (what its SDKs map onto exception classes).
 _TYPES = {
@@ -39,6 +110,8 @@ def error_type_for(status: int) -> str:
 
 class ApiError(Exception):
     """A request refused with an HTTP status and an OpenAI-style error body."""
+
+    headers: tuple[tuple[bytes, bytes], ...]
 
     def __init__(
         self,

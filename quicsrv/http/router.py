@@ -34,12 +34,11 @@ from quicsrv_proto import ErrorCode
 
 from ..apikeys import AccessDenied, ApiKeys, ClientId
 from ..metrics import ServerMetrics
-from ..sessions.generation import RequestRejected
 from ..sessions.manager import SessionManager
 from ..sessions.session import Session
 from . import openai_api
 from .cursor import InvalidCursor, decode_cursor
-from .errors import ApiError, from_code
+from .errors import CHALLENGE, ApiError, Refusal, from_code, refusal_for
 from .sse import CollectingPort, SseEncoder, StreamShape
 
 __all__ = ["ByteSink", "EventStream", "FullResponse", "HttpRequest", "Router", "SsePort"]
@@ -239,19 +238,18 @@ class Router:
         except ApiError as exc:
             self._refused(request, endpoint, exc)
             return FullResponse(status=exc.status, body=exc.body(), headers=exc.response_headers())
-        except RequestRejected as exc:
-            error = from_code(exc.code, exc.message, exc.retry_after_s)
+        except asyncio.CancelledError:
+            raise
+        except Exception as exc:
+            refusal = refusal_for(exc)
+            if refusal is None:  # a bug: the peer still gets an answer, the log the traceback
+                log.exception("%s %s failed", request.method, bare)
+                refusal = Refusal(code=ErrorCode.INTERNAL_ERROR, message="internal error")
+            error = refusal.api_error()
             self._refused(request, endpoint, error)
             return FullResponse(
                 status=error.status, body=error.body(), headers=error.response_headers()
             )
-        except asyncio.CancelledError:
-            raise
-        except Exception:  # a bug: the peer still gets an answer, the log the traceback
-            log.exception("%s %s failed", request.method, bare)
-            error = from_code(ErrorCode.INTERNAL_ERROR, "internal error")
-            self._refused(request, endpoint, error)
-            return FullResponse(status=error.status, body=error.body())
         self._metrics.request_finished(endpoint, "ok")
         return response
 
@@ -285,7 +283,7 @@ class Router:
                 401,
                 exc.message,
                 code="unauthorized",
-                headers=((b"www-authenticate", b'Bearer realm="quicsrv"'),),
+                headers=CHALLENGE,
             ) from None
 
     async def _complete(self, request: HttpRequest, who: ClientId, *, chat: bool) -> Response:

@@ -23,7 +23,7 @@ import redis
 import quicsrv_proto
 from quicsrv_proto import ErrorCode
 
-from ..engine import Engine, EngineError, EngineUnavailable, PromptTooLong, SequenceRequest
+from ..engine import Engine, SequenceRequest
 from ..metrics import ServerMetrics
 from .admission import AdmissionLimits, FairGate, Slot
 from .generation import INLINE_PROMPT_CHARS, RequestRejected, build_request, prompt_chars
@@ -210,7 +210,8 @@ class SessionManager:
         """Validate, record and submit a GENERATE under ``slot`` (``request``: its
         :meth:`prepare` result, made here when not given; ``owner``: the API key id that
         started it; ``arrived_at``: when the request arrived, on the loop's clock, for the
-        time to first token); raises RequestRejected, the slot then given back."""
+        time to first token); raises RequestRejected or the engine's EngineError (the front
+        end maps either to its wire code), the slot then given back."""
         try:
             return self._start(frame, request, slot, owner, arrived_at)
         except BaseException:
@@ -249,16 +250,7 @@ class SessionManager:
             owner=owner,
         )
         session = self._session(record)
-        try:
-            session.start(slot, arrived_at)
-        except PromptTooLong as exc:
-            raise RequestRejected(ErrorCode.PROMPT_TOO_LONG, str(exc)) from None
-        except EngineUnavailable as exc:
-            raise RequestRejected(ErrorCode.ENGINE_UNAVAILABLE, str(exc)) from None
-        except EngineError as exc:
-            retry = getattr(exc, "retry_after_s", None)
-            code = ErrorCode.OVERLOADED if retry is not None else ErrorCode.SHUTTING_DOWN
-            raise RequestRejected(code, str(exc), retry) from None
+        session.start(slot, arrived_at)  # an engine refusal goes to the caller as it is
         self.store.add(record)
         self._live[record.session_id] = session
         return session

@@ -520,7 +520,7 @@ class Session:
         except EngineError as exc:
             self._transition(SessionEvent.RESUME_DROPPED)
             self._release_slot()
-            retry = getattr(exc, "retry_after_s", 1.0)
+            retry = 1.0 if exc.retry_after_s is None else exc.retry_after_s
             log.info("session %s waits to resume: %s", self.session_id.hex(), exc)
             self._retry = self._loop.call_later(retry, self._maybe_run)
             return

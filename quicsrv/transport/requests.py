@@ -34,7 +34,7 @@ from quicsrv_proto.http3 import (
 )
 
 from ..apikeys import AccessDenied, ApiKeys, ClientId
-from ..sessions.generation import RequestRejected
+from ..http.errors import CHALLENGE, refusal_for
 
 __all__ = [
     "Action",
@@ -48,9 +48,6 @@ __all__ = [
 ]
 
 log = logging.getLogger("quicsrv")
-
-_CHALLENGE = ((b"www-authenticate", b'Bearer realm="quicsrv"'),)
-
 
 @dataclass(eq=False)
 class IncomingRequest:
@@ -141,7 +138,7 @@ class RequestIntake:
         )
         if denied is not None:
             # Before anything else: an unauthenticated peer learns nothing about paths.
-            return Reject(request, ErrorCode.UNAUTHORIZED, denied.message, None, _CHALLENGE)
+            return Reject(request, ErrorCode.UNAUTHORIZED, denied.message, None, CHALLENGE)
         if path not in NATIVE_PATHS:
             return Reject(request, ErrorCode.NOT_FOUND, f"no such path: {path!r}")
         if method != b"POST":
@@ -209,12 +206,11 @@ def rejection_for(exc: BaseException, request: IncomingRequest) -> Reject:
     A peer's mistake or a refusal keeps its code; any other exception is a bug in this server:
     ``internal_error``, with the traceback logged here (once) and no detail sent to the peer.
     """
-    if isinstance(exc, RequestRejected):
-        return Reject(request, exc.code, exc.message, exc.retry_after_s)
-    if isinstance(exc, quicsrv_proto.ProtocolError):
-        return Reject(request, exc.error_code, exc.message)
-    if isinstance(exc, AccessDenied):
-        return Reject(request, ErrorCode.UNAUTHORIZED, exc.message, None, _CHALLENGE)
+    refusal = refusal_for(exc)
+    if refusal is not None:
+        return Reject(
+            request, refusal.code, refusal.message, refusal.retry_after_s, refusal.headers
+        )
     log.error(
         "stream %d (%s): internal error",
         request.stream_id,

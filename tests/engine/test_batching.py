@@ -8,8 +8,15 @@ import threading
 import pytest
 
 from quicsrv.config import engine_settings_for
-from quicsrv.engine import FinishReason, PausedState, ResumePoint, SamplingParams, SequenceRequest
-from quicsrv.engine.llama import LlamaEngine, Overloaded
+from quicsrv.engine import (
+    FinishReason,
+    Overloaded,
+    PausedState,
+    ResumePoint,
+    SamplingParams,
+    SequenceRequest,
+)
+from quicsrv.engine.llama import LlamaEngine
 
 pytestmark = pytest.mark.model
 
