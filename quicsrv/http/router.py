@@ -293,7 +293,12 @@ class Router:
             raise from_code(ErrorCode.TOO_EARLY, "a completion is not accepted in 0-RTT data", 0.0)
         if not self._accepting():
             raise from_code(ErrorCode.SHUTTING_DOWN, "the server is shutting down")
-        session = await self._start(request, who, completion.generate)
+        session = await self._sessions.open_generation(
+            completion.generate,
+            client=who.name,
+            owner=who.key_id or "",
+            arrived_at=request.arrived_at,
+        )
         shape = StreamShape(
             session_id=session.session_id,
             chat=chat,
@@ -325,31 +330,6 @@ class Router:
             end=answer.end,
         )
         return _json(200, body, ((SESSION_HEADER, session.session_id.hex().encode()),))
-
-    async def _start(
-        self, request: HttpRequest, who: ClientId, frame: quicsrv_proto.Generate
-    ) -> Session:
-        """The native GENERATE path's steps: tokenize (a long prompt off the loop), wait for a
-        fair slot, start, and answer only once the session record is on disk (so it can be
-        resumed)."""
-        sessions = self._sessions
-        prepared = await sessions.prepare_off_loop(frame)
-        loop = asyncio.get_running_loop()
-        slot = await sessions.admit(
-            who.name, waited_s=loop.time() - request.arrived_at, deadline_ms=frame.deadline_ms
-        )
-        if not self._accepting():
-            slot.release()
-            raise from_code(ErrorCode.SHUTTING_DOWN, "the server is shutting down")
-        session = sessions.start(
-            frame, prepared, slot=slot, owner=who.key_id or "", arrived_at=request.arrived_at
-        )
-        try:
-            await sessions.persisted()
-        except asyncio.CancelledError:  # the peer went away meanwhile: stop the compute
-            session.abandon()
-            raise
-        return session
 
     async def _resume(
         self, request: HttpRequest, who: ClientId, session_id: bytes, query: str

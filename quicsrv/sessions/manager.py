@@ -150,6 +150,7 @@ class SessionManager:
             shared=shared_kv,
         )
         self._live: dict[bytes, Session] = {}
+        self._shutting_down = False
         self._loop_inbox: LoopInbox | None = None
         self.gate = FairGate(settings.admission_limits(engine))
 
@@ -172,6 +173,36 @@ class SessionManager:
         )
 
     # --- new generations ----------------------------------------------------------------
+
+    async def open_generation(
+        self, frame: quicsrv_proto.Generate, *, client: str, owner: str, arrived_at: float
+    ) -> Session:
+        """A new generation, from a GENERATE to a session whose record is on disk: the one way
+        every front end opens one. Checks and tokenizes it (a long prompt off the loop), waits
+        for ``client``'s fair turn at a slot (bounded from ``arrived_at``, the loop's clock),
+        starts it for ``owner`` (the API key id, or ""), and returns once its record is on
+        disk, so that whoever learns the session id can resume it, even after a kill -9 of
+        this process. Raises RequestRejected or EngineError.
+
+        Cancelling it (its peer went away) gives back what it holds: its place in the queue,
+        its slot, or the compute of the session it started (which stays resumable).
+        """
+        prepared = await self.prepare_off_loop(frame)
+        slot = await self.admit(
+            client,
+            waited_s=asyncio.get_running_loop().time() - arrived_at,
+            deadline_ms=frame.deadline_ms,
+        )
+        if self._shutting_down:
+            slot.release()
+            raise RequestRejected(ErrorCode.SHUTTING_DOWN, "the server is shutting down")
+        session = self.start(frame, prepared, slot=slot, owner=owner, arrived_at=arrived_at)
+        try:
+            await self.persisted()
+        except asyncio.CancelledError:
+            session.abandon()
+            raise
+        return session
 
     def prepare(self, frame: quicsrv_proto.Generate) -> SequenceRequest:
         """Check a GENERATE against the limits and tokenize its prompt (rendering the chat
@@ -490,7 +521,9 @@ class SessionManager:
                 logged = usage
 
     def shutdown(self) -> None:
-        """End every reader's stream with END(shutdown) and pause every engine sequence."""
+        """End every reader's stream with END(shutdown) and pause every engine sequence; no
+        generation opens from now on."""
+        self._shutting_down = True
         for session in list(self._live.values()):
             session.end_for_shutdown()
 

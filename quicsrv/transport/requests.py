@@ -49,6 +49,7 @@ __all__ = [
 
 log = logging.getLogger("quicsrv")
 
+
 @dataclass(eq=False)
 class IncomingRequest:
     """One request stream on a native path, from its headers until it is answered."""

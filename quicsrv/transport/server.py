@@ -67,7 +67,6 @@ from ..engine import Engine
 from ..http.router import Router
 from ..http.tcp import TcpListener, open_tcp_socket, start_tcp_listener
 from ..metrics import TransportFacts
-from ..sessions.generation import RequestRejected
 from ..sessions.manager import SessionManager
 from ..sessions.redis_store import connect
 from ..sessions.session import Session
@@ -348,38 +347,12 @@ class _H3ServerProtocol(QuicConnectionProtocol):
         self._respond(answering, session, action.frame.last_index + 1, extra)
 
     async def _start_generation(self, answering: _Answering, frame: quicsrv_proto.Generate) -> None:
-        sessions = self._app.sessions
         request = answering.request
-        prepared = await sessions.prepare_off_loop(frame)
-        if self._answering.get(request.stream_id) is not answering:
-            return  # the stream went away meanwhile: nothing was started
-        loop = asyncio.get_running_loop()
-        slot = await sessions.admit(
-            request.client,
-            waited_s=loop.time() - request.arrived_at,
-            deadline_ms=frame.deadline_ms,
+        session = await self._app.sessions.open_generation(
+            frame, client=request.client, owner=request.key_id or "", arrived_at=request.arrived_at
         )
-        if self._answering.get(request.stream_id) is not answering or not self._app.accepting:
-            slot.release()
-            if not self._app.accepting:
-                raise RequestRejected(ErrorCode.SHUTTING_DOWN, "the server is shutting down")
-            return
-        session = sessions.start(
-            frame,
-            prepared,
-            slot=slot,
-            owner=request.key_id or "",
-            arrived_at=request.arrived_at,
-        )
-        # The session id goes out once its record is on disk: whoever learns it can resume
-        # it, even after a kill -9 of this process.
-        try:
-            await sessions.persisted()
-        except asyncio.CancelledError:  # the stream went away meanwhile
-            session.abandon()
-            raise
         if self._answering.get(request.stream_id) is not answering:
-            session.abandon()
+            session.abandon()  # the stream went away as it was opened; it stays resumable
             return
         self._respond(answering, session, 0, [])
 

@@ -256,3 +256,29 @@ async def test_a_short_prompt_is_tokenized_on_the_loop_and_a_long_one_on_a_threa
         assert request.prompt_tokens == tuple(manager.prepare(frame).prompt_tokens)
     on_loop = [thread == loop_thread for thread in engine.tokenized_on[::2]]
     assert on_loop == [True, False, True, False]
+
+
+@pytest.mark.asyncio
+async def test_open_generation_starts_a_persisted_session(tmp_path):
+    engine = FakeEngine()
+    manager = _manager(tmp_path, engine)
+    frame = quicsrv_proto.Generate(prompt="hi", max_tokens=4)
+    now = asyncio.get_running_loop().time()
+    session = await manager.open_generation(frame, client="c", owner="key-1", arrived_at=now)
+    assert session.record.owner == "key-1"
+    assert manager.store.get(session.session_id) is not None
+    assert len(engine.sinks) == 1
+
+
+@pytest.mark.asyncio
+async def test_open_generation_refuses_once_shutting_down_and_gives_the_slot_back(tmp_path):
+    engine = FakeEngine()
+    manager = _manager(tmp_path, engine)
+    manager.shutdown()
+    frame = quicsrv_proto.Generate(prompt="hi", max_tokens=4)
+    now = asyncio.get_running_loop().time()
+    with pytest.raises(RequestRejected) as refused:
+        await manager.open_generation(frame, client="c", owner="", arrived_at=now)
+    assert refused.value.code == quicsrv_proto.ErrorCode.SHUTTING_DOWN
+    assert manager.gate.active == 0
+    assert not engine.sinks
