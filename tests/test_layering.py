@@ -203,3 +203,59 @@ def test_the_cycle_check_sees_a_cycle() -> None:
     graph = _module_imports("quicsrv")
     graph["quicsrv.config"].add("quicsrv.cli")  # cli imports config
     assert any({"quicsrv.cli", "quicsrv.config"} <= set(cycle) for cycle in _cycles(graph))
+
+
+# The one front door: the router decides what a path is (routes.py holds the operator endpoints
+# the router hands their paths to); the transport has one request stream class and its table.
+PATH_DISPATCHERS = {"quicsrv/http/router.py", "quicsrv/transport/routes.py"}
+
+
+def _path_dispatches(source: str) -> list[str]:
+    """Comparisons against a path: a ``*_PATH``/``*_PATHS``/``*_PREFIX`` constant, or a
+    literal that starts with ``/``, in a comparison or a ``startswith``."""
+
+    def is_path(node: ast.AST) -> bool:
+        if isinstance(node, ast.Constant) and isinstance(node.value, str | bytes):
+            return node.value[:1] in ("/", b"/")
+        name = node.id if isinstance(node, ast.Name) else getattr(node, "attr", "")
+        return name.endswith(("_PATH", "_PATHS", "_PREFIX"))
+
+    found = []
+    for node in ast.walk(ast.parse(source)):
+        if isinstance(node, ast.Compare):
+            operands = [node.left, *node.comparators]
+            if any(is_path(o) for o in operands):
+                found.append(f"{node.lineno}: {ast.unparse(node)}")
+        elif (
+            isinstance(node, ast.Call)
+            and getattr(node.func, "attr", "") == "startswith"
+            and any(is_path(a) for a in node.args)
+        ):
+            found.append(f"{node.lineno}: {ast.unparse(node)}")
+    return found
+
+
+def test_only_the_router_dispatches_on_a_path() -> None:
+    offenders = {
+        str(path.relative_to(ROOT)): found
+        for path in sorted((ROOT / "quicsrv").rglob("*.py"))
+        if str(path.relative_to(ROOT)) not in PATH_DISPATCHERS
+        and (found := _path_dispatches(path.read_text()))
+    }
+    assert offenders == {}
+
+
+def test_the_path_check_sees_a_dispatch() -> None:
+    source = "if path in NATIVE_PATHS or path == b'/v1/x' or p.startswith('/v1/'):\n    pass\n"
+    assert len(_path_dispatches(source)) == 3
+
+
+def test_the_transport_has_one_request_stream_class() -> None:
+    classes = {
+        node.name
+        for path in (ROOT / "quicsrv" / "transport").rglob("*.py")
+        for node in ast.walk(ast.parse(path.read_text()))
+        if isinstance(node, ast.ClassDef)
+        and re.search(r"Stream|Port|Exchange|Answering|Sink|Intake", node.name)
+    }
+    assert classes == {"RequestStream", "RequestStreams"}

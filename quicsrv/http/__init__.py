@@ -1,6 +1,8 @@
-"""The HTTP API: OpenAI's completions over HTTP/3 and HTTP/1.1 + HTTP/2, with resumable SSE.
+"""The front door: every request, native or OpenAI's, over HTTP/3 or HTTP/1.1 + HTTP/2.
 
-One routing layer (:mod:`.router`) for every transport; :mod:`.openai_api` maps requests and
-shapes answers, :mod:`.sse` writes a session's frames as events whose ids are :mod:`.cursor`\\ s,
-and :mod:`.tcp` is the TCP listener (hypercorn) beside the HTTP/3 one.
+One router (:mod:`.router`) for every path and transport, exchanging :mod:`.messages` with the
+transports; :mod:`.native` reads native request frames and renders native refusals,
+:mod:`.openai_api` maps OpenAI's requests and shapes its answers, :mod:`.sse` writes a session's
+frames as events whose ids are :mod:`.cursor`\\ s, :mod:`.errors` is the one error table, and
+:mod:`.tcp` is the TCP listener (hypercorn) beside the HTTP/3 one.
 """

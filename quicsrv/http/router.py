@@ -1,21 +1,28 @@
-"""The one routing layer of the HTTP API, whatever carried the request (HTTP/3, HTTP/2, HTTP/1.1).
+"""The one front door: every request, whatever carried it (HTTP/3, HTTP/2, HTTP/1.1), is
+answered here, and nowhere else dispatches on a path.
 
-A transport turns a request into an :class:`HttpRequest` (method, path, lower-case headers,
-whole body) and gets back either a :class:`FullResponse` or an :class:`EventStream`, which it
-opens on a byte sink of its own (see :class:`ByteSink`): the router never sees a socket.
+A transport hands over an :class:`~.messages.HttpRequest` and gets back a
+:class:`~.messages.FullResponse` or a :class:`~.messages.SessionStream` (see :mod:`.messages`).
 
 Routes:
 
+- ``POST /v1/generate``, ``POST /v1/resume`` (HTTP/3 only): the native frame API
+  (:mod:`.native`): a session stream of frames, refusals as an ERROR frame;
 - ``POST /v1/chat/completions``, ``POST /v1/completions``: a generation (``stream: true`` →
-  :class:`EventStream`, else one JSON body once it has ended);
+  a session stream of SSE events, else one JSON body once it has ended);
 - ``GET /v1/models``;
 - ``GET /v1/streams/{session}`` with ``Last-Event-ID`` (header, or ``?last_event_id=``): the
   stream's events after that cursor; ``DELETE /v1/streams/{session}``: stop the generation;
 - ``GET /metrics``, ``/healthz``, ``/readyz``: handed to the operator endpoints
   (``quicsrv.transport.routes.PlainRoutes``, given as ``plain``), with their own access rules.
 
-Every ``/v1/`` request needs an API key when keys are configured (401 before anything else is
-looked at); every refusal is an OpenAI-style error (:mod:`.errors`).
+Every other request needs an API key when keys are configured (401 before anything else is
+looked at). The 0-RTT policy is one rule here (RFC 8470): a request that arrived in early data
+may be a replay, so a route that starts compute (:data:`STARTS_COMPUTE`) answers it
+``too_early`` and the client sends it again after the handshake; reading, resuming or stopping
+what exists is harmless twice. Every refusal goes through the one error table
+(:func:`.errors.refusal_for`) and is rendered for its API: an ERROR frame on the native paths
+(and on unknown paths outside ``/v1/`` over HTTP/3), an OpenAI-style error elsewhere.
 """
 
 from __future__ import annotations
@@ -25,74 +32,38 @@ import json
 import logging
 import time
 import urllib.parse
-from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass
+from collections import Counter
+from collections.abc import Callable, Mapping
 from typing import Any, Protocol
 
 import quicsrv_proto
 from quicsrv_proto import ErrorCode
+from quicsrv_proto.http3 import EARLY_DATA_HEADER, RESUME_PATH_HEADER, SESSION_HEADER
 
-from ..apikeys import AccessDenied, ApiKeys, ClientId
+from ..apikeys import ApiKeys, ClientId
 from ..metrics import ServerMetrics
+from ..sessions.generation import RequestRejected
 from ..sessions.manager import SessionManager
 from ..sessions.session import Session
-from . import openai_api
+from . import native, openai_api
 from .cursor import InvalidCursor, decode_cursor
-from .errors import CHALLENGE, ApiError, Refusal, from_code, refusal_for
+from .errors import ApiError, Refusal, from_code, refusal_for
+from .messages import FullResponse, HttpRequest, Response, SessionStream
 from .sse import CollectingPort, SseEncoder, StreamShape
 
-__all__ = ["ByteSink", "EventStream", "FullResponse", "HttpRequest", "Router", "SsePort"]
+__all__ = ["STARTS_COMPUTE", "PlainHandler", "Router", "request_too_large"]
 
 log = logging.getLogger(__name__)
 
-JSON = "application/json"
-SESSION_HEADER = b"quicsrv-session"
 _CHAT_PATH = "/v1/chat/completions"
 _TEXT_PATH = "/v1/completions"
 _MODELS_PATH = "/v1/models"
 _STREAMS_PREFIX = "/v1/streams/"
+_GENERATE_PATH = "/v1/generate"
+_RESUME_PATH = "/v1/resume"
 
-
-@dataclass(frozen=True, slots=True, kw_only=True)
-class HttpRequest:
-    method: str
-    """``GET``, ``POST``, ``DELETE``..."""
-    path: str
-    """The request target, query included."""
-    headers: Mapping[bytes, bytes]
-    """Header fields, names in lower case."""
-    body: bytes
-    """The whole body (the transport bounds its size)."""
-    connection: str
-    """The peer's connection, which is its client on a server without API keys."""
-    arrived_at: float
-    """When the request arrived, on the event loop's clock."""
-    early_data: bool = False
-    """It arrived in TLS 1.3 early data (0-RTT) and could be a replay."""
-
-
-@dataclass(frozen=True, slots=True, kw_only=True)
-class FullResponse:
-    status: int
-    """The HTTP status."""
-    body: bytes
-    """The whole body."""
-    content_type: str = JSON
-    """The ``content-type`` header."""
-    headers: tuple[tuple[bytes, bytes], ...] = ()
-    """Further headers."""
-
-
-class ByteSink(Protocol):
-    """A transport's response body as an event stream writes it."""
-
-    def write(self, data: bytes, end_stream: bool) -> None: ...
-
-    def sent_offset(self) -> int:
-        """Body bytes written so far."""
-
-    def acked_offset(self) -> int:
-        """Body bytes the transport has handed on to the peer (a flow-control signal)."""
+#: The endpoints whose request starts compute: a replay of its 0-RTT data would start it twice.
+STARTS_COMPUTE = frozenset({"generate", "chat_completions", "completions"})
 
 
 class PlainAnswer(Protocol):
@@ -113,77 +84,6 @@ class PlainHandler(Protocol):
     def handle(
         self, method: bytes | None, path: bytes | None, headers: Mapping[bytes, bytes]
     ) -> PlainAnswer: ...
-
-
-class SsePort:
-    """A session's reader that writes SSE events (a ``sessions.StreamPort``)."""
-
-    def __init__(self, encoder: SseEncoder, sink: ByteSink) -> None:
-        self._encoder = encoder
-        self._sink = sink
-
-    def send_frame(self, frame: quicsrv_proto.Frame, end_stream: bool) -> None:
-        data = self._encoder.encode(frame)
-        if data or end_stream:
-            self._sink.write(data, end_stream)
-
-    def send_frames(self, frames: Sequence[quicsrv_proto.Frame]) -> None:
-        data = b"".join([self._encoder.encode(frame) for frame in frames])
-        if data:
-            self._sink.write(data, False)
-
-    def sent_offset(self) -> int:
-        return self._sink.sent_offset()
-
-    def acked_offset(self) -> int:
-        return self._sink.acked_offset()
-
-
-class EventStream:
-    """A ``200 text/event-stream`` answer that reads ``session`` from ``from_index`` on.
-
-    The transport sends the status and headers, then :meth:`open`\\ s it on its sink; a peer
-    that goes away is :meth:`close`\\ d (the generation pauses, it does not end).
-    """
-
-    status = 200
-    content_type = "text/event-stream"
-
-    def __init__(
-        self,
-        *,
-        session: Session,
-        from_index: int,
-        encoder: SseEncoder,
-        client: str,
-        fresh: bool,
-    ) -> None:
-        self.session = session
-        self._from_index = from_index
-        self._encoder = encoder
-        self._client = client
-        self._fresh = fresh
-        self.headers: tuple[tuple[bytes, bytes], ...] = (
-            (SESSION_HEADER, session.session_id.hex().encode()),
-            (b"cache-control", b"no-cache"),
-        )
-
-    def open(self, sink: ByteSink) -> SsePort:
-        port = SsePort(self._encoder, sink)
-        self.session.attach(port, self._from_index, self._client)
-        return port
-
-    def close(self, port: SsePort, *, capture_kv: bool = True) -> None:
-        self.session.detach(port, capture_kv=capture_kv)
-
-    def abandon(self) -> None:
-        """The peer left before the stream was opened: a new generation stops spending compute
-        (it stays resumable); a resumed one was never attached, so nothing changes."""
-        if self._fresh:
-            self.session.abandon()
-
-
-Response = FullResponse | EventStream
 
 
 class Router:
@@ -210,17 +110,30 @@ class Router:
         self._accepting = accepting
         self.max_body_bytes = max_body_bytes
         self._created = int(time.time())
+        self.refusals: Counter[ErrorCode] = Counter()
+        """Requests refused with a wire code, per code (401, 429, 503, 504, ...)."""
+        self.early_resumes = 0
+        """Native resumes answered from 0-RTT data."""
+        self.early_starts_refused = 0
+        """Requests that would start compute, refused ``too_early`` in 0-RTT data."""
 
-    def owns(self, path: bytes | None) -> bool:
-        """Whether this layer answers ``path``: every ``/v1/`` path and the operators' ones
-        (the HTTP/3 side keeps its native ``/v1/generate`` and ``/v1/resume`` before asking)."""
-        if path is None:
-            return False
-        bare = path.partition(b"?")[0]
-        return bare in self._plain_paths or bare.startswith(b"/v1/")
+    @property
+    def body_limit_bytes(self) -> int:
+        """The most body bytes a transport gathers for one request: a request frame's limit
+        plus its header (a JSON body's own limit is checked on top)."""
+        return self.max_body_bytes + quicsrv_proto.HEADER_SIZE
+
+    def too_large(self, request: HttpRequest) -> FullResponse:
+        """The answer to a request whose body passed :attr:`body_limit_bytes` (``request``
+        holds what arrived before); the transport stops reading it."""
+        if self._is_native(request):
+            message = f"the request frame exceeds {self.max_body_bytes} bytes"
+            return native.error_response(Refusal(code=ErrorCode.FRAME_TOO_LARGE, message=message))
+        error = request_too_large(self.max_body_bytes)
+        return FullResponse(status=error.status, body=error.body(), headers=error.headers)
 
     async def handle(self, request: HttpRequest) -> Response:
-        """Answer ``request``; never raises for a peer's mistake (that is an error body)."""
+        """Answer ``request``; never raises for a peer's mistake (that is an error answer)."""
         bare, _, query = request.path.partition("?")
         if bare.encode("latin-1") in self._plain_paths:
             plain = self._plain.handle(
@@ -233,20 +146,47 @@ class Router:
                 headers=plain.headers,
             )
         endpoint = _endpoint(bare)
+        is_native = self._is_native(request)
         try:
-            response = await self._route(request, bare, query)
-        except ApiError as exc:
-            self._refused(request, endpoint, exc)
-            return FullResponse(status=exc.status, body=exc.body(), headers=exc.response_headers())
+            who = self._api_keys.authorize(
+                request.headers.get(b"authorization"), connection=request.connection
+            )
+            if request.early_data and endpoint in STARTS_COMPUTE:
+                # A replayed 0-RTT flight would start the compute twice (RFC 8470 §5.2).
+                raise RequestRejected(
+                    ErrorCode.TOO_EARLY,
+                    f"{request.method} {bare} is not accepted in 0-RTT data: "
+                    "send it again after the handshake",
+                    0.0,
+                )
+            response: Response
+            if is_native:
+                response = await self._native(request, who, bare)
+            else:
+                response = await self._route(request, who, bare, query)
         except asyncio.CancelledError:
             raise
+        except ApiError as exc:
+            self._refused(request, endpoint, exc.status, exc.code, exc.message)
+            return FullResponse(status=exc.status, body=exc.body(), headers=exc.response_headers())
         except Exception as exc:
             refusal = refusal_for(exc)
             if refusal is None:  # a bug: the peer still gets an answer, the log the traceback
-                log.exception("%s %s failed", request.method, bare)
+                log.error(
+                    "%s %s: internal error",
+                    request.method,
+                    bare,
+                    exc_info=exc,
+                    extra={"event": "internal_error", "endpoint": endpoint},
+                )
                 refusal = Refusal(code=ErrorCode.INTERNAL_ERROR, message="internal error")
+            self.refusals[refusal.code] += 1
+            if refusal.code is ErrorCode.TOO_EARLY:
+                self.early_starts_refused += 1
+            self._refused(request, endpoint, refusal.status, refusal.code.slug, refusal.message)
+            if is_native:
+                return native.error_response(refusal)
             error = refusal.api_error()
-            self._refused(request, endpoint, error)
             return FullResponse(
                 status=error.status, body=error.body(), headers=error.response_headers()
             )
@@ -255,8 +195,58 @@ class Router:
 
     # --- routing ------------------------------------------------------------------------
 
-    async def _route(self, request: HttpRequest, path: str, query: str) -> Response:
-        who = self._authorize(request)
+    def _is_native(self, request: HttpRequest) -> bool:
+        """Whether the native frame API answers ``request``: its paths, and over HTTP/3 every
+        path outside the JSON API's ``/v1/`` (so that a wrong path gets an ERROR frame)."""
+        bare = request.path.partition("?")[0]
+        return request.http3 and (
+            bare in (_GENERATE_PATH, _RESUME_PATH) or not bare.startswith("/v1/")
+        )
+
+    async def _native(self, request: HttpRequest, who: ClientId, path: str) -> SessionStream:
+        if path not in (_GENERATE_PATH, _RESUME_PATH):
+            raise RequestRejected(ErrorCode.NOT_FOUND, f"no such path: {path!r}")
+        if request.method != "POST":
+            raise RequestRejected(ErrorCode.METHOD_NOT_ALLOWED, f"{path!r} takes POST")
+        if not self._accepting():
+            raise RequestRejected(ErrorCode.SHUTTING_DOWN, "the server is shutting down")
+        headers: tuple[tuple[bytes, bytes], ...] = ()
+        if path == _GENERATE_PATH:
+            frame = native.read_generate(request.body, max_payload_bytes=self.max_body_bytes)
+            session = await self._sessions.open_generation(
+                frame, client=who.name, owner=who.key_id or "", arrived_at=request.arrived_at
+            )
+            from_index, fresh = 0, True
+        else:
+            resume, header_session = native.read_resume(
+                request.body,
+                request.headers.get(SESSION_HEADER),
+                max_payload_bytes=self.max_body_bytes,
+            )
+            if self._sessions.shared:  # the record is read from Redis, off the loop
+                session = await self._sessions.resume_shared(
+                    resume, header_session, key_id=who.key_id
+                )
+            else:
+                session = self._sessions.resume(resume, header_session, key_id=who.key_id)
+            if request.early_data:
+                self.early_resumes += 1
+                headers += ((EARLY_DATA_HEADER, b"1"),)
+            planned = session.planned_resume_path()
+            shown = b"none" if planned is None else planned.value.encode()
+            headers += ((RESUME_PATH_HEADER, shown),)
+            from_index, fresh = resume.last_index + 1, False
+        return SessionStream(
+            session=session,
+            from_index=from_index,
+            encode=native.encode_frames,
+            content_type=native.FRAMES,
+            headers=((SESSION_HEADER, session.session_id.hex().encode()), *headers),
+            client=who.name,
+            fresh=fresh,
+        )
+
+    async def _route(self, request: HttpRequest, who: ClientId, path: str, query: str) -> Response:
         if len(request.body) > self.max_body_bytes:
             raise request_too_large(self.max_body_bytes)
         if path == _MODELS_PATH:
@@ -273,24 +263,8 @@ class Router:
             return await self._resume(request, who, session_id, query)
         raise ApiError(404, f"no such endpoint: {path}", code="not_found")
 
-    def _authorize(self, request: HttpRequest) -> ClientId:
-        try:
-            return self._api_keys.authorize(
-                request.headers.get(b"authorization"), connection=request.connection
-            )
-        except AccessDenied as exc:
-            raise ApiError(
-                401,
-                exc.message,
-                code="unauthorized",
-                headers=CHALLENGE,
-            ) from None
-
     async def _complete(self, request: HttpRequest, who: ClientId, *, chat: bool) -> Response:
         completion = openai_api.parse_completion(request.body, chat=chat, model_id=self.model_id)
-        if request.early_data:
-            # A replayed 0-RTT flight would start the compute twice (RFC 8470 §5.2).
-            raise from_code(ErrorCode.TOO_EARLY, "a completion is not accepted in 0-RTT data", 0.0)
         if not self._accepting():
             raise from_code(ErrorCode.SHUTTING_DOWN, "the server is shutting down")
         session = await self._sessions.open_generation(
@@ -308,9 +282,7 @@ class Router:
         )
         if completion.stream:
             encoder = SseEncoder(shape, mac_key=self._sessions.keys.current)
-            return EventStream(
-                session=session, from_index=0, encoder=encoder, client=who.name, fresh=True
-            )
+            return _event_stream(session, 0, encoder, client=who.name, fresh=True)
         port = CollectingPort()
         session.attach(port, 0, who.name)
         try:
@@ -333,7 +305,7 @@ class Router:
 
     async def _resume(
         self, request: HttpRequest, who: ClientId, session_id: bytes, query: str
-    ) -> EventStream:
+    ) -> SessionStream:
         last = request.headers.get(b"last-event-id")
         text = last.decode("latin-1").strip() if last is not None else _query_value(query)
         if not text:
@@ -370,9 +342,7 @@ class Router:
         encoder = SseEncoder(shape, mac_key=self._sessions.keys.current, after=cursor.index)
         # Past the last token (the finishing or usage event): only the END is left to send.
         from_index = min(cursor.index + 1, len(session.record.generated))
-        return EventStream(
-            session=session, from_index=from_index, encoder=encoder, client=who.name, fresh=False
-        )
+        return _event_stream(session, from_index, encoder, client=who.name, fresh=False)
 
     async def _stop(self, request: HttpRequest, who: ClientId, session_id: bytes) -> FullResponse:
         end = await self._sessions.cancel_anywhere(session_id, key_id=who.key_id)
@@ -387,17 +357,19 @@ class Router:
         }
         return _json(200, body)
 
-    def _refused(self, request: HttpRequest, endpoint: str, error: ApiError) -> None:
+    def _refused(
+        self, request: HttpRequest, endpoint: str, status: int, code: str, message: str
+    ) -> None:
         log.info(
             "%s %s: %d %s: %s",
             request.method,
             request.path.partition("?")[0],
-            error.status,
-            error.code,
-            error.message,
-            extra={"event": "request_rejected", "code": error.code, "peer": request.connection},
+            status,
+            code,
+            message,
+            extra={"event": "request_rejected", "code": code, "peer": request.connection},
         )
-        self._metrics.request_finished(endpoint, error.code)
+        self._metrics.request_finished(endpoint, code)
 
 
 def request_too_large(limit: int) -> ApiError:
@@ -413,6 +385,8 @@ def _endpoint(path: str) -> str:
         _CHAT_PATH: "chat_completions",
         _TEXT_PATH: "completions",
         _MODELS_PATH: "models",
+        _GENERATE_PATH: "generate",
+        _RESUME_PATH: "resume",
     }.get(path, "other")
 
 
@@ -445,3 +419,21 @@ def _json(
     status: int, body: dict[str, Any], headers: tuple[tuple[bytes, bytes], ...] = ()
 ) -> FullResponse:
     return FullResponse(status=status, body=json.dumps(body).encode(), headers=headers)
+
+
+def _event_stream(
+    session: Session, from_index: int, encoder: SseEncoder, *, client: str, fresh: bool
+) -> SessionStream:
+    """A session stream of SSE events (``text/event-stream``)."""
+    return SessionStream(
+        session=session,
+        from_index=from_index,
+        encode=encoder.encode_all,
+        content_type="text/event-stream",
+        headers=(
+            (SESSION_HEADER, session.session_id.hex().encode()),
+            (b"cache-control", b"no-cache"),
+        ),
+        client=client,
+        fresh=fresh,
+    )

@@ -70,6 +70,10 @@ class SseEncoder:
         self.finished = False
         """The stream's last event was written (``[DONE]`` or an error)."""
 
+    def encode_all(self, frames: Sequence[quicsrv_proto.Frame]) -> bytes:
+        """The events ``frames`` make on this stream, as one write (a ``FrameEncoder``)."""
+        return b"".join([self.encode(frame) for frame in frames])
+
     def encode(self, frame: quicsrv_proto.Frame) -> bytes:
         """The events ``frame`` makes on this stream (often none)."""
         if isinstance(frame, quicsrv_proto.Token):

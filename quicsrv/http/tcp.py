@@ -27,7 +27,8 @@ from typing import Any
 from hypercorn.asyncio import serve
 from hypercorn.config import Config as HypercornConfig
 
-from .router import EventStream, FullResponse, HttpRequest, Router, request_too_large
+from .messages import FullResponse, HttpRequest, SessionStream
+from .router import Router, request_too_large
 
 __all__ = ["TcpListener", "open_tcp_socket", "start_tcp_listener"]
 
@@ -115,7 +116,7 @@ async def start_tcp_listener(
 
 
 class _BufferSink:
-    """An event stream's body waiting for hypercorn (a ``router.ByteSink``): the writer task
+    """A session stream's body waiting for hypercorn (a ``messages.ByteSink``): the writer task
     hands it on; bounded by the session's flow control, which stops at the high watermark."""
 
     def __init__(self) -> None:
@@ -200,7 +201,7 @@ class AsgiAdapter:
             disconnected.cancel()
 
 
-async def _stream(stream: EventStream, send: Send, disconnected: asyncio.Future[None]) -> None:
+async def _stream(stream: SessionStream, send: Send, disconnected: asyncio.Future[None]) -> None:
     """Write ``stream`` until its end, or until the peer leaves (the generation then pauses)."""
     await send(
         {
@@ -222,7 +223,7 @@ async def _stream(stream: EventStream, send: Send, disconnected: asyncio.Future[
         stream.close(port)  # a no-op once the stream has ended
 
 
-async def _write(sink: _BufferSink, send: Send, stream: EventStream) -> None:
+async def _write(sink: _BufferSink, send: Send, stream: SessionStream) -> None:
     while True:
         await sink.ready.wait()
         sink.ready.clear()

@@ -1,14 +1,10 @@
-"""The HTTP/3 server: the aioquic adapter between QUIC connections and the sessions.
+"""The HTTP/3 server: the aioquic adapter between QUIC connections and the one front door.
 
-``POST /v1/generate`` (body: one GENERATE frame) starts a session; ``POST /v1/resume`` (session
-id in the ``quicsrv-session`` header, body: one RESUME_STREAM frame) attaches to one. Either
-response is ``200`` with TOKEN/CHECKPOINT ... END frames. What a request on those paths becomes,
-the 0-RTT policy and the mapping of every error (unexpected ones included) to a status and an
-ERROR frame are decided sans-I/O in :mod:`.requests`; this module feeds it H3 events and
-performs its actions. Every path of the HTTP API (OpenAI's ``/v1/chat/completions`` and the
-rest, ``/metrics``, ``/healthz``, ``/readyz``) goes to the one router shared with the TCP
-listener (:mod:`.h3_routed`, :mod:`quicsrv.http.router`). The connection and other streams go
-on whatever one request does.
+Every request stream of a connection goes through one table (:mod:`.streams`) to the one
+router shared with the TCP listener (:mod:`quicsrv.http.router`): the native frame API
+(``POST /v1/generate``, ``POST /v1/resume``), OpenAI's API and the operators' endpoints alike.
+This module only feeds aioquic's events in, transmits, and watches the connection. The
+connection and other streams go on whatever one request does.
 
 aioquic has no "writable" event, so flow control is watched from the other end: after every
 datagram (which may carry ACKs) each attached session compares the stream's sent and
@@ -17,7 +13,7 @@ is touched) and pauses or resumes its engine sequence accordingly.
 
 0-RTT (RFC 8446 §8, RFC 8470): tickets are single-use (the store's ``pop`` is the fetcher), so a
 replayed first flight finds no ticket and its early data is discarded; on top of that only
-requests whose replay is harmless are answered from early data (see :mod:`.requests`).
+requests whose replay is harmless are answered from early data (the router's one rule).
 aioquic delivers early data as ordinary stream events, so the handshake is tracked here.
 """
 
@@ -30,16 +26,14 @@ import itertools
 import logging
 import socket
 from collections import Counter
-from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
-from functools import partial
 from pathlib import Path
 from typing import Any
 
 from aioquic.asyncio.protocol import QuicConnectionProtocol
 from aioquic.asyncio.server import QuicServer
 from aioquic.h3.connection import H3_ALPN, H3Connection
-from aioquic.h3.events import DataReceived, H3Event, HeadersReceived
+from aioquic.h3.events import DataReceived, HeadersReceived
 from aioquic.quic.configuration import QuicConfiguration
 from aioquic.quic.events import (
     ConnectionTerminated,
@@ -50,15 +44,10 @@ from aioquic.quic.events import (
     StreamReset,
 )
 
-import quicsrv_proto
 from quicsrv_proto import ErrorCode
 from quicsrv_proto.http3 import (
-    EARLY_DATA_HEADER,
     H3_NO_ERROR,
     H3_REQUEST_CANCELLED,
-    NATIVE_PATHS,
-    RESUME_PATH_HEADER,
-    SESSION_HEADER,
 )
 
 from ..apikeys import ApiKeys
@@ -69,60 +58,16 @@ from ..http.tcp import TcpListener, open_tcp_socket, start_tcp_listener
 from ..metrics import TransportFacts
 from ..sessions.manager import SessionManager
 from ..sessions.redis_store import connect
-from ..sessions.session import Session
 from . import aioquic_internals
-from .h3_routed import RoutedStreams
 from .redis_tickets import RedisTicketStore
-from .requests import (
-    Action,
-    IncomingRequest,
-    Reject,
-    RequestIntake,
-    StartGeneration,
-    StartResume,
-    error_response,
-    rejection_for,
-)
 from .routes import PLAIN_PATHS, PlainRoutes, authorize_metrics, readiness
 from .sockets import AppliedSocketOptions, open_udp_socket, serve_on_socket
+from .streams import RequestStreams
 from .tickets import MemoryTicketStore, TicketStore
 
 __all__ = ["QuicServerApp", "RunningServer", "start_server"]
 
 log = logging.getLogger("quicsrv")
-
-
-@dataclass(eq=False)
-class _Answering:
-    """A native request past its intake: starting, or streaming its session's frames."""
-
-    request: IncomingRequest
-    session: Session | None = None
-    port: _StreamPort | None = None
-    starting: asyncio.Task[None] | None = None  # a GENERATE queued, or a resume reading Redis
-
-
-class _StreamPort:
-    """One response stream as a session sees it (see sessions.StreamPort)."""
-
-    def __init__(self, protocol: _H3ServerProtocol, stream_id: int) -> None:
-        self._protocol = protocol
-        self._stream_id = stream_id
-
-    def send_frame(self, frame: quicsrv_proto.Frame, end_stream: bool) -> None:
-        self._protocol.send_data(self._stream_id, quicsrv_proto.encode_frame(frame), end_stream)
-
-    def send_frames(self, frames: Sequence[quicsrv_proto.Frame]) -> None:
-        data = b"".join([quicsrv_proto.encode_frame(frame) for frame in frames])
-        self._protocol.send_data(self._stream_id, data, False)
-
-    def sent_offset(self) -> int:
-        offsets = self._protocol.stream_offsets(self._stream_id)
-        return 0 if offsets is None else offsets[0]
-
-    def acked_offset(self) -> int:
-        offsets = self._protocol.stream_offsets(self._stream_id)
-        return 0 if offsets is None else offsets[1]
 
 
 class QuicServerApp:
@@ -144,10 +89,6 @@ class QuicServerApp:
         self.connection_ids = itertools.count(1)
         self.connections: set[_H3ServerProtocol] = set()
         self.accepting = True
-        self.early_resumes = 0  # RESUME_STREAMs answered from 0-RTT data (stats, tests)
-        self.refusals: Counter[ErrorCode] = Counter()
-        """Requests answered with an ERROR frame, per code (401, 429, 503, 504, ...)."""
-        self.early_generates_refused = 0
         self.metrics = sessions.metrics
         self.metrics.bind_engine(engine)
         self.metrics.bind_transport(_AppFacts(self))
@@ -168,6 +109,21 @@ class QuicServerApp:
             accepting=lambda: self.accepting,
             max_body_bytes=config.max_request_bytes,
         )
+
+    @property
+    def refusals(self) -> Counter[ErrorCode]:
+        """Requests refused with a wire code, per code (401, 429, 503, 504, ...)."""
+        return self.router.refusals
+
+    @property
+    def early_resumes(self) -> int:
+        """Resumes answered from 0-RTT data."""
+        return self.router.early_resumes
+
+    @property
+    def early_generates_refused(self) -> int:
+        """Requests that would start compute, refused ``too_early`` in 0-RTT data."""
+        return self.router.early_starts_refused
 
     def shut_down_streams(self) -> None:
         """End every open stream with END(shutdown); sessions stay resumable."""
@@ -197,30 +153,22 @@ class _AppFacts(TransportFacts):
 
 
 class _H3ServerProtocol(QuicConnectionProtocol):
-    """The aioquic adapter: feeds H3 events to the request intake and the HTTP API's router,
-    performs what they decide, and watches acknowledgements for the attached sessions."""
+    """One QUIC connection: feeds aioquic's events to HTTP/3 and its request streams to the
+    one stream table (:mod:`.streams`), and lets the attached sessions see acknowledgements."""
 
     def __init__(self, *args: Any, app: QuicServerApp, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         self._app = app
         self._h3: H3Connection | None = None
-        self._answering: dict[int, _Answering] = {}
         self._transmit_scheduled = False
         self._handshake_done = False
         # Without API keys, a client is its connection (a number never reused by this process).
-        self._connection_client = f"conn:{next(app.connection_ids)}"
-        self._intake = RequestIntake(
-            api_keys=app.api_keys,
-            connection=self._connection_client,
-            max_request_bytes=app.config.max_request_bytes,
-        )
-        # The HTTP API's streams (OpenAI endpoints, operators' endpoints) on this connection.
-        self._routed = RoutedStreams(self, app.router, self._connection_client)
+        self._streams = RequestStreams(self, app.router, f"conn:{next(app.connection_ids)}")
         app.connections.add(self)
         app.metrics.connections_opened.inc()
 
     @property
-    def _peer(self) -> str:
+    def peer(self) -> str:
         address = aioquic_internals.peer_address(self._quic)
         return f"{address[0]}:{address[1]}" if address else "?"
 
@@ -237,182 +185,6 @@ class _H3ServerProtocol(QuicConnectionProtocol):
         except Exception as exc:  # the stream may already be gone
             log.debug("stream %d: not stopped: %r", stream_id, exc)
 
-    @property
-    def handshake_complete(self) -> bool:
-        return self._handshake_done
-
-    def datagram_received(self, data: bytes | str, addr: Any) -> None:
-        super().datagram_received(data, addr)
-        if aioquic_internals.peer_closed(self._quic):
-            self._detach_all()  # nobody reads any more: pause now, not after the drain period
-            return
-        # The datagram may have acknowledged stream data: let readers' sessions catch up.
-        for answering in list(self._answering.values()):
-            if answering.session is not None:
-                answering.session.on_transport_progress()
-        self._routed.transport_progress()
-
-    def quic_event_received(self, event: QuicEvent) -> None:
-        if isinstance(event, ProtocolNegotiated) and event.alpn_protocol in H3_ALPN:
-            self._h3 = H3Connection(self._quic)
-        elif isinstance(event, HandshakeCompleted):
-            self._handshake_done = True
-        elif isinstance(event, StreamReset | StopSendingReceived):
-            # Either direction of a cancelled request: nobody will read the tokens.
-            capture_kv = event.error_code != H3_REQUEST_CANCELLED
-            self._detach(event.stream_id, capture_kv=capture_kv)
-            self._routed.stream_gone(event.stream_id, capture_kv=capture_kv)
-        elif isinstance(event, ConnectionTerminated):
-            self._detach_all()
-            self._app.connections.discard(self)
-        if self._h3 is not None:
-            for h3_event in self._h3.handle_event(event):
-                self._h3_event_received(h3_event)
-
-    def connection_lost(self, exc: Exception | None) -> None:
-        self._detach_all()
-        self._app.connections.discard(self)
-        super().connection_lost(exc)
-
-    def _h3_event_received(self, event: H3Event) -> None:
-        if isinstance(event, HeadersReceived):
-            path = dict(event.headers).get(b":path")
-            if path not in NATIVE_PATHS and self._app.router.owns(path):
-                self._routed.headers_received(event)  # the HTTP API, shared with TCP
-                return
-            now = asyncio.get_running_loop().time()
-            action = self._intake.headers_received(event, now=now, accepting=self._app.accepting)
-        elif isinstance(event, DataReceived):
-            self._routed.data_received(event)
-            action = self._intake.data_received(event, early=not self._handshake_done)
-        else:
-            return
-        if action is not None:
-            self._perform(action)
-
-    def _perform(self, action: Action) -> None:
-        if isinstance(action, Reject):
-            self._reject(action)
-            return
-        request = action.request
-        answering = _Answering(request)
-        self._answering[request.stream_id] = answering
-        if isinstance(action, StartGeneration):
-            # On a task: a long prompt is tokenized on a thread (milliseconds per thousand
-            # tokens), while the loop serves every other stream.
-            answering.starting = asyncio.get_running_loop().create_task(
-                self._guarded(answering, partial(self._start_generation, answering, action.frame))
-            )
-        elif self._app.sessions.shared:  # the record is read from Redis: on a task
-            answering.starting = asyncio.get_running_loop().create_task(
-                self._guarded(answering, partial(self._resume_shared, answering, action))
-            )
-        else:
-            try:
-                session = self._app.sessions.resume(
-                    action.frame, action.header_session, key_id=request.key_id
-                )
-            except Exception as exc:  # refusals and bugs alike: an answer, never a hang
-                self._reject(rejection_for(exc, request))
-                return
-            self._answer_resume(answering, session, action)
-
-    async def _guarded(self, answering: _Answering, start: Callable[[], Awaitable[None]]) -> None:
-        """Run a request's asynchronous start; whatever it raises becomes the answer."""
-        try:
-            await start()
-        except asyncio.CancelledError:
-            raise
-        except Exception as exc:
-            if self._answering.get(answering.request.stream_id) is answering:
-                self._reject(rejection_for(exc, answering.request))
-
-    async def _resume_shared(self, answering: _Answering, action: StartResume) -> None:
-        request = answering.request
-        session = await self._app.sessions.resume_shared(
-            action.frame, action.header_session, key_id=request.key_id
-        )
-        if self._answering.get(request.stream_id) is not answering:
-            session.abandon()  # the stream went away meanwhile; the session stays resumable
-            return
-        self._answer_resume(answering, session, action)
-
-    def _answer_resume(self, answering: _Answering, session: Session, action: StartResume) -> None:
-        extra: list[tuple[bytes, bytes]] = []
-        if action.early:
-            self._app.early_resumes += 1
-            extra.append((EARLY_DATA_HEADER, b"1"))
-        path = session.planned_resume_path()
-        extra.append((RESUME_PATH_HEADER, b"none" if path is None else path.value.encode()))
-        self._respond(answering, session, action.frame.last_index + 1, extra)
-
-    async def _start_generation(self, answering: _Answering, frame: quicsrv_proto.Generate) -> None:
-        request = answering.request
-        session = await self._app.sessions.open_generation(
-            frame, client=request.client, owner=request.key_id or "", arrived_at=request.arrived_at
-        )
-        if self._answering.get(request.stream_id) is not answering:
-            session.abandon()  # the stream went away as it was opened; it stays resumable
-            return
-        self._respond(answering, session, 0, [])
-
-    def _respond(
-        self,
-        answering: _Answering,
-        session: Session,
-        from_index: int,
-        extra: list[tuple[bytes, bytes]],
-    ) -> None:
-        """200 with the session id, then the session's frames from ``from_index`` on."""
-        request = answering.request
-        answering.session = session
-        answering.port = _StreamPort(self, request.stream_id)
-        self._app.metrics.request_finished(request.endpoint, "ok")
-        assert self._h3 is not None
-        self._h3.send_headers(
-            request.stream_id,
-            [
-                (b":status", b"200"),
-                (b"content-type", quicsrv_proto.http3.CONTENT_TYPE),
-                (SESSION_HEADER, session.session_id.hex().encode()),
-                *extra,
-            ],
-        )
-        self.transmit_soon()
-        session.attach(answering.port, from_index, request.client)
-
-    def send_data(self, stream_id: int, data: bytes, end_stream: bool) -> None:
-        assert self._h3 is not None
-        try:
-            self._h3.send_data(stream_id, data, end_stream)
-        except Exception as exc:  # the peer reset the stream or closed the connection meanwhile
-            log.debug("peer %s stream %d: gone while sending: %r", self._peer, stream_id, exc)
-            self._detach(stream_id, capture_kv=True)
-            return
-        if end_stream:
-            answering = self._answering.pop(stream_id, None)
-            if answering is not None and answering.session is not None:
-                self._log_stream_ended(answering.request, answering.session)
-        self.transmit_soon()
-
-    def _log_stream_ended(self, request: IncomingRequest, session: Session) -> None:
-        duration_s = asyncio.get_running_loop().time() - request.arrived_at
-        session_id = session.session_id.hex()
-        log.info(
-            "peer %s stream %d session %s: stream ended after %.3fs",
-            self._peer,
-            request.stream_id,
-            session_id,
-            duration_s,
-            extra={
-                "event": "stream_ended",
-                "peer": self._peer,
-                "stream_id": request.stream_id,
-                "session_id": session_id,
-                "duration_s": round(duration_s, 6),
-            },
-        )
-
     def transmit_soon(self) -> None:
         # Many frames are often written in one go (a resume replays history): one transmit.
         if not self._transmit_scheduled:
@@ -423,60 +195,46 @@ class _H3ServerProtocol(QuicConnectionProtocol):
         self._transmit_scheduled = False
         self.transmit()
 
-    def _reject(self, reject: Reject) -> None:
-        """Send a rejection (status + ERROR frame, stream ended), counted and logged."""
-        request = reject.request
-        log.info(
-            "peer %s stream %d: %s: %s",
-            self._peer,
-            request.stream_id,
-            reject.code.slug,
-            reject.message,
-            extra={
-                "event": "request_rejected",
-                "peer": self._peer,
-                "stream_id": request.stream_id,
-                "code": reject.code.slug,
-                "duration_s": round(asyncio.get_running_loop().time() - request.arrived_at, 6),
-            },
-        )
-        self._app.refusals[reject.code] += 1
-        if reject.code is ErrorCode.TOO_EARLY:
-            self._app.early_generates_refused += 1
-        self._app.metrics.request_finished(request.endpoint, reject.code.slug)
-        stream_id = request.stream_id
-        self._answering.pop(stream_id, None)
-        headers, body = error_response(reject)
-        try:
-            assert self._h3 is not None
-            self._h3.send_headers(stream_id, headers)
-            self._h3.send_data(stream_id, body, end_stream=True)
-        except Exception as exc:  # the stream is already gone; nothing to answer
-            log.debug(
-                "peer %s stream %d: gone before its answer: %r", self._peer, request.stream_id, exc
-            )
-            return
-        self.transmit_soon()
-
-    def _detach(self, stream_id: int, *, capture_kv: bool) -> None:
-        self._intake.forget(stream_id)
-        answering = self._answering.pop(stream_id, None)
-        if answering is None:
-            return
-        if answering.starting is not None and not answering.starting.done():
-            answering.starting.cancel()  # gives its place in the queue (or its slot) back
-        if answering.session is not None and answering.port is not None:
-            answering.session.detach(answering.port, capture_kv=capture_kv)
-
-    def _detach_all(self) -> None:
-        for stream_id in list(self._answering):
-            self._detach(stream_id, capture_kv=True)
-        self._intake.forget_all()
-        self._routed.close_all()
+    @property
+    def handshake_complete(self) -> bool:
+        return self._handshake_done
 
     @property
     def has_unacked_requests(self) -> bool:
         return aioquic_internals.has_unfinished_requests(self._quic)
+
+    def datagram_received(self, data: bytes | str, addr: Any) -> None:
+        super().datagram_received(data, addr)
+        if aioquic_internals.peer_closed(self._quic):
+            # Nobody reads any more: pause now, not after the drain period.
+            self._streams.close_all()
+            return
+        # The datagram may have acknowledged stream data: let readers' sessions catch up.
+        self._streams.transport_progress()
+
+    def quic_event_received(self, event: QuicEvent) -> None:
+        if isinstance(event, ProtocolNegotiated) and event.alpn_protocol in H3_ALPN:
+            self._h3 = H3Connection(self._quic)
+        elif isinstance(event, HandshakeCompleted):
+            self._handshake_done = True
+        elif isinstance(event, StreamReset | StopSendingReceived):
+            # Either direction of a cancelled request: nobody will read the tokens.
+            capture_kv = event.error_code != H3_REQUEST_CANCELLED
+            self._streams.stream_gone(event.stream_id, capture_kv=capture_kv)
+        elif isinstance(event, ConnectionTerminated):
+            self._streams.close_all()
+            self._app.connections.discard(self)
+        if self._h3 is not None:
+            for h3_event in self._h3.handle_event(event):
+                if isinstance(h3_event, HeadersReceived):
+                    self._streams.headers_received(h3_event)
+                elif isinstance(h3_event, DataReceived):
+                    self._streams.data_received(h3_event)
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self._streams.close_all()
+        self._app.connections.discard(self)
+        super().connection_lost(exc)
 
 
 @dataclass

@@ -279,16 +279,16 @@ async def test_a_closed_connection_pauses_at_once_not_after_the_drain_period(
     a step of the reader leaving."""
     from aioquic.quic.connection import QuicConnectionState
 
-    from quicsrv.transport.server import _H3ServerProtocol
+    from quicsrv.transport.streams import RequestStreams
 
     states: list[QuicConnectionState] = []
-    detach_all = _H3ServerProtocol._detach_all
+    close_all = RequestStreams.close_all
 
-    def recording(self: _H3ServerProtocol) -> None:
-        states.append(self._quic._state)
-        detach_all(self)
+    def recording(self: RequestStreams) -> None:
+        states.append(self.host._quic._state)  # type: ignore[attr-defined]
+        close_all(self)
 
-    monkeypatch.setattr(_H3ServerProtocol, "_detach_all", recording)
+    monkeypatch.setattr(RequestStreams, "close_all", recording)
     async with running_server(engine, certs, sessions=session_settings(tmp_path)) as server:
         position = await _start_and_cut(server, certs.ca_cert, 4, max_tokens=400, ignore_eos=True)
         record = server.sessions.store.get(bytes.fromhex(position.session_id))

@@ -1,0 +1,150 @@
+"""What a transport and the router exchange: a whole request in, a response out.
+
+A transport (HTTP/3, or HTTP/2 and HTTP/1.1 on TCP) turns a request into an
+:class:`HttpRequest` (method, path, lower-case headers, whole body) and gets back a
+:class:`FullResponse` or a :class:`SessionStream`, which it opens on a byte sink of its own
+(:class:`ByteSink`): the router never sees a socket. A session stream is the one shape of a
+streamed answer: SSE events for the JSON API, frames for the native API, each only an encoding
+of the same session's frames.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Protocol
+
+import quicsrv_proto
+
+from ..sessions.session import Session
+
+__all__ = [
+    "JSON",
+    "ByteSink",
+    "FrameEncoder",
+    "FullResponse",
+    "HttpRequest",
+    "Response",
+    "SessionPort",
+    "SessionStream",
+]
+
+JSON = "application/json"
+
+#: A streamed answer's encoding: frames in, body bytes out (often none for a frame).
+FrameEncoder = Callable[[Sequence[quicsrv_proto.Frame]], bytes]
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class HttpRequest:
+    method: str
+    """``GET``, ``POST``, ``DELETE``..."""
+    path: str
+    """The request target, query included."""
+    headers: Mapping[bytes, bytes]
+    """Header fields, names in lower case."""
+    body: bytes
+    """The whole body (the transport bounds its size)."""
+    connection: str
+    """The peer's connection, which is its client on a server without API keys."""
+    arrived_at: float
+    """When the request arrived, on the event loop's clock."""
+    early_data: bool = False
+    """It arrived in TLS 1.3 early data (0-RTT) and could be a replay."""
+    http3: bool = False
+    """It came over HTTP/3, where the native frame API is served too."""
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class FullResponse:
+    status: int
+    """The HTTP status."""
+    body: bytes
+    """The whole body."""
+    content_type: str = JSON
+    """The ``content-type`` header."""
+    headers: tuple[tuple[bytes, bytes], ...] = ()
+    """Further headers."""
+
+
+class ByteSink(Protocol):
+    """A transport's response body as a session stream writes it."""
+
+    def write(self, data: bytes, end_stream: bool) -> None: ...
+
+    def sent_offset(self) -> int:
+        """Body bytes written so far."""
+
+    def acked_offset(self) -> int:
+        """Body bytes the transport has handed on to the peer (a flow-control signal)."""
+
+
+class SessionPort:
+    """A session's reader that writes its frames, encoded, to a transport's sink (a
+    ``sessions.session.StreamPort``)."""
+
+    def __init__(self, encode: FrameEncoder, sink: ByteSink) -> None:
+        self._encode = encode
+        self._sink = sink
+
+    def send_frame(self, frame: quicsrv_proto.Frame, end_stream: bool) -> None:
+        data = self._encode((frame,))
+        if data or end_stream:
+            self._sink.write(data, end_stream)
+
+    def send_frames(self, frames: Sequence[quicsrv_proto.Frame]) -> None:
+        data = self._encode(frames)
+        if data:
+            self._sink.write(data, False)
+
+    def sent_offset(self) -> int:
+        return self._sink.sent_offset()
+
+    def acked_offset(self) -> int:
+        return self._sink.acked_offset()
+
+
+class SessionStream:
+    """A ``200`` answer that reads ``session`` from ``from_index`` on, in ``content_type``.
+
+    The transport sends the status and headers, then :meth:`open`\\ s it on its sink; a peer
+    that goes away is :meth:`close`\\ d (the generation pauses, it does not end).
+    """
+
+    status = 200
+
+    def __init__(
+        self,
+        *,
+        session: Session,
+        from_index: int,
+        encode: FrameEncoder,
+        content_type: str,
+        headers: tuple[tuple[bytes, bytes], ...],
+        client: str,
+        fresh: bool,
+    ) -> None:
+        self.session = session
+        self.content_type = content_type
+        self.headers = headers
+        self._from_index = from_index
+        self._encode = encode
+        self._client = client
+        self._fresh = fresh
+
+    def open(self, sink: ByteSink) -> SessionPort:
+        port = SessionPort(self._encode, sink)
+        self.session.attach(port, self._from_index, self._client)
+        return port
+
+    def close(self, port: SessionPort, *, capture_kv: bool = True) -> None:
+        self.session.detach(port, capture_kv=capture_kv)
+
+    def abandon(self) -> None:
+        """The peer left before the stream was opened: a new generation stops spending compute
+        (it stays resumable); a resumed one was never attached, so nothing changes."""
+        if self._fresh:
+            self.session.abandon()
+
+
+Response = FullResponse | SessionStream
