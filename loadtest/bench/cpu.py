@@ -4,8 +4,9 @@ On 2 cores every microsecond the server or the client spends per token is taken 
 threads, so this is the number a change to the per-token path must move. Each ``--server`` is a
 quicsrv (this checkout or another, with its own ``QUICSRV_*`` settings); all of them run at once
 and take turns, round after round, in alternating order, so drift in the machine's speed hits
-them alike. Per run: delivered tokens/s, the server process's CPU (``/proc``, its engine worker
-excluded) and this client process's CPU, each per delivered token; the table shows medians.
+them alike. Per run: delivered tokens/s, the server process's CPU (its threads' schedstat, to
+the nanosecond; its engine worker excluded) and this client process's CPU, each per delivered
+token; the table shows medians.
 
     python -m loadtest.bench.cpu --streams 1 --max-tokens 256 --rounds 4 \\
         --server now --server coalesce-off:QUICSRV_TOKEN_COALESCE_MS=0 \\
@@ -18,7 +19,6 @@ import argparse
 import asyncio
 import contextlib
 import json
-import os
 import statistics
 import sys
 import tempfile
@@ -28,7 +28,7 @@ from datetime import UTC, datetime
 from pathlib import Path
 
 from loadtest.bench.load import run_quicsrv_load
-from loadtest.bench.machine import process_cpu_s
+from loadtest.bench.machine import threads_cpu_s
 from loadtest.bench.servers import Child, ServerSettings, quicsrv_server
 from quicsrv.config import probe_cpu_extra_buffers
 from quicsrv.devcerts import ensure_dev_certs
@@ -83,14 +83,13 @@ class Run:
 
 
 def _client_cpu_s() -> float:
-    times = os.times()
-    return times.user + times.system
+    return time.process_time()  # to the nanosecond, like threads_cpu_s for the server
 
 
 async def _one_run(
     spec: ServerSpec, server: Child, ca: Path, args: argparse.Namespace, round_: int
 ) -> Run:
-    server_before, client_before = process_cpu_s(server.pid), _client_cpu_s()
+    server_before, client_before = threads_cpu_s(server.pid), _client_cpu_s()
     started = time.perf_counter()
     _, results = await run_quicsrv_load(
         server.port,
@@ -109,7 +108,7 @@ async def _one_run(
         round=round_,
         tokens=tokens,
         tokens_per_s=tokens / wall_s,
-        server_us_per_token=1e6 * (process_cpu_s(server.pid) - server_before) / tokens,
+        server_us_per_token=1e6 * (threads_cpu_s(server.pid) - server_before) / tokens,
         client_us_per_token=1e6 * (_client_cpu_s() - client_before) / tokens,
     )
 

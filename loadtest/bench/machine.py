@@ -12,7 +12,14 @@ import time
 from collections.abc import Iterable
 from dataclasses import dataclass
 
-__all__ = ["CpuMeter", "Quiet", "busy_share", "process_cpu_s", "wait_until_quiet"]
+__all__ = [
+    "CpuMeter",
+    "Quiet",
+    "busy_share",
+    "process_cpu_s",
+    "threads_cpu_s",
+    "wait_until_quiet",
+]
 
 _TICKS_PER_S = os.sysconf("SC_CLK_TCK")
 _CPUS = os.cpu_count() or 1
@@ -37,6 +44,25 @@ def process_cpu_s(pid: int) -> float:
     # Field 2 (comm) may hold spaces; everything after its closing parenthesis is fixed.
     rest = stat[stat.rindex(")") + 2 :].split()
     return (int(rest[11]) + int(rest[12])) / _TICKS_PER_S
+
+
+def threads_cpu_s(pid: int) -> float:
+    """CPU seconds of ``pid``'s live threads, to the nanosecond (the scheduler's own account,
+    ``/proc/PID/task/*/schedstat``), where :func:`process_cpu_s` counts 10 ms clock ticks: one
+    run of a few hundred tokens is only a few ticks. A thread that has exited no longer counts
+    (a server's threads live as long as it does); 0 once the process is gone."""
+    total_ns = 0
+    try:
+        tasks = os.listdir(f"/proc/{pid}/task")
+    except OSError:
+        return 0.0
+    for task in tasks:
+        try:
+            with open(f"/proc/{pid}/task/{task}/schedstat") as f:
+                total_ns += int(f.read().split()[0])
+        except (OSError, ValueError, IndexError):
+            continue  # the thread ended meanwhile
+    return total_ns / 1e9
 
 
 def _with_descendants(pids: Iterable[int]) -> list[int]:
