@@ -59,14 +59,23 @@ class FrameType(IntEnum):
 
 
 class EndReason(StrEnum):
-    """Why a generation stopped."""
+    """Why a stream stopped. The first four end the generation; ``shutdown`` and
+    ``superseded`` end only this stream, and the generation stays resumable."""
 
     LENGTH = "length"  # max_tokens reached
     STOP = "stop"  # a stop sequence matched
     EOS = "eos"  # the model emitted end-of-generation
     CANCELLED = "cancelled"  # the client went away or reset the stream
-    SHUTDOWN = "shutdown"  # the server is shutting down
+    # Resumable: this server is going away (a restart). The generation was paused with its
+    # KV cells saved where the next process reads them; reconnect (with backoff: the next
+    # process may still be starting) and send RESUME_STREAM from the last token held.
+    SHUTDOWN = "shutdown"
     SUPERSEDED = "superseded"  # a newer stream resumed the same session
+
+    @property
+    def ends_generation(self) -> bool:
+        """Whether the generation is over (False: only this stream is, resume it)."""
+        return self not in (EndReason.SHUTDOWN, EndReason.SUPERSEDED)
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)

@@ -12,10 +12,12 @@ import asyncio
 import logging
 import signal
 from collections.abc import Callable
+from pathlib import Path
 
 import redis
 
 from .config import ServerConfig, redact_store_url
+from .datadir import DataDirBusy, DataDirLock
 from .engine import EngineUnavailable, default_model_path
 from .engine.supervisor import WorkerEngine
 from .sessions.redis_store import connect
@@ -53,6 +55,9 @@ def run(config: ServerConfig) -> int:
     except EngineUnavailable as exc:
         log.error("cannot serve: %s", exc)
         return 1
+    except DataDirBusy as exc:
+        log.error("cannot serve: %s", exc)
+        return 2
     return 0
 
 
@@ -61,10 +66,39 @@ async def serve(config: ServerConfig, announce: Callable[[int], None] | None = N
     the "listening" line that scripts and tests wait for)."""
     log.info("config: %s", config.describe())
     model_path = config.model_path or default_model_path()
-    # Blocks until the worker loaded the model and passed its canary (safe mode decided).
-    engine = await asyncio.to_thread(
-        WorkerEngine, config.engine_settings(model_path), config.supervisor_settings()
+    # The data dir's lock is waited for while the model loads: a restarted server takes over
+    # the moment the old one has handed its sessions over, with its engine ready.
+    locking = asyncio.ensure_future(
+        DataDirLock.acquire(config.data_dir, wait_s=config.data_dir_wait_s)
     )
+    try:
+        # Blocks until the worker loaded the model and passed its canary (safe mode decided).
+        engine = await asyncio.to_thread(
+            WorkerEngine, config.engine_settings(model_path), config.supervisor_settings()
+        )
+    except BaseException:
+        if locking.done() and not locking.cancelled() and locking.exception() is None:
+            locking.result().release()
+        else:
+            locking.cancel()
+        raise
+    try:
+        lock = await locking
+    except BaseException:
+        await asyncio.to_thread(engine.close)
+        raise
+    try:
+        await _serve_with(engine, config, model_path, announce)
+    finally:
+        lock.release()
+
+
+async def _serve_with(
+    engine: WorkerEngine,
+    config: ServerConfig,
+    model_path: Path,
+    announce: Callable[[int], None] | None,
+) -> None:
     running = await start_server(engine, config)
     if announce is not None:
         announce(running.port)

@@ -121,6 +121,9 @@ class ServerConfig:
     model_name: str = ""  # the id /v1/models lists; empty: the model file's name, less .gguf
     # Resumable sessions.
     data_dir: Path = Path(".quicsrv")
+    # A second server on the same data dir waits this long for the first to let go of it (a
+    # restart: the old one hands its sessions over within its grace periods) before it stops.
+    data_dir_wait_s: float = 60.0
     store: str = "file"  # or redis://host:port/db: records, tokens, keys, tickets shared
     store_lease_s: float = 30.0  # Redis: a process owns a session this long after its last write
     workers: int = 1  # server processes on one port (SO_REUSEPORT); more than 1 needs Redis

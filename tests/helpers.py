@@ -64,14 +64,14 @@ async def running_server(
 
     Sessions live in a fresh temporary data directory unless ``sessions`` says otherwise.
     """
-    settings = ServerConfig(
-        host="127.0.0.1",
-        port=0,
-        cert_path=certs.server_cert,
-        key_path=certs.server_key,
-        **config,
-    )
     with tempfile.TemporaryDirectory(prefix="quicsrv-test-") as scratch:
+        settings = ServerConfig(
+            host="127.0.0.1",
+            port=0,
+            cert_path=certs.server_cert,
+            key_path=certs.server_key,
+            **{"data_dir": Path(scratch), **config},
+        )
         if sessions is None:
             sessions = session_settings(Path(scratch))
         if isinstance(sessions, SessionSettings):

@@ -158,6 +158,9 @@ async def quicsrv_server(
         variables["QUICSRV_MAX_QUEUED_PER_CLIENT"] = "1000000"
     if prefill_chunk is not None:
         variables["QUICSRV_PREFILL_CHUNK_TOKENS"] = str(prefill_chunk)
+    # A data dir of its own beside its log: one server process per data dir (it is locked),
+    # and two servers of one checkout must not share sessions.
+    variables["QUICSRV_DATA_DIR"] = str(log.resolve().with_name(f"{log.stem}-data"))
     variables.update(env or {})
     log.unlink(missing_ok=True)
     started = spawn_server_async(

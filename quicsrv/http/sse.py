@@ -36,6 +36,10 @@ from .errors import ApiError, from_code
 __all__ = ["CollectedAnswer", "CollectingPort", "SseEncoder", "StreamShape"]
 
 DONE = b"data: [DONE]\n\n"
+# How long an SSE client waits before it resumes a stream the server ended for a restart: about
+# the time a new process takes to start (the reconnect policy of the native client backs off
+# from much less, and goes on for much longer).
+RESTART_RETRY_S = 3.0
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -92,7 +96,12 @@ class SseEncoder:
                 quicsrv_proto.ErrorCode.SHUTTING_DOWN if end.reason is EndReason.SHUTDOWN else None
             )
             error = (
-                from_code(code, "the server is shutting down; resume with Last-Event-ID")
+                from_code(
+                    code,
+                    "the server is restarting; resume with GET /v1/streams/{session} and "
+                    "Last-Event-ID, your last event's id",
+                    RESTART_RETRY_S,
+                )
                 if code is not None
                 else ApiError(
                     409,
@@ -111,7 +120,12 @@ class SseEncoder:
 
     def _error(self, error: ApiError) -> bytes:
         self.finished = True
-        return b"data: " + json.dumps(error.payload()).encode() + b"\n\n"
+        # No id: the client resumes from the last event that had one. ``retry:`` (WHATWG HTML
+        # §9.2.6) says how long to wait first, when the server gave a hint.
+        retry = b""
+        if error.retry_after_s is not None:
+            retry = b"retry: " + str(round(error.retry_after_s * 1000)).encode() + b"\n"
+        return retry + b"data: " + json.dumps(error.payload()).encode() + b"\n\n"
 
     def _event(
         self,

@@ -158,6 +158,18 @@ class KVStore:
                 disk_bytes=self._disk_bytes,
             )
 
+    def persist(self) -> None:
+        """Write every blob held in memory to disk, where a process started on this data dir
+        finds them (within the disk budget); blocking, so off the event loop. Blobs for other
+        processes were published as they were put."""
+        with self._lock:
+            held, self._memory = self._memory, OrderedDict()
+            self._memory_bytes = 0
+            for session, blob in held.items():
+                self._spilling[session] = blob
+                self._writer.submit(self._spill, session, blob)
+        self.flush().result()
+
     def flush(self) -> Future[None]:
         """Done when every spill and removal asked for so far is done."""
         return self._writer.submit(lambda: None)

@@ -36,11 +36,31 @@ from .session import FlowSettings, Session
 from .shared_kv import SharedKV
 from .store import SessionEnd, SessionRecord, SessionStore
 
-__all__ = ["SessionManager", "SessionSettings"]
+__all__ = ["HandOver", "SessionManager", "SessionSettings"]
 
 log = logging.getLogger(__name__)
 
 KEYRING_KEY = "quicsrv:mac-keys"
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class HandOver:
+    """What a shutdown left for the next process (logged, counted in tests)."""
+
+    paused: int
+    """Generations the engine was running, paused for the hand-over."""
+    kv_saved: int
+    """Open sessions whose KV cells were saved: they resume by restoring them."""
+    replay: int
+    """Paused generations whose pause did not land in the grace period: they resume by replay."""
+    streams_told: int
+    """Reader streams ended with END(shutdown)."""
+
+    def describe(self) -> str:
+        return (
+            f"{self.paused} generations paused, KV cells of {self.kv_saved} open sessions "
+            f"saved, {self.replay} left to replay, {self.streams_told} streams told to resume"
+        )
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -521,11 +541,38 @@ class SessionManager:
                 logged = usage
 
     def shutdown(self) -> None:
-        """End every reader's stream with END(shutdown) and pause every engine sequence; no
-        generation opens from now on."""
+        """Pause every engine sequence with its KV cells captured, never to restart here; no
+        generation opens from now on. :meth:`hand_over` finishes the job."""
         self._shutting_down = True
         for session in list(self._live.values()):
-            session.end_for_shutdown()
+            session.pause_for_shutdown()
+
+    async def hand_over(self, grace_s: float) -> HandOver:
+        """After :meth:`shutdown`: wait (up to ``grace_s``) for the pauses to land, write the
+        records and the KV cells where the next process reads them (the data dir, or the
+        shared store), then end every reader's stream with END(shutdown), which tells it to
+        resume. A session whose pause did not land in time resumes by replay."""
+        sessions = list(self._live.values())
+        held = [s for s in sessions if not s.sequence_released.is_set()]
+        if held:
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(
+                    asyncio.gather(*(s.sequence_released.wait() for s in held)), grace_s
+                )
+        await self.persisted()
+        await asyncio.to_thread(self.kv.persist)
+        saved = sum(
+            self.kv.has(s.session_id, len(s.record.generated))
+            for s in sessions
+            if s.record.end is None and s.record.generated
+        )
+        told = sum(session.end_for_shutdown() for session in sessions)
+        return HandOver(
+            paused=len(held),
+            kv_saved=saved,
+            replay=sum(not s.sequence_released.is_set() for s in held),
+            streams_told=told,
+        )
 
     async def wait_idle(self, timeout_s: float) -> None:
         """Until no session holds an engine sequence (the engine may outlive this manager)."""

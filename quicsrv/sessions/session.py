@@ -159,6 +159,10 @@ class Session:
         self.pauses = 0
         self.paused = asyncio.Event()  # set while the engine sequence is paused (tests, stats)
         self.idle = asyncio.Event()  # set once nobody reads and the engine holds nothing
+        # Set while the engine holds no sequence of this object (a shutdown waits for it).
+        self.sequence_released = asyncio.Event()
+        self.sequence_released.set()
+        self._shutting_down = False  # no restart from now on: the server is going
 
     @property
     def session_id(self) -> bytes:
@@ -263,9 +267,18 @@ class Session:
         self._pump()
         self._check_idle()
 
-    def end_for_shutdown(self) -> None:
-        """Tell the reader the server is going; the session stays resumable from disk."""
+    def pause_for_shutdown(self) -> None:
+        """The server is going: pause the sequence with its KV cells captured, for the next
+        process to restore, and never restart it here. The reader stays attached and gets
+        what is generated until the pause lands; :meth:`end_for_shutdown` tells it."""
+        self._shutting_down = True
         left = self._transition(SessionEvent.SHUT_DOWN)
+        self._pause_sequence(left, capture_kv=True)
+        self._stop_restarting()
+
+    def end_for_shutdown(self) -> bool:
+        """Tell the reader, if any, that the server is going: END(shutdown), which is no end
+        (the session stays resumable from disk). Whether a stream was told."""
         attachment, self._attachment = self._attachment, None
         if attachment is not None:
             end = quicsrv_proto.End(
@@ -274,9 +287,8 @@ class Session:
                 completion_tokens=attachment.next_index,
             )
             attachment.port.send_frame(end, True)
-        self._pause_sequence(left, capture_kv=False)
-        self._stop_restarting()
         self._check_idle()
+        return attachment is not None
 
     def tokens_durable(self) -> None:
         """The store confirmed more tokens (the Redis store, a batch later): send them."""
@@ -433,6 +445,10 @@ class Session:
         which decides the side effects that follow."""
         left = self._state
         self._state = next_state(left, event)
+        if self._state in HOLDS_SEQUENCE:
+            self.sequence_released.clear()
+        else:
+            self.sequence_released.set()
         return left
 
     def _pause_sequence(self, left: SessionState, *, capture_kv: bool) -> None:
@@ -471,7 +487,11 @@ class Session:
     def _maybe_run(self) -> None:
         """Start (or restart) the engine sequence if a reader is there and has room."""
         attachment = self._attachment
-        if attachment is None or not allows(self._state, SessionEvent.RESUME_QUEUED):
+        if (
+            attachment is None
+            or self._shutting_down
+            or not allows(self._state, SessionEvent.RESUME_QUEUED)
+        ):
             return  # nobody to run for, or it runs, waits to, has ended or is stale
         room = self._allowance(attachment) - len(self.record.generated)
         # Hysteresis: a paused sequence restarts only once the reader has caught up by half

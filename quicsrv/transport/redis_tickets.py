@@ -13,14 +13,13 @@ the ticket is then simply not kept, or not found, and the handshake is a full on
 
 from __future__ import annotations
 
-import datetime
 import logging
 
 import cbor2
 import redis
-from aioquic.tls import CipherSuite, SessionTicket
+from aioquic.tls import SessionTicket
 
-from .tickets import TICKET_LIFETIME_S
+from .tickets import TICKET_LIFETIME_S, decode_ticket, encode_ticket
 
 __all__ = ["RedisTicketStore"]
 
@@ -42,7 +41,7 @@ class RedisTicketStore:
     def add(self, ticket: SessionTicket) -> None:
         """Keep ``ticket`` under its label until it expires."""
         try:
-            self._redis.set(self._key(ticket.ticket), _encode(ticket), px=self._ttl_ms)
+            self._redis.set(self._key(ticket.ticket), encode_ticket(ticket), px=self._ttl_ms)
         except redis.RedisError as exc:
             log.warning("cannot store a session ticket (its client loses 0-RTT): %s", exc)
 
@@ -56,42 +55,10 @@ class RedisTicketStore:
         if data is None:
             return None
         try:
-            return _decode(bytes(data))  # type: ignore[arg-type]
+            return decode_ticket(bytes(data))  # type: ignore[arg-type]
         except (ValueError, TypeError, KeyError, cbor2.CBORDecodeError) as exc:
             log.warning("ignoring an unreadable session ticket: %s", exc)
             return None
 
     def _key(self, label: bytes) -> str:
         return self._prefix + label.hex()
-
-
-def _encode(ticket: SessionTicket) -> bytes:
-    return cbor2.dumps(
-        [
-            ticket.age_add,
-            int(ticket.cipher_suite),
-            ticket.not_valid_after.timestamp(),
-            ticket.not_valid_before.timestamp(),
-            ticket.resumption_secret,
-            ticket.server_name,
-            ticket.ticket,
-            ticket.max_early_data_size,
-            [[kind, value] for kind, value in ticket.other_extensions],
-        ]
-    )
-
-
-def _decode(data: bytes) -> SessionTicket:
-    (age_add, suite, after, before, secret, name, label, early, extensions) = cbor2.loads(data)
-    utc = datetime.UTC
-    return SessionTicket(
-        age_add=int(age_add),
-        cipher_suite=CipherSuite(suite),
-        not_valid_after=datetime.datetime.fromtimestamp(after, utc),
-        not_valid_before=datetime.datetime.fromtimestamp(before, utc),
-        resumption_secret=bytes(secret),
-        server_name=str(name),
-        ticket=bytes(label),
-        max_early_data_size=None if early is None else int(early),
-        other_extensions=[(int(k), bytes(v)) for k, v in extensions],
-    )

@@ -56,7 +56,7 @@ from ..engine import Engine
 from ..http.router import Router
 from ..http.tcp import TcpListener, open_tcp_socket, start_tcp_listener
 from ..metrics import TransportFacts
-from ..sessions.manager import SessionManager
+from ..sessions.manager import HandOver, SessionManager
 from ..sessions.redis_store import connect
 from . import aioquic_internals
 from .redis_tickets import RedisTicketStore
@@ -125,12 +125,15 @@ class QuicServerApp:
         """Requests that would start compute, refused ``too_early`` in 0-RTT data."""
         return self.router.early_starts_refused
 
-    def shut_down_streams(self) -> None:
-        """End every open stream with END(shutdown); sessions stay resumable."""
+    async def hand_over(self, grace_s: float) -> HandOver:
+        """Stop accepting, pause every generation with its KV cells saved for the next
+        process, then end every open stream with END(shutdown) (resume elsewhere)."""
         self.accepting = False
         self.sessions.shutdown()
+        handed = await self.sessions.hand_over(grace_s)
         for connection in list(self.connections):
             connection.transmit()
+        return handed
 
 
 class _AppFacts(TransportFacts):
@@ -246,6 +249,7 @@ class RunningServer:
     tickets: TicketStore
     tcp: TcpListener | None = None
     """HTTP/1.1 + HTTP/2 on the same port number (None when ``tcp_listener`` is off)."""
+    _shut_down: bool = False
 
     @property
     def port(self) -> int:
@@ -256,12 +260,17 @@ class RunningServer:
         return self.app.sessions
 
     async def shutdown(self, grace_s: float) -> None:
-        """Stop accepting, end open streams with END(shutdown), then close connections."""
+        """Hand every generation over (paused, KV cells saved, streams told with
+        END(shutdown)), then close connections; at most about ``grace_s`` for each phase.
+        Only the first call does anything."""
+        if self._shut_down:
+            return
+        self._shut_down = True
         self.sweeper.cancel()
         with contextlib.suppress(asyncio.CancelledError):
             await self.sweeper
-        self.app.shut_down_streams()
-        await self.app.sessions.wait_idle(grace_s)
+        handed = await self.app.hand_over(grace_s)
+        log.info("shutdown: %s", handed.describe(), extra={"event": "hand_over"})
         loop = asyncio.get_running_loop()
         deadline = loop.time() + grace_s
         # Give the END frames a chance to be acknowledged before the connections close.
@@ -272,6 +281,9 @@ class RunningServer:
         if self.tcp is not None:
             await self.tcp.shutdown(grace_s)
         self.server.close()
+        if isinstance(self.tickets, MemoryTicketStore):
+            saved = self.tickets.save(_tickets_path(self.app.config))
+            log.info("session tickets: %d saved for the next process", saved)
         await self.app.sessions.aclose()
         self.app.metrics.unbind_engine(self.app.engine)
 
@@ -304,6 +316,9 @@ async def start_server(
         )
     if tickets is None:
         tickets = MemoryTicketStore(ttl_s=config.ticket_ttl_s, max_tickets=config.max_tickets)
+        taken = tickets.load(_tickets_path(config))
+        if taken:
+            log.info("session tickets: %d taken over from the previous process", taken)
     sock, applied, tcp_sock = _open_sockets(config)
     log.info("socket: %s", applied.describe())
     for warning in applied.warnings:
@@ -381,6 +396,11 @@ def _open_sockets(
             if exc.errno != errno.EADDRINUSE or attempt == attempts - 1:
                 raise
     raise AssertionError("unreachable")
+
+
+def _tickets_path(config: ServerConfig) -> Path:
+    """Where a process on ``config.data_dir`` leaves its unused session tickets to the next."""
+    return config.data_dir / "tickets.cbor"
 
 
 def _model_id(config: ServerConfig, engine: Engine) -> str:

@@ -16,16 +16,30 @@ too, and its pop must be atomic (a GETDEL, not a GET then a DEL) for that guaran
 
 from __future__ import annotations
 
+import datetime
+import logging
+import os
+import secrets
 import threading
 import time
 from collections import OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Protocol
 
-from aioquic.tls import SessionTicket
+import cbor2
+from aioquic.tls import CipherSuite, SessionTicket
 
-__all__ = ["TICKET_LIFETIME_S", "MemoryTicketStore", "TicketStore"]
+__all__ = [
+    "TICKET_LIFETIME_S",
+    "MemoryTicketStore",
+    "TicketStore",
+    "decode_ticket",
+    "encode_ticket",
+]
+
+log = logging.getLogger(__name__)
 
 #: The lifetime aioquic writes into every NewSessionTicket (fixed, not configurable), so the
 #: time clients keep a ticket; a store that forgets sooner turns their 0-RTT into a full handshake.
@@ -114,6 +128,45 @@ class MemoryTicketStore:
                 return None
             return entry.ticket
 
+    def save(self, path: Path) -> int:
+        """Write the tickets not yet used to ``path`` (0600, atomically), for the next process
+        on this data dir: a restart keeps its clients' 0-RTT resumes. That keeps resumption
+        secrets at rest, a decision: with a ticket's secret, captured 0-RTT data of its client
+        can be read. They sit in the data dir (0700) beside the MAC keys and the session
+        records, which hold every prompt and answer in clear: whoever can read one can read
+        all. Returns how many were written."""
+        with self._lock:
+            now = self._clock()
+            tickets = [e.ticket for e in self._entries.values() if e.expires_at > now]
+        data = cbor2.dumps([encode_ticket(t) for t in tickets])
+        path.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
+        tmp = path.with_name(f".{path.name}.{secrets.token_hex(4)}.tmp")
+        fd = os.open(tmp, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o600)
+        with os.fdopen(fd, "wb") as f:
+            f.write(data)
+        os.replace(tmp, path)
+        return len(tickets)
+
+    def load(self, path: Path) -> int:
+        """Take the tickets a previous process saved at ``path``, and remove the file: each
+        ticket still resumes one connection, here or nowhere. Returns how many were taken."""
+        try:
+            data = path.read_bytes()
+        except FileNotFoundError:
+            return 0
+        path.unlink()
+        now = datetime.datetime.now(datetime.UTC)
+        taken = 0
+        try:
+            for encoded in cbor2.loads(data):
+                ticket = decode_ticket(bytes(encoded))
+                if ticket.not_valid_after > now:
+                    self.add(ticket)
+                    taken += 1
+        except (ValueError, TypeError, KeyError, cbor2.CBORDecodeError) as exc:
+            log.warning("ignoring unreadable saved session tickets in %s: %s", path, exc)
+        return taken
+
     def __len__(self) -> int:
         """Tickets held, expired ones included until the next ``add`` purges them."""
         with self._lock:
@@ -125,3 +178,38 @@ class MemoryTicketStore:
             if entry.expires_at > now:
                 return
             del self._entries[label]
+
+
+def encode_ticket(ticket: SessionTicket) -> bytes:
+    """A ticket as bytes (CBOR), for a store outside this process."""
+    return cbor2.dumps(
+        [
+            ticket.age_add,
+            int(ticket.cipher_suite),
+            ticket.not_valid_after.timestamp(),
+            ticket.not_valid_before.timestamp(),
+            ticket.resumption_secret,
+            ticket.server_name,
+            ticket.ticket,
+            ticket.max_early_data_size,
+            [[kind, value] for kind, value in ticket.other_extensions],
+        ]
+    )
+
+
+def decode_ticket(data: bytes) -> SessionTicket:
+    """The ticket :func:`encode_ticket` wrote; raises ValueError, TypeError, KeyError or
+    cbor2.CBORDecodeError on anything else."""
+    (age_add, suite, after, before, secret, name, label, early, extensions) = cbor2.loads(data)
+    utc = datetime.UTC
+    return SessionTicket(
+        age_add=int(age_add),
+        cipher_suite=CipherSuite(suite),
+        not_valid_after=datetime.datetime.fromtimestamp(after, utc),
+        not_valid_before=datetime.datetime.fromtimestamp(before, utc),
+        resumption_secret=bytes(secret),
+        server_name=str(name),
+        ticket=bytes(label),
+        max_early_data_size=None if early is None else int(early),
+        other_extensions=[(int(k), bytes(v)) for k, v in extensions],
+    )

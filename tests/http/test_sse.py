@@ -85,3 +85,13 @@ def test_errors_and_interruptions_end_the_stream_without_an_id():
         assert len(events) == 1 and events[0][0] is None
         assert json.loads(events[0][1])["error"]["code"] == code
         assert encoder.finished
+
+
+def test_a_restart_tells_the_client_when_and_how_to_resume():
+    encoder = SseEncoder(_shape(), mac_key=KEY)
+    data = encoder.encode(quicsrv_proto.End(reason=EndReason.SHUTDOWN))
+    assert data.startswith(b"retry: 3000\n")
+    assert b"\nid:" not in data and not data.startswith(b"id:")  # resume from the last id
+    error = json.loads(data.split(b"data: ", 1)[1])["error"]
+    assert (error["code"], error["retry_after_s"]) == ("shutting_down", 3.0)
+    assert "Last-Event-ID" in error["message"]

@@ -303,7 +303,8 @@ async def test_shutdown_ends_open_streams_with_reason_shutdown(engine, certs):
             async for event in c.generate(PROMPT, max_tokens=1000, ignore_eos=True):
                 seen.append(event)
                 if isinstance(event, TokenReceived) and event.index == 3:
-                    server.app.shut_down_streams()
+                    shutting_down = asyncio.ensure_future(server.shutdown(5.0))
+        await shutting_down
     end = seen[-1]
     assert isinstance(end, GenerationEnded)
     assert end.reason is quicsrv_proto.EndReason.SHUTDOWN

@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import datetime
+import logging
 import threading
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
@@ -344,3 +346,34 @@ async def test_a_ticket_replayed_is_refused_only_by_a_popping_store(
     assert replayed.server_saw_early_data is replay_accepted
     # Refused early data is not lost: the client sends it again under 1-RTT keys.
     assert replayed.reply == b"ping"
+
+
+def test_unused_tickets_pass_to_the_next_process_once(tmp_path):
+    path = tmp_path / "data" / "tickets.cbor"
+    old = MemoryTicketStore()
+    for label in (b"a", b"b", b"c"):
+        old.add(_ticket(label))
+    assert old.pop(b"b") is not None  # used here: not passed on
+    expired = dataclasses.replace(
+        _ticket(b"gone"),
+        not_valid_after=datetime.datetime.now(datetime.UTC) - datetime.timedelta(seconds=1),
+    )
+    old.add(expired)
+    assert old.save(path) == 3
+    assert path.stat().st_mode & 0o777 == 0o600
+    new = MemoryTicketStore()
+    assert new.load(path) == 2  # the expired one is dropped
+    assert not path.exists()  # taken: a third process finds none
+    assert MemoryTicketStore().load(path) == 0
+    popped = new.pop(b"a")
+    assert popped is not None and popped.resumption_secret == b"s" * 32
+    assert new.pop(b"a") is None and new.pop(b"b") is None
+    assert new.pop(b"c") is not None
+
+
+def test_an_unreadable_saved_ticket_file_costs_only_0_rtt(tmp_path, caplog):
+    path = tmp_path / "tickets.cbor"
+    path.write_bytes(b"not cbor at all")
+    with caplog.at_level(logging.WARNING):
+        assert MemoryTicketStore().load(path) == 0
+    assert "unreadable" in caplog.text
