@@ -323,6 +323,13 @@ class Client:
             if self._protocol is not None:
                 self._protocol.send_keepalive()
 
+    def server_going_away(self) -> None:
+        """The server announced it is going away (END(shutdown), or a resume refused with
+        ``shutting_down``): the next :meth:`reconnect` replaces the connection even though it
+        may still look alive, and every generation on it resumes elsewhere."""
+        if self._protocol is not None:
+            self._protocol.fail(NetworkError("the server is going away"))
+
     async def reconnect(self) -> bool:
         """Replace a lost connection (once, however many generations ask); True if 0-RTT."""
         async with self._reconnecting:
@@ -527,6 +534,12 @@ class Client:
     ) -> AsyncIterator[list[Event]]:
         """One request stream's events, up to END, a list per HTTP/3 event (the machinery
         under :class:`Generation`)."""
+        protocol = self._protocol
+        if protocol is not None and protocol.terminated is not None:
+            # The connection went idle (no request for idle_timeout_s: nothing keeps an idle
+            # connection alive) or was closed since the last request. A new request has
+            # nothing in flight to lose: it gets a new connection.
+            await self.reconnect()
         if path == GENERATE_PATH:
             # GENERATE is never sent as 0-RTT data: the server would refuse it (too_early).
             try:

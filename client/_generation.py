@@ -76,6 +76,11 @@ class RequestSender(Protocol):
         """Replace a lost connection; True when the new one sends 0-RTT data."""
         ...
 
+    def server_going_away(self) -> None:
+        """The server said it is going away: its connection is to be replaced, even if it
+        still looks alive."""
+        ...
+
 
 class Generation:
     """One generation's events, in order, plus where to resume it after any failure.
@@ -131,14 +136,42 @@ class Generation:
         return self
 
     async def __anext__(self) -> Event:
-        while not self._pending:
-            try:
-                self._pending.extend(await self._next_batch())
-            except TransportError as exc:
-                await self._resume_after(exc)
-        # Checked as the caller gets each event, so a bad one comes after every good one
-        # before it, and position never names a token the caller has not seen.
-        return self._track(self._pending.popleft())
+        while True:
+            while not self._pending:
+                try:
+                    self._pending.extend(await self._next_batch())
+                except TransportError as exc:
+                    await self._resume_after(exc)
+                except ServerError as exc:
+                    if exc.code != quicsrv_proto.ErrorCode.SHUTTING_DOWN or not self._resumable:
+                        raise
+                    # A resume that reached the old server while it hands over: come back
+                    # to whichever process serves next.
+                    self._client.server_going_away()
+                    await self._resume_after(NetworkError(f"server: {exc}"))
+            event = self._pending.popleft()
+            if (
+                isinstance(event, GenerationEnded)
+                and event.reason is quicsrv_proto.EndReason.SHUTDOWN
+                and self._resumable
+            ):
+                # No end: the server is going away (a restart) with the session saved. Like
+                # a lost connection: reconnect with backoff and resume where we are.
+                self._client.server_going_away()
+                await self._resume_after(NetworkError("the server is shutting down"))
+                continue
+            # Checked as the caller gets each event, so a bad one comes after every good one
+            # before it, and position never names a token the caller has not seen.
+            return self._track(event)
+
+    @property
+    def _resumable(self) -> bool:
+        """Whether a failure now is followed by a reconnect and a resume."""
+        return (
+            self._client.reconnect_policy is not None
+            and self.position is not None
+            and not self._ended
+        )
 
     async def _next_batch(self) -> list[Event]:
         """The stream's next events (what one DATA chunk carried: a burst of tokens arrives in

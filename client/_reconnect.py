@@ -12,10 +12,13 @@ __all__ = ["ReconnectPolicy"]
 class ReconnectPolicy:
     """How a :class:`~client.Generation` reconnects and resumes after a connection loss."""
 
-    max_attempts: int = 8
-    """Consecutive reconnect attempts without a new token before giving up."""
+    max_attempts: int = 12
+    """Consecutive reconnect attempts without a new token before giving up. The defaults ride
+    out at least 26 s of pauses (53 s without jitter), plus each attempt's connect timeout:
+    a server restart is the old process's hand-over (up to ``shutdown_grace_s`` twice, 10 s by
+    default) and the new one's start (about 3 s here: Python, model load, canary)."""
     initial_delay_s: float = 0.05
-    max_delay_s: float = 5.0
+    max_delay_s: float = 10.0
     """Backoff doubles from ``initial_delay_s`` up to this, each delay jittered down to half."""
 
     def __post_init__(self) -> None:

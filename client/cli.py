@@ -4,8 +4,11 @@
 index and checkpoint hash (all printed by ``generate --json``), and ``demo-resume`` shows a cut
 and an exact resume end to end.
 
-Exit status: 0 success, 1 server error (ERROR frame or malformed response), 2 usage error,
-3 transport error (cannot connect, connection lost), 130 interrupted.
+Exit status: 0 the generation ended (length, stop, eos, cancelled), 1 server error (ERROR frame
+or malformed response), 2 usage error, 3 transport error (cannot connect, connection lost),
+4 the stream ended but the generation did not (the server went away and auto-resume was off,
+or another reader took the session over): the ``quicsrv-client resume`` command that continues
+it is printed, 130 interrupted.
 """
 
 from __future__ import annotations
@@ -40,6 +43,7 @@ EXIT_OK = 0
 EXIT_SERVER_ERROR = 1
 EXIT_USAGE = 2
 EXIT_TRANSPORT_ERROR = 3
+EXIT_NOT_ENDED = 4
 EXIT_INTERRUPTED = 130
 
 
@@ -118,7 +122,10 @@ def _add_connection_args(parser: argparse.ArgumentParser) -> None:
         help="fail on a lost connection instead of reconnecting and resuming",
     )
     parser.add_argument(
-        "--reconnect-attempts", type=int, default=8, help="consecutive reconnects before giving up"
+        "--reconnect-attempts",
+        type=int,
+        default=ReconnectPolicy().max_attempts,
+        help="consecutive reconnects before giving up (the default rides out a server restart)",
     )
     parser.add_argument(
         "--api-key",
@@ -253,10 +260,13 @@ async def _stream(args: argparse.Namespace, out: TextIO, err: TextIO) -> int:
     client = _client(args)
     printed_text = False
     generation: Generation | None = None
+    ended: GenerationEnded | None = None
     try:
         async with client:
             generation = _open(args, client)
             async for event in generation:
+                if isinstance(event, GenerationEnded):
+                    ended = event
                 if args.json:
                     print(render_event_json(event), file=out, flush=True)
                 elif isinstance(event, TokenReceived):
@@ -295,6 +305,12 @@ async def _stream(args: argparse.Namespace, out: TextIO, err: TextIO) -> int:
         _finish_line(out, printed_text)
         print(f"error: {exc}", file=err, flush=True)
         return EXIT_SERVER_ERROR
+    if ended is None or not ended.reason.ends_generation:
+        # With --json too: the end event named the reason, this says what to do about it.
+        reason = "no end" if ended is None else ended.reason.value
+        print(f"the generation did not end ({reason}): it can be resumed", file=err, flush=True)
+        _print_resume_hint(generation, err)
+        return EXIT_NOT_ENDED
     return EXIT_OK
 
 
