@@ -66,24 +66,13 @@ _RESUME_PATH = "/v1/resume"
 STARTS_COMPUTE = frozenset({"generate", "chat_completions", "completions"})
 
 
-class PlainAnswer(Protocol):
-    @property
-    def status(self) -> int: ...
-    @property
-    def body(self) -> bytes: ...
-    @property
-    def content_type(self) -> str: ...
-    @property
-    def headers(self) -> tuple[tuple[bytes, bytes], ...]: ...
-
-
 class PlainHandler(Protocol):
     """The operator endpoints (``transport.routes.PlainRoutes``): passed in, not imported, so
     that this package never imports the transport that imports it."""
 
     def handle(
         self, method: bytes | None, path: bytes | None, headers: Mapping[bytes, bytes]
-    ) -> PlainAnswer: ...
+    ) -> FullResponse: ...
 
 
 class Router:
@@ -136,14 +125,8 @@ class Router:
         """Answer ``request``; never raises for a peer's mistake (that is an error answer)."""
         bare, _, query = request.path.partition("?")
         if bare.encode("latin-1") in self._plain_paths:
-            plain = self._plain.handle(
+            return self._plain.handle(
                 request.method.encode(), bare.encode("latin-1"), request.headers
-            )
-            return FullResponse(
-                status=plain.status,
-                body=plain.body,
-                content_type=plain.content_type,
-                headers=plain.headers,
             )
         endpoint = _endpoint(bare)
         is_native = self._is_native(request)

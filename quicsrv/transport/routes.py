@@ -1,8 +1,8 @@
 """Plain HTTP endpoints for operators: ``GET /metrics``, ``GET /healthz``, ``GET /readyz``.
 
 Transport-independent: :meth:`PlainRoutes.handle` takes a method, a path and the request
-headers and returns a :class:`PlainResponse` (status, content type, body), so the HTTP/3 server
-and any other listener serve the very same answers.
+headers and returns a :class:`~quicsrv.http.messages.FullResponse` (plain text), so the HTTP/3
+server and any other listener serve the very same answers.
 
 - ``/healthz``: 200 while the process runs (liveness).
 - ``/readyz``: 200 when the model is loaded, the engine worker is up and healthy and the server
@@ -17,16 +17,15 @@ nothing but up or not.
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass
 
 from ..apikeys import ApiKeys
 from ..engine import Engine
+from ..http.messages import FullResponse
 from ..metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
 from ..metrics import ServerMetrics
 
 __all__ = [
     "PLAIN_PATHS",
-    "PlainResponse",
     "PlainRoutes",
     "authorize_metrics",
     "plain_endpoint",
@@ -38,18 +37,6 @@ HEALTHZ_PATH = b"/healthz"
 READYZ_PATH = b"/readyz"
 PLAIN_PATHS = frozenset({METRICS_PATH, HEALTHZ_PATH, READYZ_PATH})
 TEXT = "text/plain; charset=utf-8"
-
-
-@dataclass(frozen=True, slots=True, kw_only=True)
-class PlainResponse:
-    status: int
-    """The HTTP status."""
-    body: bytes
-    """The whole body (these answers are small)."""
-    content_type: str = TEXT
-    """The ``content-type`` header."""
-    headers: tuple[tuple[bytes, bytes], ...] = ()
-    """Further response headers (``www-authenticate``, ``allow``)."""
 
 
 def plain_endpoint(path: bytes | None) -> str | None:
@@ -100,7 +87,7 @@ class PlainRoutes:
 
     def handle(
         self, method: bytes | None, path: bytes | None, headers: Mapping[bytes, bytes]
-    ) -> PlainResponse:
+    ) -> FullResponse:
         """Answer a request for one of :data:`PLAIN_PATHS` (anything else: 404)."""
         endpoint = plain_endpoint(path)
         response = self._answer(endpoint, method, headers)
@@ -109,27 +96,25 @@ class PlainRoutes:
 
     def _answer(
         self, endpoint: str | None, method: bytes | None, headers: Mapping[bytes, bytes]
-    ) -> PlainResponse:
+    ) -> FullResponse:
         if endpoint is None:
-            return PlainResponse(status=404, body=b"not found\n")
+            return _text(status=404, body=b"not found\n")
         if method != b"GET":
-            return PlainResponse(status=405, body=b"use GET\n", headers=((b"allow", b"GET"),))
+            return _text(status=405, body=b"use GET\n", headers=((b"allow", b"GET"),))
         if endpoint == "healthz":
-            return PlainResponse(status=200, body=b"ok\n")
+            return _text(status=200, body=b"ok\n")
         if endpoint == "readyz":
             reason = self._readiness()
             if reason is not None:
-                return PlainResponse(status=503, body=f"not ready: {reason}\n".encode())
-            return PlainResponse(status=200, body=b"ready\n")
+                return _text(status=503, body=f"not ready: {reason}\n".encode())
+            return _text(status=200, body=b"ready\n")
         if not self._authorize_metrics(headers):
-            return PlainResponse(
+            return _text(
                 status=401,
                 body=b"an API key is required (authorization: Bearer <key>)\n",
                 headers=((b"www-authenticate", b'Bearer realm="quicsrv"'),),
             )
-        return PlainResponse(
-            status=200, body=self._metrics.render(), content_type=METRICS_CONTENT_TYPE
-        )
+        return _text(status=200, body=self._metrics.render(), content_type=METRICS_CONTENT_TYPE)
 
 
 def _outcome(status: int) -> str:
@@ -141,3 +126,13 @@ def _outcome(status: int) -> str:
         405: "method_not_allowed",
         503: "not_ready",
     }.get(status, str(status))
+
+
+def _text(
+    *,
+    status: int,
+    body: bytes,
+    content_type: str = TEXT,
+    headers: tuple[tuple[bytes, bytes], ...] = (),
+) -> FullResponse:
+    return FullResponse(status=status, body=body, content_type=content_type, headers=headers)

@@ -17,7 +17,6 @@ from quicsrv.http.messages import FullResponse, HttpRequest, SessionStream
 from quicsrv.http.native import FRAMES
 from quicsrv.http.router import Router
 from quicsrv.sessions.manager import SessionManager
-from quicsrv.transport.routes import PlainResponse
 from quicsrv_proto import ErrorCode, http_status_for
 from tests.fakes import FakeEngine
 
@@ -34,7 +33,7 @@ LIMIT = 4096
 
 
 class _NoPlainRoutes:
-    def handle(self, method: object, path: object, headers: object) -> PlainResponse:
+    def handle(self, method: object, path: object, headers: object) -> FullResponse:
         raise AssertionError("no operator endpoint is asked for here")
 
 
