@@ -149,6 +149,8 @@ async def test_the_cli_rides_out_a_restart_and_exits_0_only_when_the_generation_
     tokens = [item["id"] for item in lines if item["type"] == "token"]
     assert tokens == list(reference.token_ids)
     assert any(item["type"] == "reconnect" for item in lines)
+    resumed = [item for item in lines if item["type"] == "session" and "resume_path" in item]
+    assert resumed and resumed[-1]["resume_path"] == "kv-restore"
     assert lines[-1]["type"] == "end" and lines[-1]["reason"] == "length"
     assert cut_status == 4
     assert "quicsrv-client resume --session" in cut_err
