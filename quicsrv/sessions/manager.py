@@ -574,13 +574,6 @@ class SessionManager:
             streams_told=told,
         )
 
-    async def wait_idle(self, timeout_s: float) -> None:
-        """Until no session holds an engine sequence (the engine may outlive this manager)."""
-        pending = [s.idle.wait() for s in self._live.values() if not s.idle.is_set()]
-        if pending:
-            with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(asyncio.gather(*pending), timeout_s)
-
     def close(self) -> None:
         self.store.close()
         self.kv.close()
