@@ -76,13 +76,20 @@ class TcpListener:
     port: int
 
     async def shutdown(self, grace_s: float) -> None:
+        """Stop: hypercorn's graceful shutdown for up to ``grace_s`` (and a second), then the
+        listener is cancelled. Never raises: what comes after it in a shutdown (the hand-over
+        to the next process) must run whatever the connections did."""
         self.stop.set()
         try:
             await asyncio.wait_for(asyncio.shield(self.task), grace_s + 1.0)
         except TimeoutError:
+            # Idle connections keep hypercorn waiting (the server waits for every connection to
+            # close, up to its keep-alive timeout): cancel it, and go on after a second at most.
             self.task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self.task
+            await asyncio.wait({self.task}, timeout=1.0)
+        if self.task.done() and not self.task.cancelled() and self.task.exception() is not None:
+            # hypercorn 0.17 raises InvalidStateError from its serve() as it is cancelled.
+            log.debug("the TCP listener stopped with %r", self.task.exception())
 
 
 async def start_tcp_listener(

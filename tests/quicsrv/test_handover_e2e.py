@@ -10,6 +10,8 @@ import contextlib
 import json
 import os
 import signal
+import socket
+import ssl
 import subprocess
 import sys
 from pathlib import Path
@@ -240,3 +242,26 @@ async def test_an_idle_client_reconnects_for_its_next_request(engine, certs):
             second = await c.generate_text(PROMPT, max_tokens=4, ignore_eos=True)
     assert first.token_ids == second.token_ids
     assert c.stats.connections == 2
+
+
+async def test_idle_tls_connections_do_not_stop_the_hand_over(engine, certs):
+    """Idle TCP connections keep hypercorn's graceful shutdown waiting past the grace period;
+    the listener is then cancelled, and the rest of the hand-over must still run."""
+    context = ssl.create_default_context(cafile=str(certs.ca_cert))
+
+    def idle_connections(port: int) -> list[ssl.SSLSocket]:
+        return [
+            context.wrap_socket(
+                socket.create_connection(("127.0.0.1", port)), server_hostname="localhost"
+            )
+            for _ in range(3)
+        ]
+
+    async with running_server(engine, certs) as server:
+        idle = await asyncio.to_thread(idle_connections, server.port)
+        try:
+            await server.shutdown(0.2)  # raised from the cancelled listener before
+        finally:
+            for connection in idle:
+                connection.close()
+        assert (server.app.config.data_dir / "tickets.cbor").exists()  # the last step ran
