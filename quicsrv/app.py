@@ -20,6 +20,7 @@ from .config import ServerConfig, redact_store_url
 from .datadir import DataDirBusy, DataDirLock
 from .engine import EngineUnavailable, default_model_path
 from .engine.supervisor import WorkerEngine
+from .logs import quiet_exception_handler
 from .sessions.redis_store import connect
 from .transport import start_server
 
@@ -65,6 +66,7 @@ async def serve(config: ServerConfig, announce: Callable[[int], None] | None = N
     """Run one server until SIGINT/SIGTERM; ``announce(port)`` once it listens (default: print
     the "listening" line that scripts and tests wait for)."""
     log.info("config: %s", config.describe())
+    asyncio.get_running_loop().set_exception_handler(quiet_exception_handler)
     model_path = config.model_path or default_model_path()
     # The data dir's lock is waited for while the model loads: a restarted server takes over
     # the moment the old one has handed its sessions over, with its engine ready.

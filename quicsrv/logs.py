@@ -8,10 +8,13 @@ A JSON line always has ``ts`` (UTC, ISO 8601), ``level``, ``logger``, ``event`` 
 
 from __future__ import annotations
 
+import asyncio
 import json
 import logging
+import ssl
 from datetime import UTC, datetime
 from enum import StrEnum
+from typing import Any
 
 __all__ = [
     "FIELDS",
@@ -20,6 +23,7 @@ __all__ = [
     "configure_logging",
     "current_log_format",
     "log_handler",
+    "quiet_exception_handler",
 ]
 
 #: The ``extra`` fields a JSON line carries when a log call gives them.
@@ -76,3 +80,22 @@ def configure_logging(log_format: str = "plain", level: int = logging.INFO) -> N
     """Send the root logger's records to stderr in ``log_format`` ("plain" or "json")."""
     logging.basicConfig(level=level, handlers=[log_handler(log_format)], force=True)
     logging.getLogger("quic").setLevel(logging.WARNING)  # aioquic logs every handshake at INFO
+
+
+# What a peer or a shutdown leaves behind in a task or transport nobody awaits any more: a
+# cancelled task of a library's (hypercorn's, cancelled at shutdown), a TLS or socket error of
+# a peer that went away. The event loop would log each with its traceback.
+_EXPECTED = (asyncio.CancelledError, ssl.SSLError, ConnectionError)
+_quiet_log = logging.getLogger("quicsrv.loop")
+
+
+def quiet_exception_handler(loop: asyncio.AbstractEventLoop, context: dict[str, Any]) -> None:
+    """The event loop's exception handler (``loop.set_exception_handler``): an expected error
+    (see ``_EXPECTED``) is one debug line without a traceback; anything else is a bug, logged
+    by asyncio's default handler with its traceback."""
+    exc = context.get("exception")
+    if isinstance(exc, _EXPECTED):
+        _quiet_log.debug("%s: %r", context.get("message", "unhandled"), exc)
+        return
+    loop.default_exception_handler(context)
+

@@ -3,8 +3,10 @@
 
 from __future__ import annotations
 
+import asyncio
 import json
 import logging
+import ssl
 import sys
 from types import SimpleNamespace
 
@@ -13,7 +15,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from quicsrv.apikeys import ApiKeys, new_key
 from quicsrv.engine import ResumePath
-from quicsrv.logs import JsonFormatter, log_handler
+from quicsrv.logs import JsonFormatter, log_handler, quiet_exception_handler
 from quicsrv.metrics import MAX_REFUSAL_SERIES, OTHER_CLIENTS, ServerMetrics
 from quicsrv.tracing import configure_exporter, configured_tracer
 from quicsrv.transport.routes import (
@@ -203,3 +205,36 @@ def test_log_and_exporter_settings_are_checked():
     configure_exporter("none")  # nothing to do, nothing set
     assert configured_tracer() is None  # the API's default provider records nothing
     assert "opentelemetry" in sys.modules  # installed here, yet off
+
+
+@pytest.mark.parametrize(
+    "exc",
+    [
+        asyncio.CancelledError(),
+        ssl.SSLError(1, "application data after close notify"),
+        ConnectionResetError(104, "reset by peer"),
+    ],
+    ids=["cancelled", "ssl", "reset"],
+)
+def test_what_a_peer_or_a_shutdown_leaves_behind_is_no_traceback(exc, caplog):
+    loop = asyncio.new_event_loop()
+    try:
+        with caplog.at_level(logging.DEBUG):
+            quiet_exception_handler(
+                loop, {"message": "exception was never retrieved", "exception": exc}
+            )
+    finally:
+        loop.close()
+    assert [r.levelno for r in caplog.records] == [logging.DEBUG]
+    assert not caplog.records[0].exc_info
+
+
+def test_anything_else_left_behind_keeps_its_traceback(caplog):
+    loop = asyncio.new_event_loop()
+    try:
+        with caplog.at_level(logging.ERROR):
+            quiet_exception_handler(loop, {"message": "a bug", "exception": KeyError("bug")})
+    finally:
+        loop.close()
+    [record] = caplog.records
+    assert record.levelno == logging.ERROR and record.exc_info is not None

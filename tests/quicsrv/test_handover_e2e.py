@@ -19,6 +19,7 @@ from pathlib import Path
 import httpx
 import pytest
 
+from quicsrv.spawn import spawn_server_async
 from quicsrv_client import (
     Client,
     GenerationEnded,
@@ -265,3 +266,30 @@ async def test_idle_tls_connections_do_not_stop_the_hand_over(engine, certs):
             for connection in idle:
                 connection.close()
         assert (server.app.config.data_dir / "tickets.cbor").exists()  # the last step ran
+
+
+async def test_a_sigterm_with_idle_tls_clients_exits_0_without_a_traceback(certs, tmp_path):
+    context = ssl.create_default_context(cafile=str(certs.ca_cert))
+    log = tmp_path / "server.log"
+    args = ["--host", "127.0.0.1", "--port", "0", "--data-dir", str(tmp_path / "data")]
+    args += ["--cert", str(certs.server_cert), "--key", str(certs.server_key)]
+    async with spawn_server_async(args, log=log) as server:
+        idle = await asyncio.to_thread(
+            lambda: [
+                context.wrap_socket(
+                    socket.create_connection(("127.0.0.1", server.port)),
+                    server_hostname="localhost",
+                )
+                for _ in range(3)
+            ]
+        )
+        try:
+            server.process.send_signal(signal.SIGTERM)
+            status = await asyncio.to_thread(server.process.wait, 60)
+        finally:
+            for connection in idle:
+                connection.close()
+    assert status == 0
+    text = log.read_text()
+    assert "shutdown: " in text and "stopped" in text
+    assert "Traceback" not in text
