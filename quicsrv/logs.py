@@ -98,4 +98,3 @@ def quiet_exception_handler(loop: asyncio.AbstractEventLoop, context: dict[str, 
         _quiet_log.debug("%s: %r", context.get("message", "unhandled"), exc)
         return
     loop.default_exception_handler(context)
-

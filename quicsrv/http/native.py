@@ -13,14 +13,13 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 import quicsrv_proto
-from quicsrv_proto.http3 import CONTENT_TYPE, GENERATE_PATH, RESUME_PATH, parse_session_header
+from quicsrv_proto.http3 import CONTENT_TYPE, parse_session_header
 
 from .errors import Refusal
 from .messages import FullResponse
 
 __all__ = [
     "FRAMES",
-    "NATIVE_ENDPOINTS",
     "encode_frames",
     "error_response",
     "read_generate",
@@ -28,8 +27,6 @@ __all__ = [
 ]
 
 FRAMES = CONTENT_TYPE.decode("ascii")
-# The ``endpoint`` metrics label of each native path.
-NATIVE_ENDPOINTS = {GENERATE_PATH.decode(): "generate", RESUME_PATH.decode(): "resume"}
 
 
 def read_generate(body: bytes, *, max_payload_bytes: int) -> quicsrv_proto.Generate:

@@ -37,7 +37,7 @@ from collections.abc import Callable, Mapping
 from typing import Any, Protocol
 
 import quicsrv_proto
-from quicsrv_proto import ErrorCode
+from quicsrv_proto import ErrorCode, http3
 from quicsrv_proto.http3 import EARLY_DATA_HEADER, RESUME_PATH_HEADER, SESSION_HEADER
 
 from ..apikeys import ApiKeys, ClientId
@@ -59,8 +59,8 @@ _CHAT_PATH = "/v1/chat/completions"
 _TEXT_PATH = "/v1/completions"
 _MODELS_PATH = "/v1/models"
 _STREAMS_PREFIX = "/v1/streams/"
-_GENERATE_PATH = "/v1/generate"
-_RESUME_PATH = "/v1/resume"
+_GENERATE_PATH = http3.GENERATE_PATH.decode()
+_RESUME_PATH = http3.RESUME_PATH.decode()
 
 #: The endpoints whose request starts compute: a replay of its 0-RTT data would start it twice.
 STARTS_COMPUTE = frozenset({"generate", "chat_completions", "completions"})
