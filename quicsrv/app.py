@@ -116,7 +116,7 @@ async def _serve_with(
     for signum in (signal.SIGINT, signal.SIGTERM):
         loop.add_signal_handler(signum, stop.set)
     await stop.wait()
-    log.info("shutting down: ending open streams")
+    log.info("shutting down: handing the sessions over")
     await running.shutdown(config.shutdown_grace_s)
     log.info("store usage at exit: %s", running.sessions.usage())
     await asyncio.to_thread(engine.close)

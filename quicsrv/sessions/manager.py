@@ -45,7 +45,7 @@ KEYRING_KEY = "quicsrv:mac-keys"
 
 @dataclass(frozen=True, slots=True, kw_only=True)
 class HandOver:
-    """What a shutdown left for the next process (logged, counted in tests)."""
+    """What a shutdown left for the next process (logged at the end of the hand-over)."""
 
     paused: int
     """Generations the engine was running, paused for the hand-over."""
