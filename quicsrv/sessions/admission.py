@@ -28,7 +28,7 @@ from quicsrv_proto import ErrorCode
 
 from .generation import RequestRejected
 
-__all__ = ["AdmissionLimits", "FairGate", "Slot"]
+__all__ = ["AdmissionLimits", "FairGate", "Place", "Slot"]
 
 _INITIAL_HOLD_S = 2.0
 _HOLD_SMOOTHING = 0.2  # weight of the newest slot hold in the running mean
@@ -73,11 +73,72 @@ class Slot:
             self._gate._release(self)
 
 
+class Place:
+    """A place in the gate's line (:meth:`FairGate.queue`): :meth:`wait` for its slot, or
+    :meth:`leave` the line. Exactly one of the two takes it."""
+
+    __slots__ = ("_gate", "_taken", "_waiter")
+
+    def __init__(self, gate: FairGate, waiter: _Waiter) -> None:
+        self._gate = gate
+        self._waiter = waiter
+        self._taken = False  # wait() handed the slot on: it is its taker's to release
+
+    @property
+    def client(self) -> str:
+        return self._waiter.client
+
+    def take(self) -> Slot | None:
+        """The slot, if it is there already (then the taker's to release), else None."""
+        future = self._waiter.future
+        if self._taken or not future.done() or future.cancelled():
+            return None
+        self._taken = True
+        return future.result()
+
+    async def wait(self, timeout_s: float | None = None) -> Slot:
+        """The slot, once it is this place's turn. Raises RequestRejected
+        ``deadline_exceeded`` when ``timeout_s`` passes first (the place is given up);
+        cancelling the caller gives the place (or its slot) back."""
+        waiter = self._waiter
+        try:
+            async with asyncio.timeout(timeout_s):
+                slot = await asyncio.shield(waiter.future)
+        except TimeoutError:
+            if self._gate._withdraw(waiter):
+                self._gate._count_refusal(ErrorCode.DEADLINE_EXCEEDED, waiter.client)
+                raise RequestRejected(
+                    ErrorCode.DEADLINE_EXCEEDED,
+                    f"could not start within {timeout_s:.3f} s: {self._gate.queued} requests "
+                    f"waiting, {self._gate.active} running",
+                ) from None
+            slot = waiter.future.result()  # granted just as the deadline passed: use it
+        except asyncio.CancelledError:
+            self.leave()
+            raise
+        self._taken = True
+        return slot
+
+    def leave(self) -> None:
+        """Give the place up: out of the line, or its slot back if it was granted (and not
+        taken by :meth:`wait`)."""
+        waiter = self._waiter
+        if self._taken or self._gate._withdraw(waiter) or waiter.future.cancelled():
+            return
+        waiter.future.result().release()
+
+
 @dataclass(eq=False)
 class _Waiter:
     client: str
     resume: bool
     future: asyncio.Future[Slot] = field(repr=False)
+
+
+def _granted(slot: Slot) -> asyncio.Future[Slot]:
+    future: asyncio.Future[Slot] = asyncio.get_running_loop().create_future()
+    future.set_result(slot)
+    return future
 
 
 class FairGate:
@@ -148,41 +209,27 @@ class FairGate:
     async def acquire(
         self, client: str, *, resume: bool = False, timeout_s: float | None = None
     ) -> Slot:
-        """A slot for ``client``: at once, or after waiting its fair turn.
+        """A slot for ``client``: at once, or after waiting its fair turn (:meth:`queue`, then
+        :meth:`Place.wait`). Cancelling the caller gives the place (or slot) back."""
+        return await self.queue(client, resume=resume).wait(timeout_s)
 
-        Raises RequestRejected: ``client_limit`` or ``overloaded`` (new requests only) when
-        the queue is full, ``deadline_exceeded`` when ``timeout_s`` passes first (the place
-        in the queue is given up). Cancelling the caller gives the place (or slot) back.
-        """
+    def queue(self, client: str, *, resume: bool = False) -> Place:
+        """A place in line for ``client``: granted at once when a slot is free for it, else
+        queued. Raises RequestRejected at once, ``client_limit`` or ``overloaded`` (new
+        requests only), when the queue is full: those answers need no wait."""
         # After every dispatch either no slot is free or no waiter may take one, so a client
         # that may run now passes nobody who could.
         if self._can_run(client):
-            return self._grant(client)
+            return Place(self, _Waiter(client, resume, _granted(self._grant(client))))
         if not resume:
             self._check_room(client)
-        loop = asyncio.get_running_loop()
-        waiter = _Waiter(client=client, resume=resume, future=loop.create_future())
+        waiter = _Waiter(client, resume, asyncio.get_running_loop().create_future())
         self._waiting[resume].setdefault(client, deque()).append(waiter)
         if not resume:
             self._queued_new += 1
         self._dispatch()
         self._changed()
-        try:
-            async with asyncio.timeout(timeout_s):
-                return await asyncio.shield(waiter.future)
-        except TimeoutError:
-            if self._withdraw(waiter):
-                self._count_refusal(ErrorCode.DEADLINE_EXCEEDED, client)
-                raise RequestRejected(
-                    ErrorCode.DEADLINE_EXCEEDED,
-                    f"could not start within {timeout_s:.3f} s: {self.queued} requests waiting, "
-                    f"{self._active_total} running",
-                ) from None
-            return waiter.future.result()  # granted just as the deadline passed: use it
-        except asyncio.CancelledError:
-            if not self._withdraw(waiter) and not waiter.future.cancelled():
-                waiter.future.result().release()
-            raise
+        return Place(self, waiter)
 
     def retry_after_s(self, ahead: int, servers: int) -> float:
         """Seconds until ``ahead`` queued requests have each run once on ``servers`` slots."""

@@ -13,6 +13,8 @@ state, a reader leaving asks a running sequence to pause, and the table says whe
 reader event may happen. The main roads::
 
     CREATED -SUBMITTED-> RUNNING -DETACHED-> PAUSING -ENGINE_PAUSED-> PARKED
+    CREATED -QUEUED (no slot free)-> QUEUED -SUBMITTED-> RUNNING
+    QUEUED -RESUME_DROPPED (its turn came with nobody reading)-> PARKED
     RUNNING -ENGINE_PAUSED (out of allowance, worker restart)-> PARKED
     PARKED -RESUME_QUEUED-> STARTING -SUBMITTED-> RUNNING
     RUNNING -STOP_MATCHED / CANCELLED-> STOPPING -ENGINE_*-> ENDED
@@ -34,6 +36,7 @@ __all__ = [
     "IDLE",
     "STALE",
     "TRANSITIONS",
+    "WAITING",
     "IllegalTransition",
     "ResumeConflict",
     "allows",
@@ -54,6 +57,9 @@ class ResumeConflict(StrEnum):
 class SessionState(Enum):
     CREATED = "created"
     """This object has not run the engine yet (a new generation, or a record read back)."""
+    QUEUED = "queued"
+    """A new generation waits for its fair turn at a slot. Its record exists and its reader
+    was told the session id; a reader that leaves meanwhile keeps the place in line."""
     STARTING = "starting"
     """A reader wants the sequence back: waiting for a slot and the KV blob to resubmit."""
     RUNNING = "running"
@@ -75,12 +81,15 @@ class SessionState(Enum):
 
 
 class SessionEvent(Enum):
+    QUEUED = "queued"
+    """A new generation took its place in line for a slot (none was free)."""
     SUBMITTED = "submitted"
     """The engine accepted a sequence (a new generation, or a resume)."""
     RESUME_QUEUED = "resume-queued"
     """A reader with room is attached: a restart waits for a slot and the KV blob."""
     RESUME_DROPPED = "resume-dropped"
-    """The queued restart gave up: the reader left meanwhile, or the engine refused it."""
+    """A queued start gave up: the reader left meanwhile (its turn then goes to the next),
+    the engine refused it, or the queue wait ran out."""
     ATTACHED = "attached"
     """A reader's stream attached (superseding any other)."""
     DETACHED = "detached"
@@ -116,6 +125,8 @@ HOLDS_SEQUENCE = frozenset({S.RUNNING, S.PAUSING, S.STOPPING, S.HANDING_OVER})
 """States in which the engine holds a sequence of this object (and its handle is live)."""
 IDLE = frozenset({S.CREATED, S.PARKED, S.ENDED, S.HANDED_OVER})
 """States in which nothing runs or waits to run for this object."""
+WAITING = frozenset({S.QUEUED, S.STARTING})
+"""States in which this object waits for a slot (and the engine holds nothing yet)."""
 STALE = frozenset({S.HANDING_OVER, S.HANDED_OVER})
 """States in which this object may no longer write the session."""
 
@@ -130,20 +141,25 @@ _SEQUENCE_RELEASED = {
     S.HANDING_OVER: S.HANDED_OVER,
 }
 # Whoever stops reading: a running sequence is asked to pause (again, if it was already),
-# a queued restart is given up.
+# a queued restart is given up. A new generation in line keeps its place: a reader cut while
+# it waits (a proxy's read timeout) comes back to it.
 _READER_GONE = _EVERY_STATE | {S.RUNNING: S.PAUSING, S.STARTING: S.PARKED}
+# Those that leave the line: the server goes, the peer never learned the id, another process
+# owns the session now.
+_OUT_OF_LINE = {S.QUEUED: S.PARKED}
 
 _BY_EVENT: dict[SessionEvent, dict[SessionState, SessionState]] = {
-    E.SUBMITTED: {S.CREATED: S.RUNNING, S.STARTING: S.RUNNING},
+    E.QUEUED: {S.CREATED: S.QUEUED},
+    E.SUBMITTED: {S.CREATED: S.RUNNING, S.QUEUED: S.RUNNING, S.STARTING: S.RUNNING},
     E.RESUME_QUEUED: {S.CREATED: S.STARTING, S.PARKED: S.STARTING},
-    E.RESUME_DROPPED: {S.STARTING: S.PARKED},
+    E.RESUME_DROPPED: {S.QUEUED: S.PARKED, S.STARTING: S.PARKED},
     # A reader may attach anywhere: to replay an ended record, to wait for a pause to land,
     # or (a take-over racing the attach) to a stale copy that then never runs.
     E.ATTACHED: _EVERY_STATE,
     E.DETACHED: _READER_GONE,
-    E.SHUT_DOWN: _READER_GONE,
+    E.SHUT_DOWN: _READER_GONE | _OUT_OF_LINE,
     # No reader yet, so no queued restart to give up.
-    E.ABANDONED: _EVERY_STATE | {S.RUNNING: S.PAUSING},
+    E.ABANDONED: _EVERY_STATE | {S.RUNNING: S.PAUSING} | _OUT_OF_LINE,
     # Only a record that has ended has an END to send (a stale copy may still hold one).
     E.READER_ENDED: {
         S.STOPPING: S.STOPPING,
@@ -154,6 +170,7 @@ _BY_EVENT: dict[SessionEvent, dict[SessionState, SessionState]] = {
     E.READER_FAILED: {S.PARKED: S.PARKED, S.ENDED: S.ENDED, S.HANDED_OVER: S.HANDED_OVER},
     E.CANCELLED: {
         S.CREATED: S.ENDED,
+        S.QUEUED: S.ENDED,
         S.STARTING: S.ENDED,
         S.PARKED: S.ENDED,
         S.RUNNING: S.STOPPING,
@@ -169,6 +186,7 @@ _BY_EVENT: dict[SessionEvent, dict[SessionState, SessionState]] = {
     E.ENGINE_COMPLETED: _SEQUENCE_RELEASED | {S.RUNNING: S.ENDED, S.PAUSING: S.ENDED},
     E.OWNERSHIP_LOST: {
         S.CREATED: S.HANDED_OVER,
+        S.QUEUED: S.HANDED_OVER,
         S.STARTING: S.HANDED_OVER,
         S.PARKED: S.HANDED_OVER,
         S.ENDED: S.HANDED_OVER,

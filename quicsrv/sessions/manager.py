@@ -25,7 +25,7 @@ from quicsrv_proto import ErrorCode
 
 from ..engine import Engine, SequenceRequest
 from ..metrics import ServerMetrics
-from .admission import AdmissionLimits, FairGate, Slot
+from .admission import AdmissionLimits, FairGate, Place, Slot
 from .generation import INLINE_PROMPT_CHARS, RequestRejected, build_request, prompt_chars
 from .inbox import LoopInbox
 from .keys import KeyRing, SharedKeyRing
@@ -198,25 +198,27 @@ class SessionManager:
         self, frame: quicsrv_proto.Generate, *, client: str, owner: str, arrived_at: float
     ) -> Session:
         """A new generation, from a GENERATE to a session whose record is on disk: the one way
-        every front end opens one. Checks and tokenizes it (a long prompt off the loop), waits
-        for ``client``'s fair turn at a slot (bounded from ``arrived_at``, the loop's clock),
-        starts it for ``owner`` (the API key id, or ""), and returns once its record is on
-        disk, so that whoever learns the session id can resume it, even after a kill -9 of
-        this process. Raises RequestRejected or EngineError.
+        every front end opens one. Checks and tokenizes it (a long prompt off the loop), takes
+        ``client``'s place in line for a slot, starts it for ``owner`` (the API key id, or "")
+        or leaves it waiting its fair turn (:meth:`Session.enter_line`, bounded from
+        ``arrived_at``, the loop's clock), and returns once its record is on disk, so that
+        whoever learns the session id can resume it, even after a kill -9 of this process.
+        Raises RequestRejected or EngineError for what is known at once (a bad request, the
+        client's or the server's queue full, an engine refusal); what happens in line reaches
+        the session's reader.
 
-        Cancelling it (its peer went away) gives back what it holds: its place in the queue,
-        its slot, or the compute of the session it started (which stays resumable).
+        Cancelling it (its peer went away) gives back what it holds: its place in line, its
+        slot, or the compute of the session it started (which stays resumable).
         """
         prepared = await self.prepare_off_loop(frame)
-        slot = await self.admit(
-            client,
-            waited_s=asyncio.get_running_loop().time() - arrived_at,
-            deadline_ms=frame.deadline_ms,
-        )
         if self._shutting_down:
-            slot.release()
             raise RequestRejected(ErrorCode.SHUTTING_DOWN, "the server is shutting down")
-        session = self.start(frame, prepared, slot=slot, owner=owner, arrived_at=arrived_at)
+        place = self.gate.queue(client)
+        try:
+            session = self._open(frame, prepared, place, owner=owner, arrived_at=arrived_at)
+        except BaseException:
+            place.leave()
+            raise
         try:
             await self.persisted()
         except asyncio.CancelledError:
@@ -237,17 +239,13 @@ class SessionManager:
             return self.prepare(frame)
         return await asyncio.to_thread(self.prepare, frame)
 
-    async def admit(self, client: str, *, waited_s: float, deadline_ms: int | None) -> Slot:
-        """An engine slot for a new generation of ``client``, in its fair turn; raises
-        RequestRejected (``client_limit``, ``overloaded``, ``deadline_exceeded``).
-
-        The wait is bounded by the request's ``deadline_ms`` and the server's
-        ``max_queue_wait_s``, both counted from the request's arrival (``waited_s`` ago).
-        """
+    def queue_wait_s(self, deadline_ms: int | None, arrived_at: float) -> float:
+        """How much longer a new request may wait for a slot: the server's
+        ``max_queue_wait_s`` and the request's ``deadline_ms``, both from its arrival."""
         bound_s = self.settings.max_queue_wait_s
         if deadline_ms is not None:
             bound_s = min(bound_s, deadline_ms / 1000)
-        return await self.gate.acquire(client, timeout_s=max(0.0, bound_s - waited_s))
+        return max(0.0, bound_s - (asyncio.get_running_loop().time() - arrived_at))
 
     def start(
         self,
@@ -264,19 +262,43 @@ class SessionManager:
         time to first token); raises RequestRejected or the engine's EngineError (the front
         end maps either to its wire code), the slot then given back."""
         try:
-            return self._start(frame, request, slot, owner, arrived_at)
+            return self._record(
+                frame, request, owner, lambda session: session.start(slot, arrived_at)
+            )
         except BaseException:
             slot.release()
             raise
 
-    def _start(
+    def _open(
+        self,
+        frame: quicsrv_proto.Generate,
+        request: SequenceRequest,
+        place: Place,
+        *,
+        owner: str,
+        arrived_at: float,
+    ) -> Session:
+        """Start the generation at once if ``place`` has its slot, else leave it in line."""
+        slot = place.take()
+        if slot is not None:
+            return self.start(frame, request, slot=slot, owner=owner, arrived_at=arrived_at)
+        timeout_s = self.queue_wait_s(frame.deadline_ms, arrived_at)
+        return self._record(
+            frame,
+            request,
+            owner,
+            lambda session: session.enter_line(place, arrived_at=arrived_at, timeout_s=timeout_s),
+        )
+
+    def _record(
         self,
         frame: quicsrv_proto.Generate,
         request: SequenceRequest | None,
-        slot: Slot,
         owner: str,
-        arrived_at: float | None,
+        begin: Callable[[Session], None],
     ) -> Session:
+        """A new session for ``frame``, begun by ``begin`` (which may refuse by raising),
+        then recorded in the store and the live table."""
         if request is None:
             request = self.prepare(frame)
         if not self.store.has_room(lambda r: r.session_id not in self._live):
@@ -301,7 +323,7 @@ class SessionManager:
             owner=owner,
         )
         session = self._session(record)
-        session.start(slot, arrived_at)  # an engine refusal goes to the caller as it is
+        begin(session)  # an engine refusal goes to the caller as it is
         self.store.add(record)
         self._live[record.session_id] = session
         return session

@@ -32,8 +32,9 @@ from ..engine import (
     SequenceHandle,
     SequenceRequest,
 )
-from .admission import FairGate, Slot
+from .admission import FairGate, Place, Slot
 from .flow import DeliveryMeter, tokens_ahead
+from .generation import RequestRejected
 from .inbox import LoopInbox
 from .keys import KeyRing
 from .kvstore import KVStore
@@ -153,6 +154,7 @@ class Session:
         self._retry: asyncio.TimerHandle | None = None
         self._slot: Slot | None = None  # held while the engine runs (or is about to)
         self._restarting: asyncio.Task[None] | None = None
+        self._in_line: asyncio.Task[None] | None = None  # a new generation waiting its turn
         self.client = ""
         """Who reads it now (an API key id, or a connection): its slots count against them."""
         self.resume_paths: list[ResumePath] = []
@@ -210,6 +212,15 @@ class Session:
             raise
         self._trace.started(len(self.record.prompt_tokens), arrived_at)
 
+    def enter_line(self, place: Place, *, arrived_at: float | None, timeout_s: float) -> None:
+        """A new generation for which no slot was free: wait for ``place``'s turn (at most
+        ``timeout_s``), then start as :meth:`start` does. Meanwhile a reader holds the session
+        id and may leave and come back; a turn that comes while nobody reads goes to the next
+        in line, and the reader's return restarts the session ahead of new requests."""
+        self._transition(SessionEvent.QUEUED)
+        self.client = place.client
+        self._in_line = self._loop.create_task(self._wait_turn(place, arrived_at, timeout_s))
+
     def planned_resume_path(self) -> ResumePath | None:
         """How the next engine start will rebuild the KV cells (None: nothing to rebuild)."""
         if self.finished or self._state not in IDLE or not self.record.generated:
@@ -251,6 +262,7 @@ class Session:
         """Its stream went away before it was told the session id: stop spending compute."""
         left = self._transition(SessionEvent.ABANDONED)
         self._pause_sequence(left, capture_kv=False)
+        self._leave_line()
         self._check_idle()
 
     def cancel(self) -> None:
@@ -263,6 +275,7 @@ class Session:
         if left in HOLDS_SEQUENCE and self._handle is not None:
             self._handle.cancel()  # its late tokens are dropped: the record has ended
         self._stop_restarting()
+        self._leave_line()
         self._record_end(SessionEnd(EndReason.CANCELLED, len(self.record.generated)))
         self._pump()
         self._check_idle()
@@ -275,6 +288,8 @@ class Session:
         left = self._transition(SessionEvent.SHUT_DOWN)
         self._pause_sequence(left, capture_kv=True)
         self._stop_restarting()
+        self._leave_line()
+        self._check_idle()  # a generation in line that nobody reads has nothing to wait for
 
     def end_for_shutdown(self) -> bool:
         """Tell the reader, if any, that the server is going: END(shutdown), which is no end
@@ -315,6 +330,7 @@ class Session:
             attachment.port.send_frame(frame, True)
         self._pause_sequence(left, capture_kv=False)
         self._stop_restarting()
+        self._leave_line()
         self._check_idle()
 
     def on_transport_progress(self) -> None:
@@ -510,6 +526,48 @@ class Session:
         if task is not None and not task.done():
             task.cancel()
 
+    def _leave_line(self) -> None:
+        """Give up the new generation's place in line (the event that called this has moved
+        the state on already)."""
+        task, self._in_line = self._in_line, None
+        if task is not None and not task.done():
+            task.cancel()
+
+    async def _wait_turn(self, place: Place, arrived_at: float | None, timeout_s: float) -> None:
+        try:
+            slot = await place.wait(timeout_s)
+        except RequestRejected as exc:  # the queue wait ran out: nothing ran, nothing is lost
+            self._in_line = None
+            self._transition(SessionEvent.RESUME_DROPPED)
+            self._fail_reader(str(exc), exc.code)
+            return
+        self._in_line = None
+        if self._attachment is None:
+            # Nobody reads (a proxy cut the stream while it waited): no compute for nobody.
+            slot.release()
+            self._transition(SessionEvent.RESUME_DROPPED)
+            self._check_idle()
+            return
+        self._slot = slot
+        try:
+            self._submit(None)
+        except EngineError as exc:
+            self._transition(SessionEvent.RESUME_DROPPED)
+            self._release_slot()
+            self._engine_refused(exc)
+            return
+        self._trace.started(len(self.record.prompt_tokens), arrived_at)
+
+    def _engine_refused(self, exc: EngineError) -> None:
+        """The engine refused a (re)start: fail the reader if it is down for good, else try
+        again when it says."""
+        if isinstance(exc, EngineUnavailable):
+            self._fail_reader(str(exc))
+            return
+        retry = 1.0 if exc.retry_after_s is None else exc.retry_after_s
+        log.info("session %s waits to start: %s", self.session_id.hex(), exc)
+        self._retry = self._loop.call_later(retry, self._maybe_run)
+
     async def _restart(self) -> None:
         # A session coming back goes ahead of new requests, but waits its turn among the
         # other returning sessions (and under its reader's per-client cap).
@@ -524,25 +582,19 @@ class Session:
             self._release_slot()
             self._check_idle()
             return
-        try:
-            self._submit(
-                ResumePoint(
-                    generated=tuple(self.record.generated),
-                    kv_state=kv,
-                    inexact_reprefill=self._flow.inexact_reprefill,
-                )
+        resume = None  # no token yet (it never ran): a plain start, prefill and all
+        if n_generated:
+            resume = ResumePoint(
+                generated=tuple(self.record.generated),
+                kv_state=kv,
+                inexact_reprefill=self._flow.inexact_reprefill,
             )
-        except EngineUnavailable as exc:
-            self._transition(SessionEvent.RESUME_DROPPED)
-            self._release_slot()
-            self._fail_reader(str(exc))
-            return
+        try:
+            self._submit(resume)
         except EngineError as exc:
             self._transition(SessionEvent.RESUME_DROPPED)
             self._release_slot()
-            retry = 1.0 if exc.retry_after_s is None else exc.retry_after_s
-            log.info("session %s waits to resume: %s", self.session_id.hex(), exc)
-            self._retry = self._loop.call_later(retry, self._maybe_run)
+            self._engine_refused(exc)
             return
         self._kv.discard(self.session_id)  # the engine holds the cells now
 
@@ -623,16 +675,18 @@ class Session:
             session_id=self.session_id, index=index, snapshot_hash=snapshot_hash
         )
 
-    def _fail_reader(self, message: str) -> None:
-        """End the reader's stream with ERROR(engine_unavailable); the session stays resumable
-        (its tokens are on disk), so the client can come back once the engine is."""
+    def _fail_reader(
+        self,
+        message: str,
+        code: quicsrv_proto.ErrorCode = quicsrv_proto.ErrorCode.ENGINE_UNAVAILABLE,
+    ) -> None:
+        """End the reader's stream with ERROR(``code``); the session stays resumable (its
+        tokens are on disk), so the client can come back once the engine is."""
         self._pump(progress=False)  # every recorded token first
         attachment, self._attachment = self._attachment, None
         if attachment is not None:
             self._transition(SessionEvent.READER_FAILED)
-            error = quicsrv_proto.Error(
-                code=quicsrv_proto.ErrorCode.ENGINE_UNAVAILABLE, message=message
-            )
+            error = quicsrv_proto.Error(code=code, message=message)
             attachment.port.send_frame(error, True)
         self._check_idle()
 

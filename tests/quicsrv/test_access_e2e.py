@@ -12,6 +12,7 @@ from pathlib import Path
 import pytest
 
 from quicsrv.apikeys import hash_key, new_key
+from quicsrv.sessions.lifecycle import SessionState
 from quicsrv.transport import RunningServer
 from quicsrv_client import (
     Client,
@@ -99,8 +100,9 @@ async def test_a_hog_connection_does_not_starve_another_client(engine, certs, tm
                     await started.put("refused")
 
             tasks = [asyncio.create_task(hog_one()) for _ in range(10)]
-            # 2 run and 3 queue under the hog's caps; the other 5 are refused at once.
-            outcomes = [await started.get() for _ in range(7)]
+            # 2 run and 3 queue under the hog's caps (each told its session at once); the
+            # other 5 are refused at once.
+            outcomes = [await started.get() for _ in range(10)]
             assert outcomes.count("refused") == 5
             assert {e.code for e in refused} == {ErrorCode.CLIENT_LIMIT}
             assert {e.http_status for e in refused} == {429}
@@ -152,8 +154,13 @@ async def test_a_freed_slot_goes_to_another_clients_first_request_before_the_hog
             late = newcomer.generate("Hi", max_tokens=8, ignore_eos=True)
             first = asyncio.create_task(late.__anext__())
             await gate.wait_until(lambda: gate.queued == 4)  # queued last, behind the hog's 3
+            started = await first  # told its session at once, while it waits in line
+            assert isinstance(started, SessionStarted)
+            session = server.sessions.live(bytes.fromhex(started.session_id))
+            assert session is not None and session.state is SessionState.QUEUED
             await running[0].aclose()  # one slot comes free
-            assert isinstance(await first, SessionStarted)
+            await gate.wait_until(lambda: gate.queued == 3)
+            assert gate.queued_for(session.client) == 0  # the newcomer got it
             assert gate.queued == 3  # the hog's queued requests all still wait
             assert not any(t.done() for t in hog_queued)
             tokens = [e async for e in late if isinstance(e, TokenReceived)]
@@ -223,8 +230,10 @@ async def test_a_request_that_cannot_start_in_time_gets_deadline_exceeded(
             for deadline_ms in (50, None):
                 with pytest.raises(ServerError) as info:
                     await c.generate_text("Hi", max_tokens=4, deadline_ms=deadline_ms)
+                # Told in the stream it was given at once (with its session id), not as a
+                # status: the place in line was taken before the wait.
                 assert info.value.code == ErrorCode.DEADLINE_EXCEEDED
-                assert info.value.http_status == 504
+                assert info.value.http_status == 200
             gate = server.sessions.gate
             assert gate.queued == 0  # the places were given up
             await long.aclose()

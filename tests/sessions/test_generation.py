@@ -58,7 +58,7 @@ async def _drain_callbacks() -> None:
 
 
 async def _slot(manager: SessionManager) -> Slot:
-    return await manager.admit("test-client", waited_s=0.0, deadline_ms=None)
+    return await manager.gate.acquire("test-client")
 
 
 async def _stream(tmp_path, pieces: list[bytes], *, stop=(), finish=FinishReason.LENGTH):

@@ -28,6 +28,7 @@ from quicsrv.sessions.lifecycle import (
     IDLE,
     STALE,
     TRANSITIONS,
+    WAITING,
     IllegalTransition,
     SessionEvent,
     SessionState,
@@ -42,7 +43,7 @@ E = SessionEvent
 
 ENGINE_RELEASES = {E.ENGINE_PAUSED, E.ENGINE_COMPLETED, E.ENGINE_STOPPED, E.ENGINE_FAILED}
 # Events that would make the engine do (or prepare) work for the session.
-PROGRESS = {E.SUBMITTED, E.RESUME_QUEUED}
+PROGRESS = {E.SUBMITTED, E.RESUME_QUEUED, E.QUEUED}
 FINAL = {S.ENDED, S.HANDED_OVER}
 
 
@@ -98,7 +99,7 @@ def test_final_states_never_run_again():
     for state in FINAL:
         assert not any(allows(state, event) for event in PROGRESS | ENGINE_RELEASES)
     assert _reachable(FINAL) <= FINAL
-    assert not _reachable(FINAL) & (HOLDS_SEQUENCE | {S.STARTING})
+    assert not _reachable(FINAL) & (HOLDS_SEQUENCE | WAITING)
 
 
 def test_an_ended_record_never_reopens():
@@ -110,9 +111,19 @@ def test_a_stale_copy_stays_stale_and_is_the_only_one_that_loses_ownership_no_mo
     assert {s for s in S if not allows(s, E.OWNERSHIP_LOST)} == STALE
 
 
-def test_idle_and_holding_partition_all_but_starting():
-    assert IDLE | HOLDS_SEQUENCE | {S.STARTING} == set(S)
-    assert not IDLE & HOLDS_SEQUENCE and S.STARTING not in IDLE | HOLDS_SEQUENCE
+def test_idle_holding_and_waiting_partition_the_states():
+    assert IDLE | HOLDS_SEQUENCE | WAITING == set(S)
+    assert not IDLE & HOLDS_SEQUENCE and not WAITING & (IDLE | HOLDS_SEQUENCE)
+
+
+def test_a_new_generation_in_line_keeps_its_place_when_its_reader_leaves():
+    assert next_state(S.QUEUED, E.DETACHED) is S.QUEUED
+    # ...and leaves the line only when nobody can come back to it here.
+    for event in (E.SHUT_DOWN, E.ABANDONED, E.RESUME_DROPPED):
+        assert next_state(S.QUEUED, event) is S.PARKED
+    assert next_state(S.QUEUED, E.CANCELLED) is S.ENDED
+    assert next_state(S.QUEUED, E.OWNERSHIP_LOST) is S.HANDED_OVER
+    assert _reachable({S.QUEUED}) == set(S) - {S.CREATED}
 
 
 def test_readers_may_always_attach_and_leave():
@@ -209,6 +220,9 @@ class EngineSequence:
 
 
 class SessionLifecycleMachine(RuleBasedStateMachine):
+    #: Start the generation while another client holds the only slot: it waits in line.
+    queued = False
+
     def __init__(self) -> None:
         super().__init__()
         self.dir = tempfile.TemporaryDirectory()
@@ -237,15 +251,22 @@ class SessionLifecycleMachine(RuleBasedStateMachine):
             low_watermark_bytes=64,
         )
         self.manager = SessionManager(self.engine, settings)
-        slot = await self.manager.admit("client", waited_s=0.0, deadline_ms=None)
         frame = quicsrv_proto.Generate(prompt="hi", max_tokens=MAX_TOKENS, stop=(STOP,))
-        self.session = self.manager.start(frame, slot=slot)
+        if self.queued:
+            self.blocker = await self.manager.gate.acquire("other")
+            self.session = await self.manager.open_generation(
+                frame, client="client", owner="", arrived_at=asyncio.get_running_loop().time()
+            )
+            assert self.session.state is S.QUEUED
+        else:
+            slot = await self.manager.gate.acquire("client")
+            self.session = self.manager.start(frame, slot=slot)
         self.record = self.session.record
         await self._after()
 
     def teardown(self) -> None:
         pending = asyncio.all_tasks(self.loop)
-        for task in pending:  # a restart still waiting for the slot
+        for task in pending:  # a (re)start still waiting for the slot
             task.cancel()
         if pending:
             self.loop.run_until_complete(asyncio.wait(pending))
@@ -436,9 +457,9 @@ class SessionLifecycleMachine(RuleBasedStateMachine):
             assert self.session.running == (self.session.state not in IDLE)
 
     @invariant()
-    def a_restart_is_queued_exactly_while_starting(self) -> None:
+    def a_start_waits_for_a_slot_exactly_while_the_state_says_so(self) -> None:
         pending = asyncio.all_tasks(self.loop)
-        assert (self.session.state is S.STARTING) == bool(pending)
+        assert (self.session.state in WAITING) == bool(pending)
 
     @invariant()
     def a_session_is_idle_exactly_when_nobody_reads_and_nothing_runs(self) -> None:
@@ -508,10 +529,18 @@ SessionLifecycleMachine.TestCase.settings = settings(
 test_real_sessions_follow_the_lifecycle = SessionLifecycleMachine.TestCase
 
 
+class QueuedSessionLifecycleMachine(SessionLifecycleMachine):
+    queued = True
+
+
+QueuedSessionLifecycleMachine.TestCase.settings = SessionLifecycleMachine.TestCase.settings
+test_real_queued_sessions_follow_the_lifecycle = QueuedSessionLifecycleMachine.TestCase
+
+
 def _check_invariants(machine: SessionLifecycleMachine) -> None:
     machine.nothing_went_wrong_on_the_loop()
     machine.the_engine_holds_a_sequence_exactly_while_the_state_says_so()
-    machine.a_restart_is_queued_exactly_while_starting()
+    machine.a_start_waits_for_a_slot_exactly_while_the_state_says_so()
     machine.a_session_is_idle_exactly_when_nobody_reads_and_nothing_runs()
     machine.the_state_agrees_with_the_record()
     machine.at_most_one_reader_is_attached()
@@ -552,5 +581,45 @@ def test_a_restart_waiting_for_the_slot_is_given_up_when_its_reader_goes(leave, 
         machine.another_client_gives_the_slot_back()
         _check_invariants(machine)
         assert len(machine.engine.handles) == 1  # the restart never reached the engine
+    finally:
+        machine.teardown()
+
+
+def test_a_reader_cut_while_in_line_keeps_the_place_and_costs_no_compute_until_it_returns():
+    machine = QueuedSessionLifecycleMachine()
+    try:
+        machine.reader_attaches(back=0, slot_taken=False)
+        assert machine.session.state is S.QUEUED
+        first = machine.readers[0]
+        assert isinstance(first.frames[0], quicsrv_proto.Checkpoint)
+        assert first.frames[0].index == -1  # the reader holds a resumable cursor at once
+        machine.reader_leaves(capture_kv=True)
+        assert machine.session.state is S.QUEUED  # the place is kept
+        assert machine.manager.gate.queued == 1
+        machine.another_client_gives_the_slot_back()
+        # Its turn came while nobody read: the slot went on, nothing reached the engine.
+        assert machine.session.state is S.PARKED and machine.engine.handles == []
+        assert machine.manager.gate.active == 0
+        _check_invariants(machine)
+        machine.reader_attaches(back=0, slot_taken=False)  # the reader comes back
+        assert machine.session.state is S.RUNNING and len(machine.engine.handles) == 1
+        assert machine.engine.handles[0].request.resume is None  # a plain start, no replay
+        machine.engine_generates(n_tokens=3, stop=False)
+        _check_invariants(machine)
+    finally:
+        machine.teardown()
+
+
+def test_a_generation_in_line_starts_for_its_reader_when_the_slot_comes():
+    machine = QueuedSessionLifecycleMachine()
+    try:
+        machine.reader_attaches(back=0, slot_taken=False)
+        assert machine.session.state is S.QUEUED and machine.engine.handles == []
+        machine.another_client_gives_the_slot_back()
+        assert machine.session.state is S.RUNNING and len(machine.engine.handles) == 1
+        machine.engine_generates(n_tokens=2, stop=False)
+        _check_invariants(machine)
+        tokens = [f for f in machine.readers[0].frames if isinstance(f, quicsrv_proto.Token)]
+        assert [t.index for t in tokens] == [0, 1]
     finally:
         machine.teardown()
