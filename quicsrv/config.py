@@ -84,6 +84,9 @@ class ServerConfig:
     max_active_per_client: int = 0  # 0: three quarters of n_seq_max (at least 1)
     max_queued_per_client: int = 0  # 0: a quarter of max_queued_requests (at least 1)
     max_queue_wait_s: float = 120.0  # a GENERATE that cannot start by then: deadline_exceeded
+    # An SSE stream with nothing to say for this long (in line for a slot, a long prefill) gets
+    # a comment line, so that a proxy's read timeout does not cut it. 0: never.
+    sse_keepalive_s: float = 15.0
     batch_invariant: bool = False
     flash_attn: bool = True  # fastest exact setting: loadtest/bench/settings_sweep.py
     kv_unified: bool = False  # faster at 8 streams, but resumes are no longer exact
@@ -93,6 +96,15 @@ class ServerConfig:
     worker_stall_timeout_s: float = 60.0
     worker_max_restarts: int = 5
     worker_restart_window_s: float = 600.0
+    # Past worker_max_restarts in the window the breaker opens: new work is refused for the
+    # cool-down, then one worker is tried (half-open); it closes the breaker after the
+    # probation's decode steps, or its death doubles the cool-down (up to the max).
+    worker_breaker_cooldown_s: float = 30.0
+    worker_breaker_max_cooldown_s: float = 600.0
+    worker_breaker_probation_steps: int = 16
+    # A generation in this many worker deaths in a row, the last with no other suspect beside
+    # it, fails alone (engine_unavailable); the others resume (engine/suspects.py).
+    worker_poison_strikes: int = 2
     # A token may wait this long in the engine worker to leave with the next ones (one message,
     # one datagram, one wake-up each side); first tokens and ends never wait. 0: every step.
     # 100: 10 bursts a second at most, and 2-3 decode steps per burst at 8 streams, where a
@@ -199,12 +211,18 @@ class ServerConfig:
 
         if not 0 <= self.token_coalesce_ms <= MAX_TOKEN_COALESCE_MS:
             raise ConfigError(f"token_coalesce_ms must be in 0..{MAX_TOKEN_COALESCE_MS:g}")
+        if self.worker_poison_strikes < 1:
+            raise ConfigError("worker_poison_strikes must be at least 1")
         return SupervisorSettings(
             cpu_extra_buffers=self.cpu_extra_buffers,
             start_timeout_s=self.worker_start_timeout_s,
             stall_timeout_s=self.worker_stall_timeout_s,
             max_restarts=self.worker_max_restarts,
             restart_window_s=self.worker_restart_window_s,
+            breaker_cooldown_s=self.worker_breaker_cooldown_s,
+            breaker_max_cooldown_s=self.worker_breaker_max_cooldown_s,
+            breaker_probation_steps=self.worker_breaker_probation_steps,
+            poison_strikes=self.worker_poison_strikes,
             token_coalesce_s=self.token_coalesce_ms / 1000,
         )
 

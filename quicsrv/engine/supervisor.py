@@ -20,14 +20,24 @@ Two threads of its own, neither of them the event loop's, and its callers:
 
 When a worker dies, every sequence it held is reported *paused without KV cells*; the sessions
 then resume them through their ordinary path (exact replay, or KV restore for a session whose
-blob was saved at an earlier pause), so a client sees a delay and nothing else. Restarts are
-bounded (``max_restarts`` per ``restart_window_s``); past that the engine fails: its sequences
-finish with :attr:`FinishReason.FAILED` and new work is refused with :class:`EngineUnavailable`.
+blob was saved at an earlier pause), so a client sees a delay and nothing else. Two pure
+policies decide what else a death means:
+
+* :mod:`.suspects` attributes it to the generations in the batch: one that keeps killing the
+  worker (``poison_strikes`` deaths in a row, the last with no other suspect) ends alone with
+  :attr:`FinishReason.FAILED` (``engine_unavailable``) and is refused from then on, while its
+  neighbours resume; generations that died together too often resume one at a time to find it
+  (the others' submits wait here meanwhile, in ``_held``, never in the worker);
+* :mod:`.restarts` decides restart, safe mode, give up or the breaker: more than
+  ``max_restarts`` per ``restart_window_s`` opens it (every sequence finishes FAILED, new work
+  is refused with :class:`EngineUnavailable` and a retry hint), after ``breaker_cooldown_s``
+  one worker is tried (half-open) and ``breaker_probation_steps`` decode steps close it again;
+  its death doubles the cool-down. Giving up is left for a worker that never got ready once.
 
 The start-up canary (see :mod:`.worker`) decides the safe mode: with ``cpu_extra_buffers=auto``
 a worker that dies in the canary (or of a fault signal before it is ready) with the extra
 buffers on is restarted without them, and so is one that dies of a fault signal inside
-``llama_decode`` twice in a row.
+``llama_decode`` twice in a row. One worker's start, messages and end: :mod:`.process`.
 """
 
 from __future__ import annotations
@@ -37,17 +47,14 @@ import dataclasses
 import itertools
 import logging
 import shutil
-import signal
-import socket
 import subprocess
-import sys
 import tempfile
 import threading
 import time
+import weakref
 from collections import deque
 from collections.abc import Callable
-from dataclasses import dataclass, field
-from multiprocessing.connection import Connection
+from dataclasses import dataclass
 from pathlib import Path
 
 from ..logs import current_log_format
@@ -76,17 +83,28 @@ from .ipc import (
     WorkerPhase,
 )
 from .llama import EngineSettings, ModelFacts, check_admission, check_request
+from .process import WorkerEnd, WorkerProcess
+from .restarts import (
+    Action,
+    Breaker,
+    RestartPolicy,
+    RestartState,
+    WorkerDeath,
+    decide,
+    half_open,
+    proven,
+    worker_ready,
+)
+from .suspects import PoisonWatch
 from .vocab import Vocabulary
-from .worker import EXIT_CANARY_FAILED, EXIT_ENGINE_FAILED, WorkerOptions
+from .worker import WorkerOptions
 
 __all__ = ["SupervisorSettings", "WorkerEngine", "probe_cpu_extra_buffers"]
 
 log = logging.getLogger("quicsrv.engine")
 
-#: Signals of a fault in native code (a bad instruction, address or operand), as opposed to a
-#: kill from outside (SIGKILL by the OOM killer or an operator, SIGTERM).
-_FAULT_SIGNALS = frozenset({signal.SIGSEGV, signal.SIGBUS, signal.SIGILL, signal.SIGFPE})
 _ADMISSION_UNLIMITED = 1 << 30  # the worker's own limit: the server process admits
+_NONE_ALLOWED = -(1 << 62)  # a handle's allowance before the session gave one
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -100,93 +118,29 @@ class SupervisorSettings:
     """No decode step for this long while the worker holds work: it hangs, and is replaced."""
     max_restarts: int
     restart_window_s: float
-    """More than ``max_restarts`` restarts within this window is a crash loop: give up."""
+    """More than ``max_restarts`` restarts within this window is a crash loop: the breaker
+    opens."""
+    breaker_cooldown_s: float
+    """An open breaker tries a worker again after this long (doubling after each failed try)."""
+    breaker_max_cooldown_s: float
+    breaker_probation_steps: int
+    """Decode steps a half-open breaker's worker makes before the breaker closes."""
+    poison_strikes: int
+    """Worker deaths in a row that convict a generation, the last with no other suspect."""
     token_coalesce_s: float
     """How long a generated token may wait in the worker for the next ones (``.coalescing``)."""
     spool_dir: Path | None = None
     """Where KV blobs pass between the processes; None: a fresh directory in /dev/shm."""
 
-
-_PHASE_WORDS = {
-    WorkerPhase.LOADING: "while loading the model",
-    WorkerPhase.CANARY: "in the start-up canary",
-    WorkerPhase.IDLE: "between decode steps",
-    WorkerPhase.DECODING: "inside llama_decode",
-}
-
-
-@dataclass(frozen=True, slots=True)
-class _Death:
-    """How a worker ended."""
-
-    exitcode: int | None
-    phase: WorkerPhase
-    killed_for: str = ""  # why the supervisor killed it, if it did
-    who: str = "engine worker"
-
-    @property
-    def signal(self) -> signal.Signals | None:
-        if self.exitcode is None or self.exitcode >= 0:
-            return None
-        try:
-            return signal.Signals(-self.exitcode)
-        except ValueError:
-            return None
-
-    @property
-    def kernel_fault(self) -> bool:
-        """A fault while llama.cpp computed: the crash the extra buffers are known for."""
-        return self.signal in _FAULT_SIGNALS and self.phase in (
-            WorkerPhase.CANARY,
-            WorkerPhase.DECODING,
+    def restart_policy(self) -> RestartPolicy:
+        return RestartPolicy(
+            max_restarts=self.max_restarts,
+            window_s=self.restart_window_s,
+            cooldown_s=self.breaker_cooldown_s,
+            max_cooldown_s=self.breaker_max_cooldown_s,
+            probation_steps=self.breaker_probation_steps,
+            auto_safe_mode=self.cpu_extra_buffers is CpuExtraBuffers.AUTO,
         )
-
-    def describe(self) -> str:
-        if self.killed_for:
-            how = f"killed by the supervisor: {self.killed_for}"
-        elif self.signal is not None:
-            how = f"died of {self.signal.name}"
-        elif self.exitcode == EXIT_ENGINE_FAILED:
-            how = "exited: the engine thread failed (traceback above)"
-        elif self.exitcode == EXIT_CANARY_FAILED:
-            how = "exited: the canary decoded wrongly"
-        else:
-            how = f"exited with status {self.exitcode}"
-        return f"{how} {_PHASE_WORDS[self.phase]}"
-
-
-@dataclass(eq=False)
-class _Link:
-    """One running worker."""
-
-    incarnation: int
-    process: subprocess.Popen[bytes]
-    conn: Connection
-    phase_file: Path
-    cpu_extra_buffers: bool
-    reader: asyncio.AbstractEventLoop | None = None
-    """The event loop reading this worker's messages; None: the supervisor thread reads."""
-    ended: threading.Event = field(default_factory=threading.Event)
-    """Set by the reading loop when the worker's end of the socket closed."""
-
-    def kill(self) -> None:
-        if self.process.poll() is None:
-            self.process.kill()
-
-    def death(self, killed_for: str = "") -> _Death:
-        try:
-            self.process.wait(timeout=30)
-        except subprocess.TimeoutExpired:
-            self.process.kill()
-            self.process.wait()
-        self.conn.close()
-        try:
-            phase = WorkerPhase(self.phase_file.read_bytes()[0])
-            self.phase_file.unlink()
-        except (OSError, IndexError, ValueError):
-            phase = WorkerPhase.LOADING
-        who = f"engine worker {self.incarnation} (pid {self.process.pid})"
-        return _Death(self.process.returncode, phase, killed_for, who)
 
 
 @dataclass(eq=False)
@@ -194,12 +148,15 @@ class _RemoteSequence:
     """A sequence the worker runs, as the server sees it: a SequenceHandle."""
 
     key: int
+    who: int  # the generation across its resumes: its sink's id (the PoisonWatch's name)
     engine: WorkerEngine
     sink: TokenSink
     history: list[int]  # every token of the sequence: the resumed ones, then what it generated
     admitted: bool = True
     cancelled: bool = False
-    allowed: int = -(1 << 62)  # none sent yet
+    allowed: int = _NONE_ALLOWED
+    held: Submit | None = None
+    """Its Submit, while the poison watch holds it back (see .suspects: a quarantine)."""
 
     def cancel(self) -> None:
         self.cancelled = True
@@ -229,19 +186,27 @@ class WorkerEngine(ModelFacts):
         self._sequences: dict[int, _RemoteSequence] = {}
         self._outbox: list[Command] = []
         self._blobs: dict[int, bytes] = {}  # KV blobs of queued Submits, written by the sender
-        self._link: _Link | None = None
+        self._link: WorkerProcess | None = None
         self._keys = itertools.count()
         self._incarnations = itertools.count()
         self._admitted = 0
         self._closing = False
-        self._failure: str | None = None
+        self._gave_up: str | None = None  # why no worker could ever start
+        self._crash_loop = ""  # what opened the breaker last
         self._progress_at = time.monotonic()
-        self._restart_times: deque[float] = deque()
-        self._kernel_faults_in_a_row = 0
+        self._policy = supervision.restart_policy()
+        self._restart = RestartState(
+            extra_buffers=supervision.cpu_extra_buffers is not CpuExtraBuffers.OFF
+        )
+        self._poison = PoisonWatch(supervision.poison_strikes)
+        self._held: dict[int, _RemoteSequence] = {}  # by who: what the poison watch holds back
+        self._names: dict[int, Callable[[], object]] = {}  # who -> its sink, while remembered
         self._delivery_loop: asyncio.AbstractEventLoop | None = None
-        self._extra_buffers = supervision.cpu_extra_buffers is not CpuExtraBuffers.OFF
         self._first_ready = threading.Event()
         self.restarts = 0
+        self.worker_deaths = 0
+        self.breaker_opens = 0
+        self.poisoned = 0  # generations convicted of killing the worker, failed alone
         self.deaths: deque[str] = deque(maxlen=100)  # why workers ended, oldest first
         self.tokens_generated_total = 0
         self.on_step: Callable[[list[int], float], None] | None = None
@@ -258,7 +223,7 @@ class WorkerEngine(ModelFacts):
         self._first_ready.wait()
         if self._link is None:
             self.close()
-            raise EngineUnavailable(f"the engine worker could not start: {self._failure}")
+            raise EngineUnavailable(f"the engine worker could not start: {self._gave_up}")
         self._sender.start()
 
     # --- the Engine protocol (the rest comes from ModelFacts) -----------------------------
@@ -268,27 +233,35 @@ class WorkerEngine(ModelFacts):
         EngineUnavailable at once. While a worker restarts, it waits in the outbox."""
         check_request(self.settings, request)
         resume = request.resume
+        who = id(sink)
         with self._lock:
-            if self._failure is not None:
-                raise EngineUnavailable(f"the engine failed: {self._failure}")
+            self._refuse_if_down()
             if self._closing:
                 raise EngineError("the engine is shutting down")
+            if self._poison.knows(who) and self._names.get(who, _nobody)() is not sink:
+                self._poison.forget(who)  # another sink that got a dead one's id
+            if self._poison.convicted(who):
+                raise EngineUnavailable(
+                    "this generation kept killing the engine worker; it is not run again"
+                )
             check_admission(self.settings, self._admitted)
             self._admitted += 1
             key = next(self._keys)
             sequence = _RemoteSequence(
-                key, self, sink, list(resume.generated) if resume is not None else []
+                key, who, self, sink, list(resume.generated) if resume is not None else []
             )
-            if not self._sequences:
-                self._progress_at = time.monotonic()  # the stall clock starts with the work
             self._sequences[key] = sequence
             if resume is not None and resume.kv_state is not None:
                 self._blobs[key] = resume.kv_state
                 request = dataclasses.replace(
                     request, resume=dataclasses.replace(resume, kv_state=None)
                 )
-            self._outbox.append(Submit(key, request))
-            self._changed.notify_all()
+            if self._poison.arrived(who):
+                self._send_locked(sequence, Submit(key, request))
+            else:
+                sequence.held = Submit(key, request)
+                self._held[who] = sequence
+                self._send_released_locked()
         return sequence
 
     def deliver_on(self, loop: asyncio.AbstractEventLoop) -> None:
@@ -296,13 +269,8 @@ class WorkerEngine(ModelFacts):
         over at its next wake-up)."""
         self._delivery_loop = loop
         link = self._link
-        reader = link.reader if link is not None else None
-        if link is not None and reader is not None and reader is not loop and reader.is_closed():
-            # The loop that read the worker is gone (and its selector with it): nobody reads
-            # until the supervisor thread's next tick, so the new loop takes over now. This is
-            # the new loop's thread; the supervisor only reads when ``reader`` is None.
-            link.reader = loop
-            loop.call_soon(self._start_reading, link, loop)
+        if link is not None:
+            link.take_over_reading(loop)
 
     def close(self) -> None:
         """Stop the worker; sequences still running finish with SHUTDOWN."""
@@ -325,6 +293,7 @@ class WorkerEngine(ModelFacts):
         with self._lock:
             leftovers = list(self._sequences.values())
             self._sequences.clear()
+            self._held.clear()
         for sequence in leftovers:
             sequence.sink.sequence_finished(FinishReason.SHUTDOWN, len(sequence.history))
         shutil.rmtree(self._spool, ignore_errors=True)
@@ -340,7 +309,7 @@ class WorkerEngine(ModelFacts):
     @property
     def cpu_extra_buffers(self) -> bool:
         """Whether the running worker uses llama.cpp's extra CPU buffers (False: safe mode)."""
-        return self._extra_buffers
+        return self._restart.extra_buffers
 
     @property
     def reading_loop(self) -> asyncio.AbstractEventLoop | None:
@@ -349,8 +318,32 @@ class WorkerEngine(ModelFacts):
         return link.reader if link is not None else None
 
     @property
+    def breaker(self) -> Breaker:
+        """Closed (restarts within the budget), open (a crash loop: new work refused until a
+        cool-down ends) or half-open (one worker on probation, work taken)."""
+        return self._restart.breaker
+
+    @property
+    def retry_in_s(self) -> float | None:
+        """While the breaker is open: how long until a worker is tried again."""
+        retry_at = self._restart.retry_at
+        if self._restart.breaker is not Breaker.OPEN or retry_at is None:
+            return None
+        return max(0.0, retry_at - time.monotonic())
+
+    @property
     def failure(self) -> str | None:
-        return self._failure
+        """Why no work is taken now (no worker could ever start, or the breaker is open);
+        None while work is taken."""
+        if self._gave_up is not None:
+            return self._gave_up
+        retry_in_s = self.retry_in_s
+        if retry_in_s is None:
+            return None
+        return (
+            f"{self._crash_loop}; the breaker is open: a new worker is tried in "
+            f"{retry_in_s:.1f}s (cool-down {self._restart.cooldown_s:g}s)"
+        )
 
     # --- handles' commands (any thread) -------------------------------------------------
 
@@ -362,14 +355,56 @@ class WorkerEngine(ModelFacts):
                 self._release(sequence)
             if self._sequences.get(sequence.key) is not sequence:
                 return  # already ended, or handed back by a dead worker
-            self._outbox.append(command)
-            self._changed.notify_all()
+            if sequence.held is None:
+                self._outbox.append(command)
+                self._changed.notify_all()
+                return
+            if isinstance(command, Allow):
+                return  # sent with its Submit, once released
+            # A held sequence never reached a worker: it stops here, as it was.
+            del self._sequences[sequence.key]
+            self._held.pop(sequence.who, None)
+            sequence.held = None
+            blob = self._blobs.pop(sequence.key, None)
+            if isinstance(command, Cancel):
+                self._poison.finished(sequence.who)
+            else:
+                self._poison.left(sequence.who)
+            self._send_released_locked()
+        if isinstance(command, Cancel):
+            sequence.sink.sequence_finished(FinishReason.CANCELLED, len(sequence.history))
+        else:
+            sequence.sink.sequence_paused(
+                PausedState(generated=tuple(sequence.history), kv_state=blob)
+            )
+
+    def _send_locked(self, sequence: _RemoteSequence, submit: Submit) -> None:
+        if not any(s.held is None for s in self._sequences.values() if s is not sequence):
+            self._progress_at = time.monotonic()  # the stall clock starts with the work
+        self._outbox.append(submit)
+        if sequence.allowed != _NONE_ALLOWED:  # allowances given while it was held
+            self._outbox.append(Allow(sequence.key, sequence.allowed))
+        self._changed.notify_all()
+
+    def _send_released_locked(self) -> None:
+        """Send what the poison watch releases (a trial, or the held ones after it)."""
+        for who in self._poison.release():
+            sequence = self._held.pop(who, None)
+            if sequence is not None and sequence.held is not None:
+                submit, sequence.held = sequence.held, None
+                self._send_locked(sequence, submit)
 
     def _release(self, sequence: _RemoteSequence) -> None:
         """With the lock held."""
         if sequence.admitted:
             sequence.admitted = False
             self._admitted -= 1
+
+    def _refuse_if_down(self) -> None:
+        """With the lock held: raise EngineUnavailable while no work is taken."""
+        failure = self.failure
+        if failure is not None:
+            raise EngineUnavailable(f"the engine failed: {failure}", self.retry_in_s)
 
     # --- the sender thread --------------------------------------------------------------
 
@@ -395,7 +430,9 @@ class WorkerEngine(ModelFacts):
             if any(isinstance(c, Stop) for c in commands):
                 return
 
-    def _with_blob_file(self, command: Command, blobs: dict[int, bytes], link: _Link) -> Command:
+    def _with_blob_file(
+        self, command: Command, blobs: dict[int, bytes], link: WorkerProcess
+    ) -> Command:
         if not isinstance(command, Submit) or command.key not in blobs:
             return command
         path = self._spool / f"in-{link.incarnation}-{command.key}.kv"
@@ -414,182 +451,119 @@ class WorkerEngine(ModelFacts):
             self._link = link
         self._first_ready.set()
         while link is not None:
-            death = self._watch(link)
+            end = link.watch(
+                stall_timeout_s=self.supervision.stall_timeout_s,
+                stalled_for=self._stalled_for,
+                delivery_loop=lambda: self._delivery_loop,
+                closing=lambda: self._closing,
+            )
             if self._closing:
                 return
-            link = self._replace(link, death)
+            link = self._replace(link, end)
 
-    def _bring_up(self) -> _Link | None:
-        """Start workers until one is ready; None once the restart budget is spent."""
+    def _bring_up(self) -> WorkerProcess | None:
+        """Start workers until one is ready, waiting out an open breaker's cool-down first;
+        None once closing, or when no worker could ever start (``failure`` says why)."""
         while not self._closing:
+            if self._restart.breaker is Breaker.OPEN and not self._cool_down():
+                return None
             outcome = self._spawn()
-            if isinstance(outcome, _Link):
+            if isinstance(outcome, WorkerProcess):
+                self.last_ready = outcome.ready
+                with self._lock:
+                    self._restart = worker_ready(self._restart)
                 return outcome
+            if self._closing:
+                return None
             reason = f"{outcome.who} {outcome.describe()} before it was ready"
             self.deaths.append(reason)
+            self.worker_deaths += 1
             log.error("%s", reason)
-            if (
-                self._extra_buffers
-                and self.supervision.cpu_extra_buffers is CpuExtraBuffers.AUTO
-                and (outcome.phase is WorkerPhase.CANARY or outcome.kernel_fault)
-            ):
-                self._extra_buffers = False
-                log.warning(
-                    "SAFE MODE: the start-up canary crashed the engine worker (%s) with "
-                    "llama.cpp's extra CPU buffers on (AMX / repacked weights, known to fault "
-                    "in batched matmul on some Xeons); restarting with use_extra_bufts=False. "
-                    'Set cpu_extra_buffers = "off" to skip the canary\'s retry.',
-                    outcome.describe(),
-                )
-                continue
-            if not self._may_restart():
-                self._fail(reason)
+            half_open_before = self._restart.breaker is Breaker.HALF_OPEN
+            action = self._decide(outcome, before_ready=True)
+            if action is Action.GIVE_UP:
+                self._gave_up = self._crash_loop_words(reason)
+                log.error("ENGINE FAILED: %s. No worker could start.", self._gave_up)
                 return None
+            if action is Action.OPEN:
+                self._open(reason, [], after_half_open=half_open_before)
         return None
 
-    def _spawn(self) -> _Link | _Death:
-        incarnation = next(self._incarnations)
+    def _spawn(self) -> WorkerProcess | WorkerEnd:
         settings = dataclasses.replace(
             self.settings,
-            cpu_extra_buffers=self._extra_buffers,
+            cpu_extra_buffers=self._restart.extra_buffers,
             max_queued=_ADMISSION_UNLIMITED,
         )
         options = WorkerOptions(
             settings=settings,
             spool_dir=self._spool,
-            incarnation=incarnation,
+            incarnation=next(self._incarnations),
             token_coalesce_s=self.supervision.token_coalesce_s,
             log_level=logging.getLogger().getEffectiveLevel(),
             log_format=current_log_format(),
         )
-        phase_file = self._spool / f"phase-{incarnation}"
-        phase_file.write_bytes(bytes([WorkerPhase.LOADING]))
-        ours, theirs = socket.socketpair()
-        started = time.monotonic()
-        with theirs:
-            process = subprocess.Popen(
-                [
-                    sys.executable,
-                    "-m",
-                    "quicsrv.engine.worker",
-                    "--fd",
-                    str(theirs.fileno()),
-                    "--phase-file",
-                    str(phase_file),
-                ],
-                pass_fds=[theirs.fileno()],
-                stdin=subprocess.DEVNULL,
-            )
-        # Theirs is closed here, so the worker's death reads as EOF on ours.
-        conn = Connection(ours.detach())
-        link = _Link(incarnation, process, conn, phase_file, self._extra_buffers)
-        log.info(
-            "engine worker %d starting (pid %d, cpu extra buffers %s)",
-            incarnation,
-            process.pid,
-            "on" if self._extra_buffers else "off",
+        return WorkerProcess.start(
+            options,
+            start_timeout_s=self.supervision.start_timeout_s,
+            closing=lambda: self._closing,
+            deliver=self._on_message,
         )
-        try:
-            conn.send(options)
-        except OSError:
-            return link.death()
-        deadline = started + self.supervision.start_timeout_s
-        while True:
-            remaining = deadline - time.monotonic()
-            if remaining <= 0 or self._closing:
-                link.kill()
-                return link.death("closing" if self._closing else "not ready in time")
-            if not conn.poll(min(remaining, 1.0)):
-                continue
-            try:
-                message = conn.recv()
-            except (EOFError, OSError):
-                return link.death()
-            if isinstance(message, Ready):
-                self.last_ready = message
-                log.info(
-                    "engine worker %d ready (pid %d): model loaded in %.2fs, canary %.2fs, "
-                    "cpu extra buffers %s",
-                    incarnation,
-                    message.pid,
-                    message.load_s,
-                    message.canary_s,
-                    "on" if message.cpu_extra_buffers else "off (safe mode)",
-                )
-                return link
 
-    def _watch(self, link: _Link) -> _Death:
-        """Deliver the worker's events (or let the event loop do it) until the worker dies,
-        or hangs and is killed."""
-        stall = self.supervision.stall_timeout_s
-        tick = min(1.0, stall / 4)
-        conn = link.conn
-        while True:
-            if link.reader is None:
-                self._hand_reading_to_loop(link)
-            if link.reader is not None:
-                if link.ended.wait(tick):
-                    return link.death()
-                if link.reader.is_closed():  # its selector went with it: read here again
-                    link.reader = None
-                    continue
-                if self._closing and link.process.poll() is not None:
-                    return link.death()  # the loop is busy closing us: nobody reads the EOF
-            elif conn.poll(tick):
-                try:
-                    message = conn.recv()
-                except (EOFError, OSError):
-                    return link.death()
-                self._progress_at = time.monotonic()
-                self._deliver_steps(message)
-                continue
-            with self._lock:
-                busy = bool(self._sequences)
-                idle_for = time.monotonic() - self._progress_at
-            if busy and idle_for > stall:
-                log.error(
-                    "engine worker %d made no step in %.1fs while it held work; killing it",
-                    link.incarnation,
-                    idle_for,
-                )
-                link.kill()
-                if link.reader is not None:
-                    link.ended.wait(10)  # the loop reads what came before the EOF
-                return link.death(f"no decode step in {idle_for:.1f}s (hung)")
+    def _stalled_for(self) -> float | None:
+        with self._lock:
+            if all(s.held is not None for s in self._sequences.values()):
+                return None  # the worker holds no work: nothing to wait for
+            return time.monotonic() - self._progress_at
 
-    def _hand_reading_to_loop(self, link: _Link) -> None:
-        loop = self._delivery_loop
-        if loop is None or loop.is_closed() or self._closing:
-            return
-        link.reader = loop
-        try:
-            loop.call_soon_threadsafe(self._start_reading, link, loop)
-        except RuntimeError:  # closed meanwhile
-            link.reader = None
+    def _decide(self, end: WorkerEnd, *, before_ready: bool) -> Action:
+        death = WorkerDeath(
+            at=time.monotonic(),
+            before_ready=before_ready,
+            in_canary=end.phase is WorkerPhase.CANARY,
+            kernel_fault=end.kernel_fault,
+        )
+        with self._lock:
+            decision = decide(self._policy, self._restart, death)
+            self._restart = decision.state
+        if decision.action is Action.SAFE_MODE and before_ready:
+            log.warning(
+                "SAFE MODE: the start-up canary crashed the engine worker (%s) with "
+                "llama.cpp's extra CPU buffers on (AMX / repacked weights, known to fault "
+                "in batched matmul on some Xeons); restarting with use_extra_bufts=False. "
+                'Set cpu_extra_buffers = "off" to skip the canary\'s retry.',
+                end.describe(),
+            )
+        elif decision.action is Action.SAFE_MODE:
+            log.warning(
+                "SAFE MODE: the engine worker faulted inside llama_decode twice in a row with "
+                "llama.cpp's extra CPU buffers on; restarting with use_extra_bufts=False"
+            )
+        return decision.action
 
-    # --- the event loop, once it reads the worker -----------------------------------------
+    def _cool_down(self) -> bool:
+        """Wait out the open breaker's cool-down, then half-open it; False when closing."""
+        with self._changed:
+            while not self._closing:
+                retry_at = self._restart.retry_at
+                left = 0.0 if retry_at is None else retry_at - time.monotonic()
+                if left <= 0:
+                    break
+                self._changed.wait(left)
+            if self._closing:
+                return False
+            self._restart = half_open(self._policy, self._restart)
+            cooldown_s = self._restart.cooldown_s
+        log.warning(
+            "engine breaker HALF-OPEN after a %gs cool-down: starting one worker; %d decode "
+            "steps close the breaker, its death opens it again for twice as long",
+            cooldown_s,
+            self._policy.probation_steps,
+        )
+        return True
 
-    def _start_reading(self, link: _Link, loop: asyncio.AbstractEventLoop) -> None:
-        if link.reader is not loop or link.ended.is_set():
-            return
-        try:
-            loop.add_reader(link.conn.fileno(), self._read_on_loop, link, link.conn.fileno())
-        except (OSError, ValueError):  # the worker is gone already
-            link.ended.set()
-
-    def _read_on_loop(self, link: _Link, fd: int) -> None:
-        # Steps are a few hundred bytes sent in one write: a readable socket holds whole ones.
-        # One message per call: the selector calls again while more are buffered, and a
-        # ``poll()`` to look first would build a selector of its own every time.
-        try:
-            message = link.conn.recv()
-            self._progress_at = time.monotonic()
-            self._deliver_steps(message, on_loop=True)
-        except (EOFError, OSError):
-            asyncio.get_running_loop().remove_reader(fd)
-            link.ended.set()
-
-    def _deliver_steps(self, message: object, *, on_loop: bool = False) -> None:
+    def _on_message(self, message: object, on_loop: bool) -> None:
+        self._progress_at = time.monotonic()
         if isinstance(message, list):  # after Ready, every message is the steps that are due
             for step in message:
                 self._deliver(step, on_loop=on_loop)
@@ -599,9 +573,8 @@ class WorkerEngine(ModelFacts):
         for event in step.events:
             with self._lock:
                 sequence = self._sequences.get(event.key)
-                if sequence is not None and isinstance(event, SequenceFinished | SequencePaused):
-                    del self._sequences[event.key]
-                    self._release(sequence)
+                if sequence is not None:
+                    self._note_locked(sequence, event)
             if isinstance(event, SequencePaused):
                 if on_loop and event.kv_file is not None:
                     # Reading MBs of KV blob is no work for the event loop. Nothing of this
@@ -622,44 +595,68 @@ class WorkerEngine(ModelFacts):
                 sequence.sink.sequence_finished(event.reason, event.completion_tokens)
             elif isinstance(event, SequenceResumed):
                 sequence.sink.sequence_resumed(event.path)
+        if stepped and self._restart.breaker is Breaker.HALF_OPEN:
+            self._on_probation()
         if stepped and self.on_step is not None:
             self.on_step(stepped, step.finished_at)
 
-    def _replace(self, link: _Link, death: _Death) -> _Link | None:
-        """A running worker ended: hand its sequences back, then start another."""
-        reason = f"{death.who} {death.describe()}"
+    def _note_locked(self, sequence: _RemoteSequence, event: object) -> None:
+        """What an event of a sequence the worker holds tells the bookkeeping (lock held)."""
+        if isinstance(event, SequenceFinished | SequencePaused):
+            del self._sequences[sequence.key]
+            self._release(sequence)
+            if isinstance(event, SequenceFinished):
+                self._poison.finished(sequence.who)
+            else:
+                self._poison.left(sequence.who)
+            self._send_released_locked()
+        elif isinstance(event, TokenGenerated):
+            if self._poison.progressed(sequence.who, len(sequence.history) + 1):
+                self._send_released_locked()  # past where the worker died: cleared
+
+    def _on_probation(self) -> None:
+        with self._lock:
+            self._restart = proven(self._restart)
+            closed = self._restart.breaker is Breaker.CLOSED
+        if closed:
+            log.warning(
+                "engine breaker CLOSED: the half-open worker made %d decode steps; restarts "
+                "count from zero again",
+                self._policy.probation_steps,
+            )
+
+    def _replace(self, link: WorkerProcess, end: WorkerEnd) -> WorkerProcess | None:
+        """A running worker ended: fail a generation it convicts, hand the others back, then
+        start another (after a cool-down, if this was a crash loop)."""
+        reason = f"{end.who} {end.describe()}"
         self.deaths.append(reason)
+        self.worker_deaths += 1
+        half_open_before = self._restart.breaker is Breaker.HALF_OPEN
+        action = self._decide(end, before_ready=False)
         with self._lock:
             self._link = None
-            victims = list(self._sequences.values())
-            self._sequences.clear()
-            self._outbox.clear()
-            self._blobs.clear()
+            victims = [s for s in self._sequences.values() if s.held is None]
             for sequence in victims:
+                del self._sequences[sequence.key]
                 self._release(sequence)
-        log.error(
-            "%s; %d generation(s) continue from their tokens after a restart", reason, len(victims)
-        )
+            self._outbox.clear()
+            self._blobs = {k: b for k, b in self._blobs.items() if k in self._sequences}
         for prefix in ("in", "out"):  # blobs the dead worker never passed on
             for orphan in self._spool.glob(f"{prefix}-{link.incarnation}-*.kv"):
                 orphan.unlink(missing_ok=True)
-        self._hand_back(victims)
-        if death.kernel_fault and self._extra_buffers:
-            self._kernel_faults_in_a_row += 1
+        if action is Action.OPEN:
+            self._open(reason, victims, after_half_open=half_open_before)
         else:
-            self._kernel_faults_in_a_row = 0
-        if (
-            self._kernel_faults_in_a_row >= 2
-            and self.supervision.cpu_extra_buffers is CpuExtraBuffers.AUTO
-        ):
-            self._extra_buffers = False
-            log.warning(
-                "SAFE MODE: the engine worker faulted inside llama_decode twice in a row with "
-                "llama.cpp's extra CPU buffers on; restarting with use_extra_bufts=False"
+            guilty = self._attribute(victims)
+            others = [s for s in victims if s not in guilty]
+            log.error(
+                "%s; %d generation(s) continue from their tokens after a restart",
+                reason,
+                len(others),
             )
-        if not self._may_restart():
-            self._fail(reason)
-            return None
+            for sequence in guilty:
+                sequence.sink.sequence_finished(FinishReason.FAILED, len(sequence.history))
+            self._hand_back(others)
         started = time.monotonic()
         new = self._bring_up()
         if new is None:
@@ -672,6 +669,42 @@ class WorkerEngine(ModelFacts):
         log.info("engine worker replaced in %.2fs", time.monotonic() - started)
         return new
 
+    def _attribute(self, victims: list[_RemoteSequence]) -> list[_RemoteSequence]:
+        """Tell the poison watch who was in the dead worker: the sequences it convicts."""
+        strikes = self.supervision.poison_strikes
+        with self._lock:
+            for sequence in victims:
+                self._names[sequence.who] = _reference(sequence.sink)
+            convicted = self._poison.worker_died(
+                {s.who: len(s.history) for s in victims if not s.cancelled}
+            )
+            for who, name in list(self._names.items()):
+                if name() is None:
+                    self._poison.forget(who)  # its sink is gone: its id may be reused
+                if name() is None or not self._poison.knows(who):
+                    del self._names[who]
+            quarantined = len(self._poison.quarantined)
+            self._send_released_locked()  # a held generation's trial may start now
+        guilty = [s for s in victims if s.who in convicted]
+        self.poisoned += len(guilty)
+        for sequence in guilty:
+            log.error(
+                "POISON: a generation (sequence %d, %d tokens) was in %d worker deaths in a "
+                "row, the last with no other suspect; it ends with engine_unavailable and is "
+                "not run again, the others resume",
+                sequence.key,
+                len(sequence.history),
+                strikes,
+            )
+        if quarantined > 1 and not guilty:
+            log.warning(
+                "%d generations were in %d worker deaths in a row together; they resume one "
+                "at a time to find the one that kills the worker",
+                quarantined,
+                strikes,
+            )
+        return guilty
+
     def _hand_back(self, sequences: list[_RemoteSequence]) -> None:
         """Tell the sinks of a dead worker's sequences: paused without KV (they will resume),
         or finished, for those that were cancelled anyway."""
@@ -682,37 +715,43 @@ class WorkerEngine(ModelFacts):
                 state = PausedState(generated=tuple(sequence.history), kv_state=None)
                 sequence.sink.sequence_paused(state)
 
-    def _may_restart(self) -> bool:
-        now = time.monotonic()
-        window = self.supervision.restart_window_s
-        while self._restart_times and self._restart_times[0] < now - window:
-            self._restart_times.popleft()
-        if len(self._restart_times) >= self.supervision.max_restarts:
-            return False
-        self._restart_times.append(now)
-        return True
-
-    def _fail(self, reason: str) -> None:
-        """Crash loop: give up; every sequence ends FAILED, new work is refused."""
+    def _open(self, reason: str, victims: list[_RemoteSequence], *, after_half_open: bool) -> None:
+        """A crash loop: the breaker is open; every sequence (``victims``, the dead worker's,
+        and those waiting) ends FAILED and new work is refused until the cool-down ends."""
         with self._lock:
-            self._failure = (
-                f"{self.supervision.max_restarts} worker restarts within "
-                f"{self.supervision.restart_window_s:.0f}s; last: {reason}"
-            )
-            victims = list(self._sequences.values())
+            if after_half_open:
+                self._crash_loop = f"the half-open breaker's worker died too: {reason}"
+            else:
+                self._crash_loop = self._crash_loop_words(reason)
+            victims = victims + list(self._sequences.values())
             self._sequences.clear()
+            self._held.clear()
             self._outbox.clear()
+            self._blobs.clear()
             for sequence in victims:
                 self._release(sequence)
+                sequence.held = None
+                self._poison.finished(sequence.who)
+            self.breaker_opens += 1
+            cooldown_s = self._restart.cooldown_s
             self._changed.notify_all()
         log.error(
-            "ENGINE FAILED: %s. Generations end with engine_unavailable (their sessions stay "
-            "resumable); new requests are refused until the server restarts.",
-            self._failure,
+            "ENGINE BREAKER OPEN: %s. %d generation(s) end with engine_unavailable (their "
+            "sessions stay resumable); new requests are refused for %gs, then one worker is "
+            "tried (half-open).",
+            self._crash_loop,
+            len(victims),
+            cooldown_s,
         )
         for sequence in victims:
             ending = FinishReason.CANCELLED if sequence.cancelled else FinishReason.FAILED
             sequence.sink.sequence_finished(ending, len(sequence.history))
+
+    def _crash_loop_words(self, reason: str) -> str:
+        return (
+            f"{self.supervision.max_restarts} worker restarts within "
+            f"{self.supervision.restart_window_s:g}s; last: {reason}"
+        )
 
 
 def _latest_allowances(batch: list[Command]) -> list[Command]:
@@ -776,3 +815,15 @@ def _writable(directory: Path) -> bool:
             return True
     except OSError:
         return False
+
+
+def _reference(sink: TokenSink) -> Callable[[], object]:
+    """A call that returns ``sink`` while it lives (None after), without keeping it alive."""
+    try:
+        return weakref.ref(sink)
+    except TypeError:  # a sink without weak references is kept until the watch forgets it
+        return lambda: sink
+
+
+def _nobody() -> None:
+    return None

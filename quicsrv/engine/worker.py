@@ -19,7 +19,10 @@ otherwise only a broken CPU or build does:
 * ``hang:N`` - the first worker (incarnation 0) hangs at its N-th decode after Ready;
 * ``decode-error:N`` - the first worker's N-th decode after Ready raises, as a failed
   ``llama_decode`` does;
-* ``decode-abort:N`` - every worker aborts (SIGABRT) at its N-th decode after Ready: a crash loop.
+* ``decode-abort:N`` - every worker aborts (SIGABRT) at its N-th decode after Ready: a crash loop;
+  ``decode-abort:N:M``: only the workers before incarnation M do (the M-th one recovers);
+* ``poison:TEXT`` - every worker aborts (SIGABRT, extra buffers on or off) at each decode while
+  it holds a sequence whose prompt contains TEXT: one request that kills whoever runs it.
 """
 
 from __future__ import annotations
@@ -153,6 +156,7 @@ class _Worker:
         # A paused sequence's KV blob (MBs) is written here, not on the decode thread.
         self._blob_writer = ThreadPoolExecutor(max_workers=1, thread_name_prefix="kv-blob")
         self._handles: dict[int, SequenceHandle] = {}
+        self._poisoned: set[int] = set()  # keys of sequences the ``poison`` fault aborts on
         self._reporting = False  # steps are reported from Ready on (the canary's are not)
 
     def serve(self) -> None:
@@ -188,6 +192,8 @@ class _Worker:
         if isinstance(command, Submit):
             request = _with_blob(command.request, command.kv_file)
             sink = _Sink(self, command.key)
+            if self._faults.poisons(engine, request.prompt_tokens):
+                self._poisoned.add(command.key)
             try:
                 self._handles[command.key] = engine.submit(request, sink)
             except EngineError as exc:  # the server checked the same limits: a bug, not a peer
@@ -228,13 +234,14 @@ class _Worker:
 
     def decode_started(self) -> None:
         self._phase.value = WorkerPhase.DECODING if self._reporting else WorkerPhase.CANARY
-        self._faults.before_decode(canary=not self._reporting)
+        self._faults.before_decode(canary=not self._reporting, poisoned=bool(self._poisoned))
 
     def decode_finished(self) -> None:
         self._phase.value = WorkerPhase.IDLE if self._reporting else WorkerPhase.CANARY
 
     def forget(self, key: int) -> None:
         self._handles.pop(key, None)
+        self._poisoned.discard(key)
 
     # --- the blob writer's thread --------------------------------------------------------
 
@@ -388,12 +395,14 @@ class _Faults:
         hang_at: int = 0,
         error_at: int = 0,
         abort_at: int = 0,
+        poison: bytes = b"",
     ) -> None:
         self._canary_crash = canary_crash
         self._crash_at = crash_at
         self._hang_at = hang_at
         self._error_at = error_at
         self._abort_at = abort_at
+        self._poison = poison
         self._decodes = 0  # since Ready
 
     @classmethod
@@ -402,6 +411,7 @@ class _Faults:
         if not spec:
             return cls()
         canary_crash, crash_at, hang_at, error_at, abort_at = False, 0, 0, 0, 0
+        poison = b""
         for item in spec.split(","):
             name, _, count = item.strip().partition(":")
             if name == "canary-crash":
@@ -413,7 +423,11 @@ class _Faults:
             elif name == "decode-error":
                 error_at = int(count)
             elif name == "decode-abort":
-                abort_at = int(count)
+                at, _, until = count.partition(":")
+                if not until or options.incarnation < int(until):
+                    abort_at = int(at)
+            elif name == "poison":
+                poison = count.encode()
             else:
                 raise ValueError(f"{FAULT_ENV}: unknown fault {name!r}")
         extra_buffers = options.settings.cpu_extra_buffers
@@ -428,9 +442,16 @@ class _Faults:
             hang_at=hang_at,
             error_at=error_at,
             abort_at=abort_at,
+            poison=poison,
         )
 
-    def before_decode(self, *, canary: bool) -> None:
+    def poisons(self, engine: LlamaEngine, prompt_tokens: tuple[int, ...]) -> bool:
+        """Whether a prompt holds the ``poison`` fault's text."""
+        if not self._poison:
+            return False
+        return self._poison in b"".join(engine.piece(t) for t in prompt_tokens)
+
+    def before_decode(self, *, canary: bool, poisoned: bool = False) -> None:
         if canary:
             if self._canary_crash:
                 os.kill(os.getpid(), signal.SIGSEGV)
@@ -439,6 +460,9 @@ class _Faults:
         if self._decodes == self._crash_at:
             os.kill(os.getpid(), signal.SIGSEGV)
         if self._decodes == self._abort_at:
+            os.abort()
+        if poisoned:
+            log.warning("test fault: a poisoned sequence is in the batch")
             os.abort()
         if self._decodes == self._hang_at:
             log.warning("test fault: hanging in decode")

@@ -6,7 +6,8 @@ import signal
 
 from quicsrv.engine import SamplingParams, SequenceRequest
 from quicsrv.engine.ipc import Allow, Cancel, Pause, Submit, WorkerPhase
-from quicsrv.engine.supervisor import _Death, _latest_allowances
+from quicsrv.engine.process import WorkerEnd
+from quicsrv.engine.supervisor import _latest_allowances
 from quicsrv.engine.worker import EXIT_ENGINE_FAILED
 
 
@@ -31,17 +32,17 @@ def test_only_the_latest_allowance_per_sequence_is_sent_in_order():
 
 
 def test_a_fault_signal_inside_llama_decode_is_a_kernel_fault():
-    death = _Death(-signal.SIGSEGV, WorkerPhase.DECODING)
+    death = WorkerEnd(-signal.SIGSEGV, WorkerPhase.DECODING)
     assert death.kernel_fault
     assert death.describe() == "died of SIGSEGV inside llama_decode"
-    assert _Death(-signal.SIGILL, WorkerPhase.CANARY).kernel_fault
+    assert WorkerEnd(-signal.SIGILL, WorkerPhase.CANARY).kernel_fault
 
 
 def test_kills_and_clean_exits_are_not_kernel_faults():
-    assert not _Death(-signal.SIGKILL, WorkerPhase.DECODING).kernel_fault
-    assert not _Death(-signal.SIGSEGV, WorkerPhase.IDLE).kernel_fault
-    failed = _Death(EXIT_ENGINE_FAILED, WorkerPhase.IDLE)
+    assert not WorkerEnd(-signal.SIGKILL, WorkerPhase.DECODING).kernel_fault
+    assert not WorkerEnd(-signal.SIGSEGV, WorkerPhase.IDLE).kernel_fault
+    failed = WorkerEnd(EXIT_ENGINE_FAILED, WorkerPhase.IDLE)
     assert not failed.kernel_fault
     assert "engine thread failed" in failed.describe()
-    hung = _Death(-signal.SIGKILL, WorkerPhase.DECODING, killed_for="no decode step in 9.0s")
+    hung = WorkerEnd(-signal.SIGKILL, WorkerPhase.DECODING, killed_for="no decode step in 9.0s")
     assert hung.describe().startswith("killed by the supervisor: no decode step")
