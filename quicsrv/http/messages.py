@@ -10,6 +10,7 @@ of the same session's frames.
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Protocol
@@ -24,6 +25,7 @@ __all__ = [
     "FrameEncoder",
     "FullResponse",
     "HttpRequest",
+    "KeepAlive",
     "Response",
     "SessionPort",
     "SessionStream",
@@ -79,29 +81,70 @@ class ByteSink(Protocol):
         """Body bytes the transport has handed on to the peer (a flow-control signal)."""
 
 
+@dataclass(frozen=True, slots=True)
+class KeepAlive:
+    """What a stream writes when it has written nothing for ``interval_s`` (an SSE comment
+    line), so that a proxy's read timeout does not cut a stream that waits for a slot or a
+    long prefill."""
+
+    data: bytes
+    interval_s: float
+
+
 class SessionPort:
     """A session's reader that writes its frames, encoded, to a transport's sink (a
-    ``sessions.session.StreamPort``)."""
+    ``sessions.session.StreamPort``), and its keep-alive while nothing else is written."""
 
-    def __init__(self, encode: FrameEncoder, sink: ByteSink) -> None:
+    def __init__(
+        self, encode: FrameEncoder, sink: ByteSink, keepalive: KeepAlive | None = None
+    ) -> None:
         self._encode = encode
         self._sink = sink
+        self._keepalive = keepalive
+        self._timer: asyncio.TimerHandle | None = None
+        self._loop = asyncio.get_running_loop()
+        self._last_write = self._loop.time()
+        if keepalive is not None and keepalive.interval_s > 0:
+            self._timer = self._loop.call_later(keepalive.interval_s, self._keep_alive)
 
     def send_frame(self, frame: quicsrv_proto.Frame, end_stream: bool) -> None:
         data = self._encode((frame,))
         if data or end_stream:
-            self._sink.write(data, end_stream)
+            self._write(data, end_stream)
 
     def send_frames(self, frames: Sequence[quicsrv_proto.Frame]) -> None:
         data = self._encode(frames)
         if data:
-            self._sink.write(data, False)
+            self._write(data, False)
 
     def sent_offset(self) -> int:
         return self._sink.sent_offset()
 
     def acked_offset(self) -> int:
         return self._sink.acked_offset()
+
+    def stop(self) -> None:
+        """No more keep-alives: the stream ended or went away."""
+        timer, self._timer = self._timer, None
+        if timer is not None:
+            timer.cancel()
+
+    def _write(self, data: bytes, end_stream: bool) -> None:
+        self._sink.write(data, end_stream)
+        if end_stream:
+            self.stop()
+        elif self._timer is not None:
+            self._last_write = self._loop.time()
+
+    def _keep_alive(self) -> None:
+        keepalive = self._keepalive
+        assert keepalive is not None
+        loop = self._loop
+        idle_s = loop.time() - self._last_write
+        if idle_s >= keepalive.interval_s:
+            self._sink.write(keepalive.data, False)
+            self._last_write, idle_s = loop.time(), 0.0
+        self._timer = loop.call_later(keepalive.interval_s - idle_s, self._keep_alive)
 
 
 class SessionStream:
@@ -123,6 +166,7 @@ class SessionStream:
         headers: tuple[tuple[bytes, bytes], ...],
         client: str,
         fresh: bool,
+        keepalive: KeepAlive | None = None,
     ) -> None:
         self.session = session
         self.content_type = content_type
@@ -131,13 +175,15 @@ class SessionStream:
         self._encode = encode
         self._client = client
         self._fresh = fresh
+        self._keepalive = keepalive
 
     def open(self, sink: ByteSink) -> SessionPort:
-        port = SessionPort(self._encode, sink)
+        port = SessionPort(self._encode, sink, self._keepalive)
         self.session.attach(port, self._from_index, self._client)
         return port
 
     def close(self, port: SessionPort, *, capture_kv: bool = True) -> None:
+        port.stop()
         self.session.detach(port, capture_kv=capture_kv)
 
     def abandon(self) -> None:

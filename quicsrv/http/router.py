@@ -48,8 +48,8 @@ from ..sessions.session import Session
 from . import native, openai_api
 from .cursor import InvalidCursor, decode_cursor
 from .errors import ApiError, Refusal, from_code, refusal_for
-from .messages import FullResponse, HttpRequest, Response, SessionStream
-from .sse import CollectingPort, SseEncoder, StreamShape
+from .messages import FullResponse, HttpRequest, KeepAlive, Response, SessionStream
+from .sse import KEEPALIVE_COMMENT, CollectingPort, SseEncoder, StreamShape
 
 __all__ = ["STARTS_COMPUTE", "PlainHandler", "Router", "request_too_large"]
 
@@ -89,6 +89,7 @@ class Router:
         model_id: str,
         accepting: Callable[[], bool],
         max_body_bytes: int,
+        sse_keepalive_s: float = 0.0,
     ) -> None:
         self._sessions = sessions
         self._api_keys = api_keys
@@ -98,6 +99,9 @@ class Router:
         self.model_id = model_id
         self._accepting = accepting
         self.max_body_bytes = max_body_bytes
+        self._sse_keepalive = (
+            KeepAlive(KEEPALIVE_COMMENT, sse_keepalive_s) if sse_keepalive_s > 0 else None
+        )
         self._created = int(time.time())
         self.refusals: Counter[ErrorCode] = Counter()
         """Requests refused with a wire code, per code (401, 429, 503, 504, ...)."""
@@ -265,7 +269,7 @@ class Router:
         )
         if completion.stream:
             encoder = SseEncoder(shape, mac_key=self._sessions.keys.current)
-            return _event_stream(session, 0, encoder, client=who.name, fresh=True)
+            return self._event_stream(session, 0, encoder, client=who.name, fresh=True)
         port = CollectingPort()
         session.attach(port, 0, who.name)
         try:
@@ -325,7 +329,7 @@ class Router:
         encoder = SseEncoder(shape, mac_key=self._sessions.keys.current, after=cursor.index)
         # Past the last token (the finishing or usage event): only the END is left to send.
         from_index = min(cursor.index + 1, len(session.record.generated))
-        return _event_stream(session, from_index, encoder, client=who.name, fresh=False)
+        return self._event_stream(session, from_index, encoder, client=who.name, fresh=False)
 
     async def _stop(self, request: HttpRequest, who: ClientId, session_id: bytes) -> FullResponse:
         end = await self._sessions.cancel_anywhere(session_id, key_id=who.key_id)
@@ -339,6 +343,24 @@ class Router:
             "completion_tokens": end.completion_tokens,
         }
         return _json(200, body)
+
+    def _event_stream(
+        self, session: Session, from_index: int, encoder: SseEncoder, *, client: str, fresh: bool
+    ) -> SessionStream:
+        """A session stream of SSE events (``text/event-stream``), kept alive while quiet."""
+        return SessionStream(
+            session=session,
+            from_index=from_index,
+            encode=encoder.encode_all,
+            content_type="text/event-stream",
+            headers=(
+                (SESSION_HEADER, session.session_id.hex().encode()),
+                (b"cache-control", b"no-cache"),
+            ),
+            client=client,
+            fresh=fresh,
+            keepalive=self._sse_keepalive,
+        )
 
     def _refused(
         self, request: HttpRequest, endpoint: str, status: int, code: str, message: str
@@ -402,21 +424,3 @@ def _json(
     status: int, body: dict[str, Any], headers: tuple[tuple[bytes, bytes], ...] = ()
 ) -> FullResponse:
     return FullResponse(status=status, body=json.dumps(body).encode(), headers=headers)
-
-
-def _event_stream(
-    session: Session, from_index: int, encoder: SseEncoder, *, client: str, fresh: bool
-) -> SessionStream:
-    """A session stream of SSE events (``text/event-stream``)."""
-    return SessionStream(
-        session=session,
-        from_index=from_index,
-        encode=encoder.encode_all,
-        content_type="text/event-stream",
-        headers=(
-            (SESSION_HEADER, session.session_id.hex().encode()),
-            (b"cache-control", b"no-cache"),
-        ),
-        client=client,
-        fresh=fresh,
-    )

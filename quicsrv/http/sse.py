@@ -9,6 +9,9 @@ stream's frames become ``text/event-stream`` events (WHATWG HTML §9.2):
   carries none: its text comes with a later one, so nothing is lost by skipping it);
 - END: the finishing chunk (index = completion tokens), the usage chunk when asked for
   (index + 1), then ``data: [DONE]`` (no id: nothing follows it);
+- nothing written for a while (``sse_keepalive_s``: in line for a slot, a long prefill): a
+  comment line (:data:`KEEPALIVE_COMMENT`, written by the transport's port), so that no proxy's
+  read timeout cuts a stream that is only waiting;
 - an ERROR frame, or an END that is not the generation's end (``superseded``, ``shutdown``):
   an ``{"error": ...}`` event without an id, then the stream closes; the client resumes from
   the last id it saw.
@@ -33,9 +36,18 @@ from . import openai_api
 from .cursor import FLAG_CHAT, FLAG_USAGE, encode_cursor
 from .errors import ApiError, from_code
 
-__all__ = ["CollectedAnswer", "CollectingPort", "SseEncoder", "StreamShape"]
+__all__ = [
+    "KEEPALIVE_COMMENT",
+    "CollectedAnswer",
+    "CollectingPort",
+    "SseEncoder",
+    "StreamShape",
+]
 
 DONE = b"data: [DONE]\n\n"
+#: Written when the stream has been quiet for a while (in line for a slot, a long prefill): a
+#: comment line, which every SSE parser skips (WHATWG HTML §9.2.6), for the proxies between.
+KEEPALIVE_COMMENT = b": keep-alive\n\n"
 # How long an SSE client waits before it resumes a stream the server ended for a restart: about
 # the time a new process takes to start (the reconnect policy of the native client backs off
 # from much less, and goes on for much longer).

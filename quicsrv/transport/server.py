@@ -108,6 +108,7 @@ class QuicServerApp:
             model_id=model_id,
             accepting=lambda: self.accepting,
             max_body_bytes=config.max_request_bytes,
+            sse_keepalive_s=config.sse_keepalive_s,
         )
 
     @property
