@@ -11,10 +11,11 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
-import ssl
 from datetime import UTC, datetime
 from enum import StrEnum
 from typing import Any
+
+from .peer_errors import PEER_ERRORS, install_filters, is_peer_error
 
 __all__ = [
     "FIELDS",
@@ -80,21 +81,22 @@ def configure_logging(log_format: str = "plain", level: int = logging.INFO) -> N
     """Send the root logger's records to stderr in ``log_format`` ("plain" or "json")."""
     logging.basicConfig(level=level, handlers=[log_handler(log_format)], force=True)
     logging.getLogger("quic").setLevel(logging.WARNING)  # aioquic logs every handshake at INFO
+    install_filters()
 
 
-# What a peer or a shutdown leaves behind in a task or transport nobody awaits any more: a
-# cancelled task of a library's (hypercorn's, cancelled at shutdown), a TLS or socket error of
-# a peer that went away. The event loop would log each with its traceback.
-_EXPECTED = (asyncio.CancelledError, ssl.SSLError, ConnectionError)
 _quiet_log = logging.getLogger("quicsrv.loop")
 
 
 def quiet_exception_handler(loop: asyncio.AbstractEventLoop, context: dict[str, Any]) -> None:
-    """The event loop's exception handler (``loop.set_exception_handler``): an expected error
-    (see ``_EXPECTED``) is one debug line without a traceback; anything else is a bug, logged
-    by asyncio's default handler with its traceback."""
+    """The event loop's exception handler (``loop.set_exception_handler``) for what a task or
+    transport nobody awaits any more leaves behind: a cancelled task (hypercorn's, cancelled at
+    shutdown) is one debug line; a peer's error (a TLS error, a reset, an exception group of
+    them) goes to :data:`~.peer_errors.PEER_ERRORS` (counted, one line now and then); anything
+    else is a bug, logged by asyncio's default handler with its traceback."""
     exc = context.get("exception")
-    if isinstance(exc, _EXPECTED):
+    if isinstance(exc, asyncio.CancelledError):
         _quiet_log.debug("%s: %r", context.get("message", "unhandled"), exc)
-        return
-    loop.default_exception_handler(context)
+    elif exc is not None and is_peer_error(exc):
+        PEER_ERRORS.report("loop", f"{context.get('message', 'unhandled')}: {exc!r}")
+    else:
+        loop.default_exception_handler(context)

@@ -23,6 +23,7 @@ from prometheus_client import CollectorRegistry, Counter, Histogram, generate_la
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
+from .peer_errors import PEER_ERRORS
 from .tracing import GenerationSpans, configured_tracer
 
 if TYPE_CHECKING:
@@ -338,6 +339,15 @@ class _StateCollector(Collector):
                 ("accepted", facts.early_resumes()),
                 ("refused", facts.early_generates_refused()),
             ],
+        )
+        yield _labelled(
+            CounterMetricFamily,
+            "quicsrv_peer_errors",
+            "Errors a peer caused (abrupt close, TLS error, protocol violation), by where they "
+            "surfaced: tcp (HTTP/1.1, HTTP/2), quic, loop; logged at most once per source and "
+            "10 s",
+            "source",
+            sorted(PEER_ERRORS.counts.items()),
         )
 
 

@@ -6,7 +6,6 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
-import ssl
 import sys
 from types import SimpleNamespace
 
@@ -207,21 +206,13 @@ def test_log_and_exporter_settings_are_checked():
     assert "opentelemetry" in sys.modules  # installed here, yet off
 
 
-@pytest.mark.parametrize(
-    "exc",
-    [
-        asyncio.CancelledError(),
-        ssl.SSLError(1, "application data after close notify"),
-        ConnectionResetError(104, "reset by peer"),
-    ],
-    ids=["cancelled", "ssl", "reset"],
-)
-def test_what_a_peer_or_a_shutdown_leaves_behind_is_no_traceback(exc, caplog):
+def test_a_cancelled_task_left_behind_is_one_debug_line(caplog):
     loop = asyncio.new_event_loop()
     try:
         with caplog.at_level(logging.DEBUG):
             quiet_exception_handler(
-                loop, {"message": "exception was never retrieved", "exception": exc}
+                loop,
+                {"message": "exception was never retrieved", "exception": asyncio.CancelledError()},
             )
     finally:
         loop.close()

@@ -56,6 +56,7 @@ from ..engine import Engine
 from ..http.router import Router
 from ..http.tcp import TcpListener, open_tcp_socket, start_tcp_listener
 from ..metrics import TransportFacts
+from ..peer_errors import install_filters
 from ..sessions.manager import HandOver, SessionManager
 from ..sessions.redis_store import connect
 from . import aioquic_internals
@@ -296,6 +297,7 @@ async def start_server(
     tickets: TicketStore | None = None,
 ) -> RunningServer:
     """Listen on ``config.host:config.port`` (port 0: an ephemeral one)."""
+    install_filters()  # a peer's errors on these listeners: counted, rarely logged
     configuration = QuicConfiguration(
         is_client=False,
         alpn_protocols=H3_ALPN,
