@@ -314,6 +314,22 @@ class _StateCollector(Collector):
         )
         restarts.add_metric([], getattr(engine, "restarts", 0))
         yield restarts
+        breaker = getattr(engine, "breaker", None)
+        if breaker is not None:  # a worker engine (engine/restarts.py, engine/suspects.py)
+            yield _gauge(
+                "quicsrv_engine_breaker_state",
+                "The worker restart breaker: 0 closed, 1 open (crash loop: new work refused), "
+                "2 half-open (one worker on probation)",
+                int(breaker),
+            )
+            for name, documentation in (
+                ("worker_deaths", "Engine worker processes that died or were killed"),
+                ("breaker_opens", "Crash loops: times the worker restart breaker opened"),
+                ("poisoned_generations", "Generations that kept killing the worker, failed alone"),
+            ):
+                counter = CounterMetricFamily(f"quicsrv_engine_{name}", documentation)
+                counter.add_metric([], getattr(engine, name, 0))
+                yield counter
         extra = getattr(engine, "cpu_extra_buffers", None)
         if extra is not None:
             yield _gauge(

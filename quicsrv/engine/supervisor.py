@@ -206,7 +206,7 @@ class WorkerEngine(ModelFacts):
         self.restarts = 0
         self.worker_deaths = 0
         self.breaker_opens = 0
-        self.poisoned = 0  # generations convicted of killing the worker, failed alone
+        self.poisoned_generations = 0  # generations convicted of killing the worker, failed alone
         self.deaths: deque[str] = deque(maxlen=100)  # why workers ended, oldest first
         self.tokens_generated_total = 0
         self.on_step: Callable[[list[int], float], None] | None = None
@@ -686,7 +686,7 @@ class WorkerEngine(ModelFacts):
             quarantined = len(self._poison.quarantined)
             self._send_released_locked()  # a held generation's trial may start now
         guilty = [s for s in victims if s.who in convicted]
-        self.poisoned += len(guilty)
+        self.poisoned_generations += len(guilty)
         for sequence in guilty:
             log.error(
                 "POISON: a generation (sequence %d, %d tokens) was in %d worker deaths in a "

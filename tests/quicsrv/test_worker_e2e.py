@@ -19,6 +19,7 @@ import pytest
 
 from quicsrv.config import engine_settings_for, supervisor_settings_for
 from quicsrv.engine import CpuExtraBuffers, EngineUnavailable
+from quicsrv.engine.restarts import Breaker
 from quicsrv.engine.supervisor import WorkerEngine
 from quicsrv.engine.worker import FAULT_ENV
 from quicsrv_client import Client, GenerationEnded, ServerError, SessionStarted, TokenReceived
@@ -217,12 +218,18 @@ async def test_two_kernel_faults_in_a_row_switch_to_safe_mode(
         await asyncio.to_thread(engine.close)
 
 
-async def test_a_crash_loop_ends_generations_with_engine_unavailable(
+async def test_a_crash_loop_ends_generations_with_engine_unavailable_and_opens_the_breaker(
     model_path, certs, tmp_path, monkeypatch
 ):
     monkeypatch.setenv(FAULT_ENV, "decode-abort:3")  # every worker aborts at its 3rd decode
+    # One generation dying at the same token every time is what a poison looks like too
+    # (test_breaker_e2e): here the strikes never convict, so the loop is the engine's.
     engine = await asyncio.to_thread(
-        _engine, model_path, cpu_extra_buffers=CpuExtraBuffers.OFF, max_restarts=2
+        _engine,
+        model_path,
+        cpu_extra_buffers=CpuExtraBuffers.OFF,
+        max_restarts=2,
+        poison_strikes=10,
     )
     try:
         async with running_server(engine, certs) as server:
@@ -241,12 +248,18 @@ async def test_a_crash_loop_ends_generations_with_engine_unavailable(
                     await client.generate_text(PROMPTS[0], max_tokens=4)
                 assert refused.value.code == ErrorCode.ENGINE_UNAVAILABLE
                 assert refused.value.http_status == 503
+                # The breaker is open: refused with a hint, until a worker is tried again.
+                hint = refused.value.retry_after_s
+                assert hint is not None and 0 < hint <= 30.0
+                not_ready = await client.get("/readyz")
+                assert not_ready.status == 503 and "the breaker is open" in not_ready.text
             # The session is not lost: its tokens so far are recorded, resumable later.
             assert session is not None
             record = server.sessions.store.get(session)
             assert record is not None and record.end is None
             assert list(record.generated) == received.ids
         assert engine.failure is not None and "restarts" in engine.failure
+        assert engine.breaker is Breaker.OPEN and engine.breaker_opens == 1
         assert len(engine.deaths) == 3
     finally:
         await asyncio.to_thread(engine.close)
