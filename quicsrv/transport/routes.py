@@ -6,7 +6,9 @@ server and any other listener serve the very same answers.
 
 - ``/healthz``: 200 while the process runs (liveness).
 - ``/readyz``: 200 when the model is loaded, the engine worker is up and healthy and the server
-  is not shutting down; else 503 with the reason (readiness, for a load balancer).
+  is not shutting down; else 503 with the reason (readiness, for a load balancer). While the
+  worker restart breaker is open (a crash loop) the reason says when a worker is tried again;
+  half-open, the server takes work and is ready.
 - ``/metrics``: the Prometheus text exposition. When API keys are configured it needs one
   (``authorization: Bearer``) unless ``metrics_public = true``; without one it answers 401.
 
