@@ -45,6 +45,9 @@ class FinishReason(StrEnum):
     SHUTDOWN = "shutdown"
     FAILED = "failed"
     """The engine failed and could not be brought back: the session stays resumable."""
+    POISONED = "poisoned"
+    """This sequence kept killing the engine worker: it was stopped alone so that the others
+    go on (the session stays resumable, but will most likely do the same again)."""
 
 
 class EngineError(Exception):

@@ -25,7 +25,7 @@ policies decide what else a death means:
 
 * :mod:`.suspects` attributes it to the generations in the batch: one that keeps killing the
   worker (``poison_strikes`` deaths in a row, the last with no other suspect) ends alone with
-  :attr:`FinishReason.FAILED` (``engine_unavailable``) and is refused from then on, while its
+  :attr:`FinishReason.POISONED` (``engine_unavailable``) and is refused from then on, while its
   neighbours resume; generations that died together too often resume one at a time to find it
   (the others' submits wait here meanwhile, in ``_held``, never in the worker);
 * :mod:`.restarts` decides restart, safe mode, give up or the breaker: more than
@@ -655,7 +655,7 @@ class WorkerEngine(ModelFacts):
                 len(others),
             )
             for sequence in guilty:
-                sequence.sink.sequence_finished(FinishReason.FAILED, len(sequence.history))
+                sequence.sink.sequence_finished(FinishReason.POISONED, len(sequence.history))
             self._hand_back(others)
         started = time.monotonic()
         new = self._bring_up()

@@ -410,6 +410,12 @@ class Session:
         if reason is FinishReason.FAILED:
             self._fail_reader("the engine failed and could not be restarted; resume later")
             return
+        if reason is FinishReason.POISONED:
+            self._fail_reader(
+                "this generation crashed the engine worker again and again: it was stopped "
+                "so that the others could go on"
+            )
+            return
         if self.finished:
             pass  # a stop sequence or a cancel ended it first; the engine's reason came late
         elif reason is FinishReason.LENGTH:
@@ -709,4 +715,5 @@ _FINISH_EVENTS = {
     FinishReason.CANCELLED: SessionEvent.ENGINE_STOPPED,
     FinishReason.SHUTDOWN: SessionEvent.ENGINE_STOPPED,
     FinishReason.FAILED: SessionEvent.ENGINE_FAILED,
+    FinishReason.POISONED: SessionEvent.ENGINE_FAILED,
 }

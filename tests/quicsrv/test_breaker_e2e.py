@@ -62,6 +62,7 @@ async def test_a_poison_generation_fails_alone_while_its_neighbours_finish_exact
     finally:
         await asyncio.to_thread(engine.close)
     assert isinstance(poisoned, ServerError) and poisoned.code == ErrorCode.ENGINE_UNAVAILABLE
+    assert "crashed the engine worker again and again" in str(poisoned)
     for got, want in zip(cut, reference, strict=True):
         assert isinstance(got, Output) and isinstance(want, Output)
         assert got.ids == want.ids  # the same tokens, nothing lost, nothing repeated
