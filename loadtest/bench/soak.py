@@ -4,12 +4,13 @@ generations with cuts, resumes and cancels?
 One ``quicsrv serve`` process (and its engine worker, its child) runs rounds of generations,
 each round the same mix (:class:`Kind`), several lanes at once: read to the end over native
 frames; cut (the connection dropped mid-generation) and resumed to the end on a new connection;
-reset mid-generation and stopped by ``DELETE /v1/streams/{id}`` (at once, racing the pause, or
-once the pause landed); an SSE stream over TCP cut and resumed by its last event id (over TCP or
-over HTTP/3); an SSE stream stopped by a DELETE while it is read. After every round the server
-is let come to rest (:func:`at_rest`: no generation, no live session, no TCP connection, no blob
-in transit, polled with a deadline, never slept on), and its census (:class:`Census`) is taken:
-open fds and threads of the server and of the worker, spool files, KV files, RSS.
+stopped by ``DELETE /v1/streams/{id}`` (at once after a stream reset; at once after a cut,
+racing a pause that captures the KV cells; after a cut, once the pause landed); an SSE stream
+over TCP cut and resumed by its last event id (over TCP or over HTTP/3); an SSE stream stopped
+by a DELETE while it is read. After every round the server is let come to rest
+(:func:`at_rest`: no generation, no live session, no TCP connection, no blob in transit, polled
+with a deadline, never slept on), and its census (:class:`Census`) is taken: open fds and
+threads of the server and of the worker, spool files, KV files, RSS.
 
 The first round warms up (thread pools, caches, the model's pages) and gives the baseline: from
 then on every count must come back to exactly the baseline's, and each process's RSS may grow by
@@ -24,7 +25,7 @@ here (``kv_memory_budget_bytes = 0``), so every pause writes a KV file and every
 must remove it; a cut generation is resumed once its pause has landed (its KV file exists), so
 each resume restores the cells and passes a blob through the worker's spool.
 
-    python -m loadtest.bench.soak --rounds 20 --per-round 20
+    python -m loadtest.bench.soak --rounds 20 --per-round 30
 """
 
 from __future__ import annotations
@@ -134,9 +135,10 @@ class Kind(enum.StrEnum):
     CUT_RESUME = "cut-resume"
     """Native: the connection dropped after a few tokens; once paused, resumed to the end."""
     CANCEL = "cancel"
-    """Native, stopped by a DELETE after a few tokens, in turn: once the stream was reset (the
-    connection stays; the pause captures no KV), at once, racing the pause; or once the
-    connection was cut and the pause landed (its KV file must go with the session)."""
+    """Native, stopped by a DELETE after a few tokens, in turn: at once after a stream reset
+    (the connection stays; the pause captures no KV cells); at once after a connection cut
+    (racing a pause that captures them); after a cut, once the pause landed (its KV file must
+    go with the session)."""
     SSE_CUT_RESUME = "sse-cut-resume"
     """SSE over TCP, dropped after a few events; resumed by Last-Event-ID over TCP or HTTP/3,
     in turn."""
@@ -147,7 +149,9 @@ class Kind(enum.StrEnum):
 @dataclass(frozen=True, slots=True, kw_only=True)
 class SoakSettings:
     max_tokens: int = 48
-    """Above cut + 32 (the allowance's bound): a cut generation pauses, it cannot finish."""
+    """Well above ``cut_after`` plus the allowance's bound (32 tokens past the acknowledged
+    ones), so a cut generation pauses before its end, as a rule: a client whose reader lags
+    has acknowledged tokens the reader never took, and then it may finish (and is not paused)."""
     cut_after: int = 3
     """Tokens (events) read before a cut, a reset or a DELETE."""
     lanes: int = 3
@@ -456,11 +460,12 @@ async def _cancel(server: ServerUnderTest, settings: SoakSettings, tally: Tally,
             if isinstance(event, TokenReceived) and event.index + 1 >= settings.cut_after:
                 break
         session_id = generation.session_id
-        if _second_variant(i):
+        variant = _variant(i, 3)
+        if variant > 0:
             await client.aclose()  # the cut: a pause that captures the KV cells
     _expect(session_id is not None, "no session id")
     assert session_id is not None
-    if _second_variant(i):
+    if variant == 2:
         await _paused(server, session_id, settings.settle_timeout_s)
     async with server.http() as http:
         stopped = await http.delete(f"/v1/streams/{session_id}")
@@ -484,7 +489,7 @@ async def _sse_cut_resume(
                     if len(ids) >= settings.cut_after:
                         break  # leaving the block unread closes the connection: a cut
     await _paused(server, session_id, settings.settle_timeout_s)
-    if _second_variant(i):
+    if _variant(i, 2):
         async with server.client() as client:  # the same cursor over HTTP/3
             answer = await client.get(
                 f"/v1/streams/{session_id}?last_event_id={ids[-1]}", timeout_s=_PATIENCE_S
@@ -561,10 +566,10 @@ def _ended(meta: Path) -> bool:
         return False
 
 
-def _second_variant(i: int) -> bool:
-    """Whether generation ``i`` of a round takes its kind's second variant (every other time
-    the kinds come round)."""
-    return (i // len(Kind)) % 2 == 1
+def _variant(i: int, variants: int) -> int:
+    """Which of its kind's ``variants`` generation ``i`` of a round is: the next one each time
+    the kinds come round."""
+    return (i // len(Kind)) % variants
 
 
 def _expect(condition: bool, what: str) -> None:
@@ -692,7 +697,7 @@ def main(argv: list[str] | None = None) -> int:
         "after round of generations with cuts, resumes and cancels",
     )
     parser.add_argument("--rounds", type=int, default=10)
-    parser.add_argument("--per-round", type=int, default=20)
+    parser.add_argument("--per-round", type=int, default=30)
     parser.add_argument("--lanes", type=int, default=_DEFAULTS.lanes)
     parser.add_argument("--max-tokens", type=int, default=_DEFAULTS.max_tokens)
     parser.add_argument("--out", type=Path, default=Path("loadtest/results"))

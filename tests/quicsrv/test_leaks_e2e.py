@@ -3,10 +3,11 @@ and its engine worker hold exactly what they held before.
 
 The machinery is ``loadtest.bench.soak`` (its longer run is ``python -m loadtest.bench.soak``):
 a server process with a data dir of its own, every paused KV blob written to a KV file (no
-memory budget), rounds that each mix every :class:`~loadtest.bench.soak.Kind` twice (read to the
-end; cut and resumed once paused, by KV restore; reset and stopped by DELETE, racing the pause
-and after it; SSE over TCP cut and resumed by Last-Event-ID over TCP and over HTTP/3; SSE
-stopped by DELETE while read).
+memory budget), rounds that each mix every :class:`~loadtest.bench.soak.Kind` three times, in
+all its variants (read to the end; cut and resumed once paused, by KV restore; stopped by
+DELETE at once after a stream reset, at once after a cut, racing a pause that captures the KV
+cells, and after a cut once the pause landed; SSE over TCP cut and resumed by Last-Event-ID over
+TCP and over HTTP/3; SSE stopped by DELETE while read).
 
 The baseline is the census after the first round, not before any: that round warms what is
 made once and kept (thread pools grown to the lanes' concurrency, llama.cpp's threads, caches),
@@ -42,7 +43,7 @@ from loadtest.bench.soak import (
 pytestmark = [pytest.mark.model, pytest.mark.asyncio]
 
 ROUNDS = 3
-PER_ROUND = 2 * len(Kind)  # each kind in both of its variants
+PER_ROUND = 3 * len(Kind)  # each kind in all of its variants
 
 
 async def test_fds_threads_spool_and_kv_files_come_back_after_cuts_resumes_and_cancels(
@@ -54,9 +55,11 @@ async def test_fds_threads_spool_and_kv_files_come_back_after_cuts_resumes_and_c
     for result in results[1:]:
         assert result.differences == [], f"round {result.round}: {result.differences}"
         assert result.census.counts() == baseline.counts()
-        assert result.kinds == {kind.value: 2 for kind in Kind}
-        # The cut generations were resumed from their KV files (the path through the spool).
-        assert result.resume_paths.get("kv-restore", 0) >= 1, result.resume_paths
+        assert result.kinds == {kind.value: 3 for kind in Kind}
+    # Cut generations were resumed from their KV files (the path through the spool). Not each
+    # of them: a client that lags (2 busy cores) acknowledges tokens its reader never took, so
+    # a generation may run to its end before the cut.
+    assert any(result.resume_paths.get("kv-restore") for result in results), results
     assert baseline.kv == () and baseline.spool == ("phase-0",)
     assert results[-1].census.sessions == ROUNDS * PER_ROUND  # kept until their TTL
     growth = rss_growth_mib(results)
