@@ -22,6 +22,7 @@ from multiprocessing.connection import Connection
 from pathlib import Path
 
 from .ipc import Ready, WorkerPhase
+from .spool import phase_path
 from .worker import EXIT_CANARY_FAILED, EXIT_ENGINE_FAILED, WorkerOptions
 
 __all__ = ["WorkerEnd", "WorkerProcess"]
@@ -112,7 +113,7 @@ class WorkerProcess:
         """Spawn a worker and wait for its Ready: the running worker, or how it ended."""
         incarnation = options.incarnation
         extra_buffers = options.settings.cpu_extra_buffers
-        phase_file = options.spool_dir / f"phase-{incarnation}"
+        phase_file = phase_path(options.spool_dir, incarnation)
         phase_file.write_bytes(bytes([WorkerPhase.LOADING]))
         ours, theirs = socket.socketpair()
         started = time.monotonic()

@@ -33,11 +33,13 @@ policies decide what else a death means:
   is refused with :class:`EngineUnavailable` and a retry hint), after ``breaker_cooldown_s``
   one worker is tried (half-open) and ``breaker_probation_steps`` decode steps close it again;
   its death doubles the cool-down. Giving up is left for a worker that never got ready once.
+  Its state at run time, and the log line of each move: :mod:`.breaker`.
 
 The start-up canary (see :mod:`.worker`) decides the safe mode: with ``cpu_extra_buffers=auto``
 a worker that dies in the canary (or of a fault signal before it is ready) with the extra
 buffers on is restarted without them, and so is one that dies of a fault signal inside
-``llama_decode`` twice in a row. One worker's start, messages and end: :mod:`.process`.
+``llama_decode`` twice in a row. One worker's start, messages and end: :mod:`.process`; the
+directory KV blobs pass through: :mod:`.spool`.
 """
 
 from __future__ import annotations
@@ -46,9 +48,7 @@ import asyncio
 import dataclasses
 import itertools
 import logging
-import shutil
 import subprocess
-import tempfile
 import threading
 import time
 import weakref
@@ -67,6 +67,7 @@ from ._api import (
     SequenceRequest,
     TokenSink,
 )
+from .breaker import RestartKeeper
 from .ipc import (
     Allow,
     Cancel,
@@ -80,21 +81,11 @@ from .ipc import (
     Stop,
     Submit,
     TokenGenerated,
-    WorkerPhase,
 )
 from .llama import EngineSettings, ModelFacts, check_admission, check_request
 from .process import WorkerEnd, WorkerProcess
-from .restarts import (
-    Action,
-    Breaker,
-    RestartPolicy,
-    RestartState,
-    WorkerDeath,
-    decide,
-    half_open,
-    proven,
-    worker_ready,
-)
+from .restarts import Action, Breaker, RestartPolicy
+from .spool import Spool, take
 from .suspects import PoisonWatch
 from .vocab import Vocabulary
 from .worker import WorkerOptions
@@ -180,7 +171,7 @@ class WorkerEngine(ModelFacts):
         self.settings = settings
         self.supervision = supervision
         self.vocabulary = Vocabulary.load(settings.model_path)
-        self._spool = Path(tempfile.mkdtemp(prefix="quicsrv-kv-", dir=_spool_parent(supervision)))
+        self._spool = Spool(supervision.spool_dir)
         self._lock = threading.Lock()
         self._changed = threading.Condition(self._lock)
         self._sequences: dict[int, _RemoteSequence] = {}
@@ -191,12 +182,12 @@ class WorkerEngine(ModelFacts):
         self._incarnations = itertools.count()
         self._admitted = 0
         self._closing = False
-        self._gave_up: str | None = None  # why no worker could ever start
-        self._crash_loop = ""  # what opened the breaker last
         self._progress_at = time.monotonic()
-        self._policy = supervision.restart_policy()
-        self._restart = RestartState(
-            extra_buffers=supervision.cpu_extra_buffers is not CpuExtraBuffers.OFF
+        self._restarts = RestartKeeper(
+            supervision.restart_policy(),
+            extra_buffers=supervision.cpu_extra_buffers is not CpuExtraBuffers.OFF,
+            budget=f"{supervision.max_restarts} worker restarts within "
+            f"{supervision.restart_window_s:g}s",
         )
         self._poison = PoisonWatch(supervision.poison_strikes)
         self._held: dict[int, _RemoteSequence] = {}  # by who: what the poison watch holds back
@@ -223,7 +214,7 @@ class WorkerEngine(ModelFacts):
         self._first_ready.wait()
         if self._link is None:
             self.close()
-            raise EngineUnavailable(f"the engine worker could not start: {self._gave_up}")
+            raise EngineUnavailable(f"the engine worker could not start: {self._restarts.gave_up}")
         self._sender.start()
 
     # --- the Engine protocol (the rest comes from ModelFacts) -----------------------------
@@ -296,7 +287,7 @@ class WorkerEngine(ModelFacts):
             self._held.clear()
         for sequence in leftovers:
             sequence.sink.sequence_finished(FinishReason.SHUTDOWN, len(sequence.history))
-        shutil.rmtree(self._spool, ignore_errors=True)
+        self._spool.remove()
         self.vocabulary.close()
 
     # --- what tests and stats read ------------------------------------------------------
@@ -309,7 +300,7 @@ class WorkerEngine(ModelFacts):
     @property
     def cpu_extra_buffers(self) -> bool:
         """Whether the running worker uses llama.cpp's extra CPU buffers (False: safe mode)."""
-        return self._restart.extra_buffers
+        return self._restarts.extra_buffers
 
     @property
     def reading_loop(self) -> asyncio.AbstractEventLoop | None:
@@ -321,29 +312,18 @@ class WorkerEngine(ModelFacts):
     def breaker(self) -> Breaker:
         """Closed (restarts within the budget), open (a crash loop: new work refused until a
         cool-down ends) or half-open (one worker on probation, work taken)."""
-        return self._restart.breaker
+        return self._restarts.breaker
 
     @property
     def retry_in_s(self) -> float | None:
         """While the breaker is open: how long until a worker is tried again."""
-        retry_at = self._restart.retry_at
-        if self._restart.breaker is not Breaker.OPEN or retry_at is None:
-            return None
-        return max(0.0, retry_at - time.monotonic())
+        return self._restarts.retry_in_s()
 
     @property
     def failure(self) -> str | None:
         """Why no work is taken now (no worker could ever start, or the breaker is open);
         None while work is taken."""
-        if self._gave_up is not None:
-            return self._gave_up
-        retry_in_s = self.retry_in_s
-        if retry_in_s is None:
-            return None
-        return (
-            f"{self._crash_loop}; the breaker is open: a new worker is tried in "
-            f"{retry_in_s:.1f}s (cool-down {self._restart.cooldown_s:g}s)"
-        )
+        return self._restarts.failure()
 
     # --- handles' commands (any thread) -------------------------------------------------
 
@@ -435,13 +415,8 @@ class WorkerEngine(ModelFacts):
     ) -> Command:
         if not isinstance(command, Submit) or command.key not in blobs:
             return command
-        path = self._spool / f"in-{link.incarnation}-{command.key}.kv"
-        try:
-            path.write_bytes(blobs[command.key])
-        except OSError as exc:  # the worker then rebuilds the cells by exact replay
-            log.warning("could not spool a KV blob (%s); the sequence will replay", exc)
-            return command
-        return dataclasses.replace(command, kv_file=str(path))
+        kv_file = self._spool.write_in(link.incarnation, command.key, blobs[command.key])
+        return command if kv_file is None else dataclasses.replace(command, kv_file=kv_file)
 
     # --- the supervisor thread ----------------------------------------------------------
 
@@ -465,13 +440,14 @@ class WorkerEngine(ModelFacts):
         """Start workers until one is ready, waiting out an open breaker's cool-down first;
         None once closing, or when no worker could ever start (``failure`` says why)."""
         while not self._closing:
-            if self._restart.breaker is Breaker.OPEN and not self._cool_down():
+            if self._restarts.breaker is Breaker.OPEN and not self._restarts.cool_down(
+                self._changed, lambda: self._closing
+            ):
                 return None
             outcome = self._spawn()
             if isinstance(outcome, WorkerProcess):
                 self.last_ready = outcome.ready
-                with self._lock:
-                    self._restart = worker_ready(self._restart)
+                self._restarts.worker_ready()
                 return outcome
             if self._closing:
                 return None
@@ -479,11 +455,10 @@ class WorkerEngine(ModelFacts):
             self.deaths.append(reason)
             self.worker_deaths += 1
             log.error("%s", reason)
-            half_open_before = self._restart.breaker is Breaker.HALF_OPEN
-            action = self._decide(outcome, before_ready=True)
+            half_open_before = self._restarts.breaker is Breaker.HALF_OPEN
+            action = self._restarts.worker_died(outcome, before_ready=True)
             if action is Action.GIVE_UP:
-                self._gave_up = self._crash_loop_words(reason)
-                log.error("ENGINE FAILED: %s. No worker could start.", self._gave_up)
+                self._restarts.give_up(reason)
                 return None
             if action is Action.OPEN:
                 self._open(reason, [], after_half_open=half_open_before)
@@ -492,12 +467,12 @@ class WorkerEngine(ModelFacts):
     def _spawn(self) -> WorkerProcess | WorkerEnd:
         settings = dataclasses.replace(
             self.settings,
-            cpu_extra_buffers=self._restart.extra_buffers,
+            cpu_extra_buffers=self._restarts.extra_buffers,
             max_queued=_ADMISSION_UNLIMITED,
         )
         options = WorkerOptions(
             settings=settings,
-            spool_dir=self._spool,
+            spool_dir=self._spool.path,
             incarnation=next(self._incarnations),
             token_coalesce_s=self.supervision.token_coalesce_s,
             log_level=logging.getLogger().getEffectiveLevel(),
@@ -515,52 +490,6 @@ class WorkerEngine(ModelFacts):
             if all(s.held is not None for s in self._sequences.values()):
                 return None  # the worker holds no work: nothing to wait for
             return time.monotonic() - self._progress_at
-
-    def _decide(self, end: WorkerEnd, *, before_ready: bool) -> Action:
-        death = WorkerDeath(
-            at=time.monotonic(),
-            before_ready=before_ready,
-            in_canary=end.phase is WorkerPhase.CANARY,
-            kernel_fault=end.kernel_fault,
-        )
-        with self._lock:
-            decision = decide(self._policy, self._restart, death)
-            self._restart = decision.state
-        if decision.action is Action.SAFE_MODE and before_ready:
-            log.warning(
-                "SAFE MODE: the start-up canary crashed the engine worker (%s) with "
-                "llama.cpp's extra CPU buffers on (AMX / repacked weights, known to fault "
-                "in batched matmul on some Xeons); restarting with use_extra_bufts=False. "
-                'Set cpu_extra_buffers = "off" to skip the canary\'s retry.',
-                end.describe(),
-            )
-        elif decision.action is Action.SAFE_MODE:
-            log.warning(
-                "SAFE MODE: the engine worker faulted inside llama_decode twice in a row with "
-                "llama.cpp's extra CPU buffers on; restarting with use_extra_bufts=False"
-            )
-        return decision.action
-
-    def _cool_down(self) -> bool:
-        """Wait out the open breaker's cool-down, then half-open it; False when closing."""
-        with self._changed:
-            while not self._closing:
-                retry_at = self._restart.retry_at
-                left = 0.0 if retry_at is None else retry_at - time.monotonic()
-                if left <= 0:
-                    break
-                self._changed.wait(left)
-            if self._closing:
-                return False
-            self._restart = half_open(self._policy, self._restart)
-            cooldown_s = self._restart.cooldown_s
-        log.warning(
-            "engine breaker HALF-OPEN after a %gs cool-down: starting one worker; %d decode "
-            "steps close the breaker, its death opens it again for twice as long",
-            cooldown_s,
-            self._policy.probation_steps,
-        )
-        return True
 
     def _on_message(self, message: object, on_loop: bool) -> None:
         self._progress_at = time.monotonic()
@@ -595,8 +524,8 @@ class WorkerEngine(ModelFacts):
                 sequence.sink.sequence_finished(event.reason, event.completion_tokens)
             elif isinstance(event, SequenceResumed):
                 sequence.sink.sequence_resumed(event.path)
-        if stepped and self._restart.breaker is Breaker.HALF_OPEN:
-            self._on_probation()
+        if stepped:
+            self._restarts.stepped()
         if stepped and self.on_step is not None:
             self.on_step(stepped, step.finished_at)
 
@@ -614,25 +543,14 @@ class WorkerEngine(ModelFacts):
             if self._poison.progressed(sequence.who, len(sequence.history) + 1):
                 self._send_released_locked()  # past where the worker died: cleared
 
-    def _on_probation(self) -> None:
-        with self._lock:
-            self._restart = proven(self._restart)
-            closed = self._restart.breaker is Breaker.CLOSED
-        if closed:
-            log.warning(
-                "engine breaker CLOSED: the half-open worker made %d decode steps; restarts "
-                "count from zero again",
-                self._policy.probation_steps,
-            )
-
     def _replace(self, link: WorkerProcess, end: WorkerEnd) -> WorkerProcess | None:
         """A running worker ended: fail a generation it convicts, hand the others back, then
         start another (after a cool-down, if this was a crash loop)."""
         reason = f"{end.who} {end.describe()}"
         self.deaths.append(reason)
         self.worker_deaths += 1
-        half_open_before = self._restart.breaker is Breaker.HALF_OPEN
-        action = self._decide(end, before_ready=False)
+        half_open_before = self._restarts.breaker is Breaker.HALF_OPEN
+        action = self._restarts.worker_died(end, before_ready=False)
         with self._lock:
             self._link = None
             victims = [s for s in self._sequences.values() if s.held is None]
@@ -641,9 +559,7 @@ class WorkerEngine(ModelFacts):
                 self._release(sequence)
             self._outbox.clear()
             self._blobs = {k: b for k, b in self._blobs.items() if k in self._sequences}
-        for prefix in ("in", "out"):  # blobs the dead worker never passed on
-            for orphan in self._spool.glob(f"{prefix}-{link.incarnation}-*.kv"):
-                orphan.unlink(missing_ok=True)
+        self._spool.discard(link.incarnation)  # blobs the dead worker never passed on
         if action is Action.OPEN:
             self._open(reason, victims, after_half_open=half_open_before)
         else:
@@ -718,11 +634,8 @@ class WorkerEngine(ModelFacts):
     def _open(self, reason: str, victims: list[_RemoteSequence], *, after_half_open: bool) -> None:
         """A crash loop: the breaker is open; every sequence (``victims``, the dead worker's,
         and those waiting) ends FAILED and new work is refused until the cool-down ends."""
+        crash_loop = self._restarts.opened(reason, after_half_open=after_half_open)
         with self._lock:
-            if after_half_open:
-                self._crash_loop = f"the half-open breaker's worker died too: {reason}"
-            else:
-                self._crash_loop = self._crash_loop_words(reason)
             victims = victims + list(self._sequences.values())
             self._sequences.clear()
             self._held.clear()
@@ -733,25 +646,18 @@ class WorkerEngine(ModelFacts):
                 sequence.held = None
                 self._poison.finished(sequence.who)
             self.breaker_opens += 1
-            cooldown_s = self._restart.cooldown_s
             self._changed.notify_all()
         log.error(
             "ENGINE BREAKER OPEN: %s. %d generation(s) end with engine_unavailable (their "
             "sessions stay resumable); new requests are refused for %gs, then one worker is "
             "tried (half-open).",
-            self._crash_loop,
+            crash_loop,
             len(victims),
-            cooldown_s,
+            self._restarts.cooldown_s,
         )
         for sequence in victims:
             ending = FinishReason.CANCELLED if sequence.cancelled else FinishReason.FAILED
             sequence.sink.sequence_finished(ending, len(sequence.history))
-
-    def _crash_loop_words(self, reason: str) -> str:
-        return (
-            f"{self.supervision.max_restarts} worker restarts within "
-            f"{self.supervision.restart_window_s:g}s; last: {reason}"
-        )
 
 
 def _latest_allowances(batch: list[Command]) -> list[Command]:
@@ -783,38 +689,9 @@ def probe_cpu_extra_buffers(settings: EngineSettings, supervision: SupervisorSet
 
 
 def _deliver_pause(sequence: _RemoteSequence | None, event: SequencePaused) -> None:
-    kv = _take_blob(event.kv_file)
+    kv = take(event.kv_file)
     if sequence is not None:
         sequence.sink.sequence_paused(PausedState(generated=event.generated, kv_state=kv))
-
-
-def _take_blob(kv_file: str | None) -> bytes | None:
-    if kv_file is None:
-        return None
-    path = Path(kv_file)
-    try:
-        return path.read_bytes()
-    except OSError as exc:  # the session then resumes by exact replay
-        log.warning("KV blob %s unreadable: %s", kv_file, exc)
-        return None
-    finally:
-        path.unlink(missing_ok=True)
-
-
-def _spool_parent(supervision: SupervisorSettings) -> str | None:
-    if supervision.spool_dir is not None:
-        supervision.spool_dir.mkdir(parents=True, exist_ok=True)
-        return str(supervision.spool_dir)
-    shm = Path("/dev/shm")
-    return str(shm) if shm.is_dir() and _writable(shm) else None
-
-
-def _writable(directory: Path) -> bool:
-    try:
-        with tempfile.TemporaryFile(dir=directory):
-            return True
-    except OSError:
-        return False
 
 
 def _reference(sink: TokenSink) -> Callable[[], object]:

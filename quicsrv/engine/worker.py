@@ -73,6 +73,7 @@ from .ipc import (
     WorkerPhase,
 )
 from .llama import EngineObserver, EngineSettings, LlamaEngine
+from .spool import out_path
 
 __all__ = ["EXIT_CANARY_FAILED", "EXIT_ENGINE_FAILED", "WorkerOptions", "main", "run_worker"]
 
@@ -246,9 +247,7 @@ class _Worker:
     # --- the blob writer's thread --------------------------------------------------------
 
     def _pass_blob_on(self, key: int, generated: tuple[int, ...], blob: bytes) -> None:
-        path = (
-            self._options.spool_dir / f"out-{self._options.incarnation}-{key}-{len(generated)}.kv"
-        )
+        path = out_path(self._options.spool_dir, self._options.incarnation, key, len(generated))
         kv_file: str | None = str(path)
         try:
             path.write_bytes(blob)
