@@ -52,6 +52,7 @@ from typing import Any
 import cbor2
 import httpx
 
+from loadtest.bench.machine import CpuMeter
 from quicsrv.devcerts import DevCertPaths, ensure_dev_certs
 from quicsrv.spawn import spawn_server_async
 from quicsrv_client import Client, GenerationEnded, SessionStarted, TokenReceived
@@ -604,6 +605,8 @@ class RoundResult:
     census: Census
     settle_s: float
     run_s: float
+    others_cpu: float
+    """Other processes' share of the machine while the round ran (0: none, 1: every core)."""
     tokens: int
     kinds: dict[str, int]
     resume_paths: dict[str, int]
@@ -614,7 +617,8 @@ class RoundResult:
         verdict = "baseline" if self.round == 1 else ("same" if not self.differences else "DIFF")
         return (
             f"round {self.round}: {self.census.describe()} | {self.tokens} tokens in "
-            f"{self.run_s:.1f} s, resumes: {paths}; at rest in {self.settle_s:.2f} s: {verdict}"
+            f"{self.run_s:.1f} s (others' CPU {self.others_cpu:.0%}), resumes: {paths}; at rest "
+            f"in {self.settle_s:.2f} s: {verdict}"
         )
 
 
@@ -661,8 +665,10 @@ async def soak(
     baseline: Census | None = None
     for number in range(1, rounds + 1):
         started = time.monotonic()
+        others = CpuMeter([os.getpid(), server.pid])
         tally = await run_round(server, settings, per_round)
         run_s = time.monotonic() - started
+        others_cpu = others.stop()
         census, settle_s = await settle(server, settings.settle_timeout_s, baseline)
         differences = [] if baseline is None else census.differences(baseline)
         baseline = baseline or census
@@ -671,6 +677,7 @@ async def soak(
             census=census,
             settle_s=settle_s,
             run_s=run_s,
+            others_cpu=others_cpu,
             tokens=tally.tokens,
             kinds=dict(tally.kinds),
             resume_paths=dict(tally.resume_paths),
