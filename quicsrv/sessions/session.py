@@ -431,6 +431,10 @@ class Session:
         self._transition(SessionEvent.ENGINE_PAUSED)
         self._handle = None
         self._release_slot()
+        if self.finished:
+            # A pause that crossed the end (a stop, a cancel): its cells, stored on the engine
+            # thread after the end discarded the session's, are of no use to anyone.
+            self._kv.discard(self.session_id)
         self.pauses += 1
         self.paused.set()
         self._trace.paused()

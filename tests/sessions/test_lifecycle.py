@@ -480,6 +480,11 @@ class SessionLifecycleMachine(RuleBasedStateMachine):
         assert self.session.handed_over == self.stale == (self.session.state in STALE)
 
     @invariant()
+    def an_ended_session_keeps_no_kv_cells(self) -> None:
+        if self.record.end is not None and not self.stale:
+            assert self.manager.kv.usage().memory_blobs + self.manager.kv.usage().disk_blobs == 0
+
+    @invariant()
     def at_most_one_reader_is_attached(self) -> None:
         open_readers = [reader for reader in self.readers if reader.open]
         assert len(open_readers) <= 1
@@ -543,6 +548,7 @@ def _check_invariants(machine: SessionLifecycleMachine) -> None:
     machine.a_start_waits_for_a_slot_exactly_while_the_state_says_so()
     machine.a_session_is_idle_exactly_when_nobody_reads_and_nothing_runs()
     machine.the_state_agrees_with_the_record()
+    machine.an_ended_session_keeps_no_kv_cells()
     machine.at_most_one_reader_is_attached()
     machine.readers_get_each_token_once_in_order_and_as_recorded()
     machine.the_log_only_grows_and_an_ended_session_never_generates_again()
