@@ -11,11 +11,15 @@ memory), and only their names go over the worker's socket. Every name is made he
   that its death can be told apart (in the canary, inside ``llama_decode``...).
 
 A dead worker's files are removed with :meth:`Spool.discard`, the directory with the engine.
+The directory's name carries the server's pid, so that a server killed before it could remove
+its own (``kill -9``, an OOM kill) has it removed by the next one that starts beside it.
 """
 
 from __future__ import annotations
 
 import logging
+import os
+import re
 import shutil
 import tempfile
 from pathlib import Path
@@ -24,13 +28,18 @@ __all__ = ["Spool", "in_path", "out_path", "phase_path", "take"]
 
 log = logging.getLogger("quicsrv.engine")
 
+_PREFIX = "quicsrv-kv-"
+_OWNED = re.compile(rf"{_PREFIX}(\d+)-")
+
 
 class Spool:
     """A fresh directory under ``parent`` (None: ``/dev/shm`` where writable, else the
     system's temporary directory), removed by :meth:`remove`."""
 
     def __init__(self, parent: Path | None) -> None:
-        self.path = Path(tempfile.mkdtemp(prefix="quicsrv-kv-", dir=_parent(parent)))
+        directory = _parent(parent)
+        _remove_orphans(Path(directory) if directory is not None else Path(tempfile.gettempdir()))
+        self.path = Path(tempfile.mkdtemp(prefix=f"{_PREFIX}{os.getpid()}-", dir=directory))
 
     def write_in(self, incarnation: int, key: int, blob: bytes) -> str | None:
         """Hand a resumed sequence's KV blob to worker ``incarnation``: the file's name, or
@@ -81,6 +90,30 @@ def take(kv_file: str | None) -> bytes | None:
         return None
     finally:
         path.unlink(missing_ok=True)
+
+
+def _remove_orphans(parent: Path) -> None:
+    """Remove the spool directories under ``parent`` whose server is gone."""
+    try:
+        entries = list(parent.iterdir())
+    except OSError:
+        return
+    for entry in entries:
+        owner = _OWNED.match(entry.name)
+        if owner is None or _alive(int(owner.group(1))):
+            continue
+        shutil.rmtree(entry, ignore_errors=True)
+        log.info("removed %s: its server (pid %s) is gone", entry, owner.group(1))
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True  # someone else's
+    return True
 
 
 def _parent(parent: Path | None) -> str | None:
