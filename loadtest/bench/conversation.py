@@ -4,10 +4,11 @@ this machine's Python with a perfect prefix cache by hand (issue 30, part 5).
 
 Each turn adds ~``--user-tokens`` tokens of user text; the history sent is every earlier user
 message and the answer that system itself gave (greedy, ``max_tokens`` fixed, end-of-generation
-ignored, so every answer has the same length). One client harness (httpx over HTTP/1.1,
-``POST /v1/chat/completions`` with ``stream: true``) times request sent → first chunk with
-content, against each server in turn, never two model servers at once; every conversation gets
-a fresh server, so nothing cached by an earlier one helps it::
+ignored, so every answer has the same length). One client harness (httpx over HTTP/1.1: one
+connection for quicsrv's conversation, one per request for llama-server's, which drops a
+connection after a stream; ``POST /v1/chat/completions`` with ``stream: true``) times request
+sent → first chunk with content, against each server in turn, never two model servers at
+once; every conversation gets a fresh server, so nothing cached by an earlier one helps it::
 
     .venv/bin/python -m loadtest.bench.conversation [--turns 8] [--user-tokens 150]
         [--max-tokens 64] [--repeats 1] [--llama-server PATH|auto|none]
@@ -68,6 +69,10 @@ class _Endpoint:
     verify: str | bool
     extra: dict[str, Any]
     """quicsrv refuses fields it does not act on (``cache_prompt``); llama-server needs it."""
+    keep_alive: bool = True
+    """False: a new connection per request. llama-server answers ``Keep-Alive`` but drops the
+    connection after a streamed response, and the next request on it fails (measured: "Server
+    disconnected without sending a response"); a loopback TCP connect costs ~0.1 ms."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -132,8 +137,12 @@ async def _converse_http(
 ) -> list[TurnResult]:
     """The conversation over one keep-alive HTTP/1.1 connection, after a short warm-up."""
     results: list[TurnResult] = []
+    limits = httpx.Limits(max_keepalive_connections=None if endpoint.keep_alive else 0)
     async with httpx.AsyncClient(
-        base_url=endpoint.base_url, verify=endpoint.verify, timeout=REQUEST_TIMEOUT_S
+        base_url=endpoint.base_url,
+        verify=endpoint.verify,
+        timeout=REQUEST_TIMEOUT_S,
+        limits=limits,
     ) as http:
         warm_up = [{"role": "user", "content": "Say hello."}]
         await _ask(http, _body(warm_up, 8, endpoint.extra))
@@ -188,7 +197,10 @@ async def _llama_server(
 ) -> list[TurnResult]:
     async with llama_server(binary, settings, logs / f"llama-server-{r}.log") as child:
         endpoint = _Endpoint(
-            base_url=f"http://127.0.0.1:{child.port}", verify=False, extra={"cache_prompt": True}
+            base_url=f"http://127.0.0.1:{child.port}",
+            verify=False,
+            extra={"cache_prompt": True},
+            keep_alive=False,
         )
         meter = CpuMeter([child.pid])
         results = await _converse_http(endpoint, LLAMA_SERVER, users, args.max_tokens, r)

@@ -1,6 +1,6 @@
 """llama.cpp's C++ ``llama-server`` (built by :mod:`loadtest.bench.llama_server_build`) as a
 child process, set up like quicsrv: same model, threads, batch, slots of the same context, flash
-attention as given, a split KV cache.
+attention as given, a split KV cache, the extra CPU buffers as quicsrv's canary decided.
 
 It prints ``listening on http://HOST:PORT`` once its model is loaded, so with ``--port 0`` that
 line gives both the port and the readiness.
@@ -52,6 +52,9 @@ def llama_server_argv(binary: Path, settings: ServerSettings) -> list[str]:
         "--kv-unified" if settings.kv_unified else "--no-kv-unified",
         "--cache-prompt",
         "--no-webui",
+        # quicsrv's canary found llama.cpp's extra CPU buffers (AMX, repacked weights) crash
+        # here: llama-server's name for turning them off.
+        *([] if settings.cpu_extra_buffers else ["--no-repack"]),
     ]
 
 
