@@ -33,6 +33,8 @@ from pathlib import Path
 from typing import Any, TypeVar
 
 from loadtest.bench.engine import ENGINE, measure_engine
+from loadtest.bench.llama_server import llama_server, llama_server_argv
+from loadtest.bench.llama_server_build import find_llama_server
 from loadtest.bench.load import run_quicsrv_load, run_sse_load
 from loadtest.bench.machine import CpuMeter, Quiet, process_cpu_s
 from loadtest.bench.raw import BEST_VARIANT, RawResult, end_of_generation_tokens, measure_raw
@@ -51,6 +53,7 @@ from quicsrv.engine import default_model_path
 DESCRIPTION = "Side-by-side benchmark: raw llama.cpp, quicsrv over QUIC, llama-cpp-python server."
 LLAMA_SERVER = "llama-cpp-python server"
 LLAMA_SERVER_QUEUED = "llama-cpp-python server (queued)"
+LLAMA_CPP_SERVER = "llama-server (llama.cpp)"
 WARMUP_TOKENS = 8
 
 _Driver = Callable[[int, int, float], Awaitable[tuple[float, list[StreamResult]]]]
@@ -92,6 +95,13 @@ def _parser() -> argparse.ArgumentParser:
         default="both",
         help="llama-cpp-python server variants: its default (interrupt_requests=True), "
         "queued (interrupt_requests=False), both, or none",
+    )
+    parser.add_argument(
+        "--llama-cpp-server",
+        default="auto",
+        metavar="PATH|auto|none",
+        help="llama.cpp's C++ llama-server too: auto (default) runs the cached build of "
+        "`python -m loadtest.bench.llama_server_build` if there is one",
     )
     parser.add_argument("--parallel", type=int, default=8, help="quicsrv sequences per step")
     parser.add_argument("--threads", type=int, default=2, help="llama.cpp threads (all)")
@@ -260,6 +270,7 @@ async def _measure_servers(
     logs: Path,
     eog: list[int],
     paired_raw: list[RawResult],
+    llama_cpp_binary: Path | None,
 ) -> list[LoadResult]:
     """Every server; quicsrv's runs each get a raw run beside them (into ``paired_raw``)."""
     # SIGTERM cancels this task, so the servers it started are stopped on the way out.
@@ -342,7 +353,42 @@ async def _measure_servers(
                 )
 
             results += await _measure_server(name, http.pid, drive_sse, plan)
+    if llama_cpp_binary is not None:
+        log = logs / "llama-server.log"
+        _log(f"{LLAMA_CPP_SERVER} over SSE (log: {log})")
+        async with llama_server(llama_cpp_binary, settings, log) as http:
+
+            async def drive_llama_server(
+                streams: int, max_tokens: int, timeout_s: float, port: int = http.port
+            ) -> tuple[float, list[StreamResult]]:
+                return await run_sse_load(
+                    port,
+                    streams=streams,
+                    max_tokens=max_tokens,
+                    timeout_s=timeout_s,
+                    suppressed_tokens=eog,
+                )
+
+            results += await _measure_server(LLAMA_CPP_SERVER, http.pid, drive_llama_server, plan)
     return results
+
+
+def _llama_cpp_server_binary(choice: str) -> Path | None:
+    """llama.cpp's llama-server to measure: a path, the cached build (auto), or none."""
+    if choice == "none":
+        return None
+    found = find_llama_server() if choice == "auto" else Path(choice)
+    if found is None or not found.is_file():
+        _log(
+            f"{LLAMA_CPP_SERVER} skipped: "
+            + (
+                "no build (python -m loadtest.bench.llama_server_build)"
+                if found is None
+                else f"{found} not found"
+            )
+        )
+        return None
+    return found
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -409,9 +455,12 @@ def main(argv: list[str] | None = None) -> int:
             f"others' CPU {result.others_cpu_share:.0%}"
         )
     eog = end_of_generation_tokens(settings)
+    llama_cpp_binary = _llama_cpp_server_binary(args.llama_cpp_server)
     paired_raw: list[RawResult] = []
     try:
-        all_loads += asyncio.run(_measure_servers(settings, plan, args, logs, eog, paired_raw))
+        all_loads += asyncio.run(
+            _measure_servers(settings, plan, args, logs, eog, paired_raw, llama_cpp_binary)
+        )
     except (KeyboardInterrupt, asyncio.CancelledError):
         _log("interrupted: servers stopped, nothing written")
         return 130
@@ -438,6 +487,9 @@ def main(argv: list[str] | None = None) -> int:
         "loadavg_end": os.getloadavg()[0],
         "commit": _commit(),
         "llama_cpp_server_argv": llama_cpp_server_argv(settings, interrupt_requests=True)[1:],
+        "llama_server_argv": (
+            None if llama_cpp_binary is None else llama_server_argv(llama_cpp_binary, settings)
+        ),
         "end_of_generation_tokens": eog,
         "notes": [
             "quicsrv: all streams of a load share one QUIC connection (project client); "
