@@ -172,6 +172,23 @@ class Plan:
     """Called before every run: waits (bounded) until other processes leave the machine."""
 
 
+def _sse_driver(port: int, suppressed_tokens: list[int]) -> _Driver:
+    """Load an OpenAI-compatible server on ``port`` over SSE (end tokens biased away)."""
+
+    async def drive(
+        streams: int, max_tokens: int, timeout_s: float
+    ) -> tuple[float, list[StreamResult]]:
+        return await run_sse_load(
+            port,
+            streams=streams,
+            max_tokens=max_tokens,
+            timeout_s=timeout_s,
+            suppressed_tokens=suppressed_tokens,
+        )
+
+    return drive
+
+
 async def _measure_server(target: str, pid: int, drive: _Driver, plan: Plan) -> list[LoadResult]:
     """Warm up with one short stream, then every load ``plan.repeats`` times."""
     return await _measure_interleaved([(target, pid, drive)], plan)
@@ -340,36 +357,14 @@ async def _measure_servers(
         log = logs / f"llama_cpp_server-interrupt_{interrupt}.log"
         _log(f"{name} over SSE (log: {log})")
         async with llama_cpp_server(settings, log, interrupt_requests=interrupt) as http:
-
-            async def drive_sse(
-                streams: int, max_tokens: int, timeout_s: float, port: int = http.port
-            ) -> tuple[float, list[StreamResult]]:
-                return await run_sse_load(
-                    port,
-                    streams=streams,
-                    max_tokens=max_tokens,
-                    timeout_s=timeout_s,
-                    suppressed_tokens=eog,
-                )
-
-            results += await _measure_server(name, http.pid, drive_sse, plan)
+            drive = _sse_driver(http.port, eog)
+            results += await _measure_server(name, http.pid, drive, plan)
     if llama_cpp_binary is not None:
         log = logs / "llama-server.log"
         _log(f"{LLAMA_CPP_SERVER} over SSE (log: {log})")
         async with llama_server(llama_cpp_binary, settings, log) as http:
-
-            async def drive_llama_server(
-                streams: int, max_tokens: int, timeout_s: float, port: int = http.port
-            ) -> tuple[float, list[StreamResult]]:
-                return await run_sse_load(
-                    port,
-                    streams=streams,
-                    max_tokens=max_tokens,
-                    timeout_s=timeout_s,
-                    suppressed_tokens=eog,
-                )
-
-            results += await _measure_server(LLAMA_CPP_SERVER, http.pid, drive_llama_server, plan)
+            drive = _sse_driver(http.port, eog)
+            results += await _measure_server(LLAMA_CPP_SERVER, http.pid, drive, plan)
     return results
 
 

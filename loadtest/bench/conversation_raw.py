@@ -15,20 +15,18 @@ goes on; its piece is empty text).
 
 from __future__ import annotations
 
-import ctypes
 import os
 import time
 from collections.abc import Sequence
 from dataclasses import replace
 
 import llama_cpp
-import numpy as np
 
 from loadtest.bench.conversation_report import RAW_COLD, RAW_INCREMENTAL, TurnResult
 from loadtest.bench.conversation_script import common_prefix, history
 from loadtest.bench.machine import CpuMeter
+from loadtest.bench.raw import _RawEngine
 from loadtest.bench.servers import ServerSettings
-from quicsrv.engine.llama import open_context
 from quicsrv.engine.vocab import Vocabulary
 
 __all__ = ["converse_raw"]
@@ -38,20 +36,9 @@ _COLD = 1
 _WARM_UP = 2
 
 
-class _Context:
-    """One llama.cpp context: prefill a run of tokens into a sequence, decode one, argmax."""
-
-    def __init__(self, settings: ServerSettings) -> None:
-        self.model, self.context = open_context(settings.engine_settings())
-        self.memory = llama_cpp.llama_get_memory(self.context.ctx)
-        self.n_batch = settings.n_batch
-        self.batch = llama_cpp.llama_batch_init(settings.n_batch, 0, 1)
-        self.n_vocab = self.model.n_vocab()
-
-    def close(self) -> None:
-        llama_cpp.llama_batch_free(self.batch)
-        self.context.close()  # type: ignore[no-untyped-call]
-        self.model.close()  # type: ignore[no-untyped-call]
+class _Context(_RawEngine):
+    """The raw loop's context (:class:`~loadtest.bench.raw._RawEngine`), able to prefill a
+    run of tokens into one sequence from any position and to drop a sequence's cells."""
 
     def drop(self, seq_id: int, from_position: int = 0) -> None:
         """Forget ``seq_id``'s cells from ``from_position`` on."""
@@ -75,13 +62,6 @@ class _Context:
             if status != 0:
                 raise RuntimeError(f"llama_decode failed with status {status}")
         return self._argmax(self.batch.n_tokens - 1)
-
-    def _argmax(self, index: int) -> int:
-        pointer = llama_cpp.llama_get_logits_ith(self.context.ctx, index)
-        logits = np.ctypeslib.as_array(
-            ctypes.cast(pointer, ctypes.POINTER(ctypes.c_float)), shape=(self.n_vocab,)
-        )
-        return int(np.argmax(logits))
 
 
 def _answer_text(vocabulary: Vocabulary, tokens: Sequence[int]) -> str:

@@ -34,9 +34,10 @@ from pathlib import Path
 import llama_cpp
 import numpy as np
 
+from loadtest.bench.conversation_script import common_prefix
+from loadtest.bench.raw import _RawEngine
 from loadtest.bench.servers import ServerSettings
 from quicsrv.engine import default_model_path
-from quicsrv.engine.llama import open_context
 from quicsrv.engine.vocab import Vocabulary
 
 __all__ = ["main"]
@@ -66,23 +67,19 @@ class TurnResult:
     replay_exact: bool
 
 
-class _Probe:
+class _Probe(_RawEngine):
+    """The raw loop's context (one sequence) and the model's vocabulary."""
+
     def __init__(self, model_path: Path, answer_tokens: int) -> None:
-        settings = ServerSettings(model_path=model_path, parallel=1)
-        self.model, self.context = open_context(settings.engine_settings())
-        self.memory = llama_cpp.llama_get_memory(self.context.ctx)
-        self.batch = llama_cpp.llama_batch_init(512, 0, 1)
-        self.n_vocab = self.model.n_vocab()
+        super().__init__(ServerSettings(model_path=model_path, parallel=1))
         self.vocabulary = Vocabulary.load(model_path)
         self.answer_tokens = answer_tokens
 
     def close(self) -> None:
-        llama_cpp.llama_batch_free(self.batch)
-        self.context.close()  # type: ignore[no-untyped-call]
-        self.model.close()  # type: ignore[no-untyped-call]
+        super().close()
         self.vocabulary.close()
 
-    def _decode(self, tokens: list[int], start: int) -> np.ndarray:
+    def _decode_run(self, tokens: list[int], start: int) -> np.ndarray:
         """Decode ``tokens`` at positions from ``start`` in one batch; the last one's logits."""
         batch = self.batch
         for i, token in enumerate(tokens):
@@ -104,7 +101,7 @@ class _Probe:
         """Cells for ``tokens[start:]``, in chunks from ``start``: the last logits."""
         logits = None
         for at in range(start, len(tokens), CHUNK):
-            logits = self._decode(tokens[at : at + CHUNK], at)
+            logits = self._decode_run(tokens[at : at + CHUNK], at)
         assert logits is not None
         return logits
 
@@ -115,12 +112,12 @@ class _Probe:
             token = int(np.argmax(seen[-1]))
             tokens.append(token)
             if i + 1 < self.answer_tokens:
-                seen.append(self._decode([token], position + i))
+                seen.append(self._decode_run([token], position + i))
         return tokens, seen
 
     def feed(self, tokens: list[int], position: int) -> list[np.ndarray]:
         """Decode given tokens one by one (a replay of an answer): their logits."""
-        return [self._decode([token], position + i) for i, token in enumerate(tokens[:-1])]
+        return [self._decode_run([token], position + i) for i, token in enumerate(tokens[:-1])]
 
     def clear(self) -> None:
         llama_cpp.llama_memory_clear(self.memory, True)
@@ -128,15 +125,6 @@ class _Probe:
     def keep(self, n_tokens: int) -> None:
         if not llama_cpp.llama_memory_seq_rm(self.memory, 0, n_tokens, -1):
             raise RuntimeError("llama_memory_seq_rm refused a partial removal")
-
-
-def _common_prefix(a: list[int], b: list[int]) -> int:
-    n = 0
-    for x, y in zip(a, b, strict=False):
-        if x != y:
-            break
-        n += 1
-    return n
 
 
 def _user_text(conversation: int, turn: int) -> str:
@@ -158,7 +146,7 @@ def _conversation(probe: _Probe, index: int, turns: int) -> list[TurnResult]:
     for turn in range(turns):
         messages.append({"role": "user", "content": _user_text(index, turn)})
         prompt = probe.vocabulary.tokenize(probe.vocabulary.render_chat(messages), add_special=True)
-        reused = _common_prefix(kept, prompt) if kept else 0
+        reused = common_prefix(kept, prompt) if kept else 0
         reused = min(reused, len(prompt) - 1)  # the last prompt token is always decoded
         # warm: keep [0, reused), prefill the rest from there, answer
         probe.keep(reused)
@@ -228,7 +216,7 @@ def _replay(probe: _Probe, sequence: list[int], segments: list[Segment]) -> list
 def _prefill_segment(probe: _Probe, sequence: list[int], segment: Segment) -> np.ndarray:
     logits = None
     for at in range(segment.start, segment.end, CHUNK):
-        logits = probe._decode(sequence[at : min(at + CHUNK, segment.end)], at)
+        logits = probe._decode_run(sequence[at : min(at + CHUNK, segment.end)], at)
     assert logits is not None
     return logits
 
