@@ -90,6 +90,12 @@ class ServerConfig:
     batch_invariant: bool = False
     flash_attn: bool = True  # fastest exact setting: loadtest/bench/settings_sweep.py
     kv_unified: bool = False  # faster at 8 streams, but resumes are no longer exact
+    # A finished generation's KV cells stay in its released slot; a prompt that starts with
+    # the same tokens (a chat's next turn) reuses them and prefills only the rest
+    # (engine/prefix_cache.py). Off for sliding-window models (Gemma 3).
+    prefix_cache: bool = True
+    prefix_cache_max_bytes: int = 256 << 20  # evicted entries kept as blobs in the worker
+    prefix_cache_shared: bool = False  # True: API keys reuse each other's cells (TTFT leaks)
     # The engine worker process and its supervision.
     cpu_extra_buffers: CpuExtraBuffers = CpuExtraBuffers.AUTO  # on unless the canary crashes
     worker_start_timeout_s: float = 300.0
@@ -204,6 +210,8 @@ class ServerConfig:
             batch_invariant=self.batch_invariant,
             flash_attn=self.flash_attn,
             kv_unified=self.kv_unified,
+            prefix_cache=self.prefix_cache,
+            prefix_cache_max_bytes=self.prefix_cache_max_bytes,
         )
 
     def supervisor_settings(self) -> SupervisorSettings:
@@ -261,6 +269,7 @@ class ServerConfig:
             checkpoint_every_tokens=self.checkpoint_every_tokens,
             inexact_reprefill=self.inexact_reprefill,
             coalesce_s=self.token_coalesce_ms / 1000,
+            prefix_cache_shared=self.prefix_cache_shared,
         )
 
     def socket_options(self) -> SocketOptions:

@@ -28,6 +28,7 @@ from .tracing import GenerationSpans, configured_tracer
 
 if TYPE_CHECKING:
     from .engine import Engine, ResumePath
+    from .engine.prefix_cache import PrefixStats
     from .sessions.manager import SessionManager
 
 __all__ = ["CONTENT_TYPE", "GenerationTrace", "ServerMetrics", "TransportFacts"]
@@ -330,6 +331,9 @@ class _StateCollector(Collector):
                 counter = CounterMetricFamily(f"quicsrv_engine_{name}", documentation)
                 counter.add_metric([], getattr(engine, name, 0))
                 yield counter
+        prefix = getattr(engine, "prefix_stats", None)
+        if prefix is not None:
+            yield from _prefix_cache(prefix)
         extra = getattr(engine, "cpu_extra_buffers", None)
         if extra is not None:
             yield _gauge(
@@ -365,6 +369,40 @@ class _StateCollector(Collector):
             "source",
             sorted(PEER_ERRORS.counts.items()),
         )
+
+
+def _prefix_cache(stats: PrefixStats) -> Iterator[Metric]:
+    yield _gauge(
+        "quicsrv_prefix_cache_enabled",
+        "1 while kept KV cells are reused (off by configuration, or for a sliding-window model)",
+        stats.enabled,
+    )
+    tokens = CounterMetricFamily(
+        "quicsrv_prompt_tokens",
+        "Prompt tokens of started generations: reused from kept cells, or prefilled",
+        labels=["source"],
+    )
+    tokens.add_metric(["reused"], stats.reused_tokens)
+    tokens.add_metric(["prefilled"], stats.prefilled_tokens)
+    yield tokens
+    lookups = CounterMetricFamily(
+        "quicsrv_prefix_cache_lookups",
+        "Generations that started from kept cells (hit) or computed their whole prompt (miss)",
+        labels=["result"],
+    )
+    lookups.add_metric(["hit"], stats.hits)
+    lookups.add_metric(["miss"], stats.misses)
+    yield lookups
+    yield _gauge(
+        "quicsrv_prefix_cache_resident_tokens",
+        "Tokens whose cells are kept in released slots",
+        stats.resident_tokens,
+    )
+    yield _gauge(
+        "quicsrv_prefix_cache_blob_bytes",
+        "Bytes of evicted entries kept as blobs in the engine worker's memory",
+        stats.blob_bytes,
+    )
 
 
 def _gauge(name: str, documentation: str, value: float) -> GaugeMetricFamily:

@@ -43,6 +43,9 @@ class _Sink:
     def sequence_resumed(self, path: ResumePath) -> None:
         pass
 
+    def sequence_planned(self, plan: object) -> None:
+        pass
+
 
 def _run(engine: LlamaEngine, prompts: list[str], max_tokens: int) -> list[list[int]]:
     sinks = [_Sink() for _ in prompts]

@@ -48,6 +48,9 @@ class _Sink:
     def sequence_resumed(self, path: object) -> None:
         pass
 
+    def sequence_planned(self, plan: object) -> None:
+        pass
+
 
 def _run(engine: LlamaEngine, streams: int, max_tokens: int) -> tuple[float, list[StreamResult]]:
     requests = [

@@ -67,6 +67,9 @@ class _Recorder:
     def sequence_resumed(self, path: object) -> None:
         pass
 
+    def sequence_planned(self, plan: object) -> None:
+        pass
+
     def wait_for(self, tokens: int) -> None:
         """Block until ``tokens`` tokens arrived or the sequence ended (bounded by WAIT_S)."""
         with self._changed:

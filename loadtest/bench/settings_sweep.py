@@ -62,6 +62,9 @@ class _Sink:
     def sequence_resumed(self, path: ResumePath) -> None:
         pass
 
+    def sequence_planned(self, plan: object) -> None:
+        pass
+
 
 @dataclass(frozen=True, slots=True)
 class Row:

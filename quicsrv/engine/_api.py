@@ -9,7 +9,7 @@ from __future__ import annotations
 import asyncio
 from dataclasses import dataclass
 from enum import StrEnum
-from typing import Protocol
+from typing import NamedTuple, Protocol
 
 __all__ = [
     "CpuExtraBuffers",
@@ -19,10 +19,12 @@ __all__ = [
     "FinishReason",
     "Overloaded",
     "PausedState",
+    "PrefillPlan",
     "PromptTooLong",
     "ResumePath",
     "ResumePoint",
     "SamplingParams",
+    "Segment",
     "SequenceHandle",
     "SequenceRequest",
     "TokenSink",
@@ -119,6 +121,37 @@ class PausedState:
     """Its KV cells (prompt + generated[:-1]); None when they were not captured."""
 
 
+class Segment(NamedTuple):
+    """Prompt positions up to ``end`` (from the previous segment's end), fed ``step`` at a time."""
+
+    end: int
+    step: int
+
+
+@dataclass(frozen=True, slots=True)
+class PrefillPlan:
+    """How a sequence's prompt cells are computed: ``segments`` in order, the first ``reused``
+    positions taken from the cache (computed by an earlier sequence, the same way)."""
+
+    segments: tuple[Segment, ...]
+    reused: int = 0
+
+    @classmethod
+    def plain(cls, n_tokens: int, step: int) -> PrefillPlan:
+        """A prompt prefilled from position 0 in chunks of ``step``: a cold start."""
+        return cls((Segment(n_tokens, step),))
+
+    @property
+    def length(self) -> int:
+        return self.segments[-1].end if self.segments else 0
+
+    @property
+    def is_plain(self) -> bool:
+        """Whether it computes the cells as a cold start does (one segment from position 0,
+        whatever was reused): a replay without a recorded plan is then exact."""
+        return len(self.segments) <= 1
+
+
 @dataclass(frozen=True, slots=True, kw_only=True)
 class SequenceRequest:
     prompt_tokens: tuple[int, ...]
@@ -128,6 +161,11 @@ class SequenceRequest:
     prefill_chunk: int | None = None
     """Prompt tokens fed per step; None: the engine's setting. A resume must reuse the original."""
     resume: ResumePoint | None = None
+    prefill_plan: PrefillPlan | None = None
+    """A resume's recorded plan (what ``sequence_planned`` said when it first ran): its prompt
+    is recomputed the same way. None: a cold plan, or whatever the prefix cache offers."""
+    cache_scope: str = ""
+    """Whose prefix-cache entries this sequence may reuse, and leaves its own cells to."""
 
 
 class TokenSink(Protocol):
@@ -142,6 +180,10 @@ class TokenSink(Protocol):
 
     def sequence_resumed(self, path: ResumePath) -> None:
         """A resumed sequence has its KV cells back and is about to generate."""
+
+    def sequence_planned(self, plan: PrefillPlan) -> None:
+        """The sequence got a slot and will compute its prompt cells as ``plan`` says (before
+        any token of it is reported): a replay must follow the same plan to be exact."""
 
 
 class SequenceHandle(Protocol):

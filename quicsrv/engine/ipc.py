@@ -16,7 +16,7 @@ from enum import IntEnum
 from operator import attrgetter
 from typing import Any, TypeVar
 
-from ._api import FinishReason, ResumePath, SequenceRequest
+from ._api import FinishReason, PrefillPlan, ResumePath, SequenceRequest
 
 __all__ = [
     "Allow",
@@ -28,6 +28,7 @@ __all__ = [
     "SequenceCommand",
     "SequenceFinished",
     "SequencePaused",
+    "SequencePlanned",
     "SequenceResumed",
     "Step",
     "Stop",
@@ -120,6 +121,8 @@ class Ready:
     cpu_extra_buffers: bool
     load_s: float
     canary_s: float
+    prefix_cache: bool
+    """Whether its prefix cache is on (off by configuration, or for a sliding-window model)."""
 
 
 @_pickled_as_fields
@@ -154,7 +157,19 @@ class SequenceResumed:
     path: ResumePath
 
 
-Event = TokenGenerated | SequenceFinished | SequencePaused | SequenceResumed
+@_pickled_as_fields
+@dataclass(frozen=True, slots=True)
+class SequencePlanned:
+    """The sequence got a slot; how its prompt is computed (before any of its tokens), and
+    what the worker's prefix cache holds now."""
+
+    key: int
+    plan: PrefillPlan
+    resident_tokens: int
+    blob_bytes: int
+
+
+Event = TokenGenerated | SequenceFinished | SequencePaused | SequenceResumed | SequencePlanned
 
 
 @_pickled_as_fields

@@ -19,6 +19,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
+import blake3
 import llama_cpp
 import numpy as np
 import numpy.typing as npt
@@ -31,11 +32,14 @@ from ._api import (
     FinishReason,
     Overloaded,
     PausedState,
+    PrefillPlan,
     PromptTooLong,
     ResumePath,
+    Segment,
     SequenceRequest,
     TokenSink,
 )
+from .prefix_cache import Hit, PrefixCache, PrefixStats, cut, extend, rest
 from .sampling import SequenceSampler
 from .vocab import Vocabulary, file_digest
 
@@ -64,6 +68,9 @@ def check_request(settings: EngineSettings, request: SequenceRequest) -> int:
             f"prefill chunk {chunk} must be in 1..n_batch - n_seq_max "
             f"({settings.n_batch - settings.n_seq_max})"
         )
+    plan = request.prefill_plan
+    if plan is not None and not _plan_fits(plan, len(request.prompt_tokens), settings):
+        raise EngineError("the recorded prefill plan does not fit this prompt and engine")
     budget = len(request.prompt_tokens) + request.max_tokens
     if budget > settings.context_per_sequence:
         raise PromptTooLong(
@@ -72,6 +79,15 @@ def check_request(settings: EngineSettings, request: SequenceRequest) -> int:
             f"{settings.context_per_sequence} tokens"
         )
     return chunk
+
+
+def _plan_fits(plan: PrefillPlan, n_prompt: int, settings: EngineSettings) -> bool:
+    start = 0
+    for segment in plan.segments:
+        if segment.end <= start or not 0 < segment.step <= settings.n_batch - settings.n_seq_max:
+            return False
+        start = segment.end
+    return start == n_prompt
 
 
 def check_admission(settings: EngineSettings, admitted: int) -> None:
@@ -102,6 +118,25 @@ class EngineSettings:
     """One KV buffer for all sequences: faster at 8, but output then depends on the batch."""
     cpu_extra_buffers: bool = True
     """llama.cpp's extra CPU weight buffers (AMX, repacked layouts); off = the safe mode."""
+    prefix_cache: bool = True
+    """Keep finished sequences' cells for the prompts that start the same (.prefix_cache)."""
+    prefix_cache_max_bytes: int = 256 << 20
+    """Evicted entries kept as blobs in memory, up to this many bytes in all."""
+
+    def numerics(self, model_digest: bytes) -> bytes:
+        """What a token's computed numbers depend on besides the tokens: cells computed under
+        another digest are never reused."""
+        return blake3.blake3(
+            b"%s|fa=%d|bi=%d|cpu=%d|uni=%d|ctx=%d"
+            % (
+                model_digest,
+                self.flash_attn,
+                self.batch_invariant,
+                self.cpu_extra_buffers,
+                self.kv_unified,
+                self.context_per_sequence,
+            )
+        ).digest()
 
 
 def open_context(settings: EngineSettings) -> tuple[LlamaModel, LlamaContext]:
@@ -164,6 +199,8 @@ class _Sequence:
     pause_requested: bool = False
     capture_kv: bool = True
     reprefill: bool = False  # pending_prompt holds generated tokens too: sample nothing from it
+    plan: tuple[Segment, ...] = ()  # how its cells are computed: pending_prompt's way included
+    segments: deque[Segment] = field(default_factory=deque)  # the plan's part still to feed
     pending_prompt: deque[int] = field(default_factory=deque)
     forced: deque[int] = field(default_factory=deque)  # replay: tokens to decode, not sample
     history: list[int] = field(default_factory=list)  # every generated token, in order
@@ -242,6 +279,8 @@ class LlamaEngine(ModelFacts):
         self._waiting: deque[_Sequence] = deque()
         self._active: list[_Sequence] = []
         self._free_ids = list(range(settings.n_seq_max - 1, -1, -1))
+        self._cache = self._open_cache()
+        self.prefix_stats = self._cache.stats if self._cache else PrefixStats(enabled=False)
         self._admitted = 0
         self._submissions = itertools.count()
         self._admission_lock = threading.Lock()
@@ -265,11 +304,13 @@ class LlamaEngine(ModelFacts):
                 raise EngineError("the engine is shutting down")
             check_admission(self.settings, self._admitted)
             self._admitted += 1
+        plan = request.prefill_plan or PrefillPlan.plain(len(request.prompt_tokens), chunk)
         sequence = _Sequence(
             request=request,
             sink=sink,
             sampler=SequenceSampler(request.sampling, self._n_vocab),
             pending_prompt=deque(request.prompt_tokens),
+            plan=plan.segments,
             release_admission=self._release_admission,
             chunk=chunk,
             order=next(self._submissions),
@@ -281,6 +322,7 @@ class LlamaEngine(ModelFacts):
                 # decoding, so the continuation may differ: only on explicit request.
                 generated = resume.generated
                 sequence.pending_prompt.extend(generated[:-1])
+                sequence.plan = extend(sequence.plan, len(sequence.pending_prompt), chunk)
                 sequence.reprefill = True
                 sequence.history = list(generated)
                 sequence.generated = len(generated)
@@ -344,14 +386,15 @@ class LlamaEngine(ModelFacts):
                 self._pause(sequence)
         while self._waiting and self._free_ids:
             sequence = self._waiting.popleft()
-            # The lowest free id, and batches in id order: with llama.cpp's per-sequence KV
-            # streams a batch whose ids are not ascending costs 40-80% more per step
-            # (measured: python -m loadtest.bench.seqids).
-            sequence.seq_id = min(self._free_ids)
+            hit = self._lookup(sequence)
+            sequence.seq_id = self._slot_for(hit)
             self._free_ids.remove(sequence.seq_id)
+            # Batches in id order: with llama.cpp's per-sequence KV streams a batch whose ids
+            # are not ascending costs 40-80% more per step (python -m loadtest.bench.seqids).
             self._active.append(sequence)
             self._active.sort(key=lambda s: s.seq_id)
-            self._admit_resumed(sequence)
+            if not self._admit_resumed(sequence):
+                self._plan_prompt(sequence, hit)
         if self._active:
             self._decode_step()
         return True
@@ -369,7 +412,13 @@ class LlamaEngine(ModelFacts):
             (s for s in self._active if s.pending_prompt), key=lambda s: s.order, default=None
         )
         if prefilling is not None:
-            room = min(prefilling.chunk, self.settings.n_batch - len(entries))
+            # Steps from the segment's start, as the plan says: so a replay cuts them the same.
+            segment = prefilling.segments[0]
+            room = min(
+                segment.step,
+                segment.end - prefilling.n_past,
+                self.settings.n_batch - len(entries),
+            )
             for _ in range(min(room, len(prefilling.pending_prompt))):
                 token = prefilling.pending_prompt.popleft()
                 last = not prefilling.pending_prompt
@@ -381,6 +430,8 @@ class LlamaEngine(ModelFacts):
                 if last and prefilling.reprefill:
                     prefilling.reprefill = False
                     prefilling.sink.sequence_resumed(ResumePath.REPREFILL)
+            if prefilling.n_past >= segment.end:
+                prefilling.segments.popleft()
         if not self.settings.batch_invariant:
             self._decode(entries)
             return
@@ -408,26 +459,141 @@ class LlamaEngine(ModelFacts):
         busy_rebuilding = sequence.pending_prompt or sequence.forced
         return not busy_rebuilding and sequence.generated >= sequence.allowed
 
-    def _admit_resumed(self, sequence: _Sequence) -> None:
+    def _admit_resumed(self, sequence: _Sequence) -> bool:
+        """Give a resumed sequence its cells back from its blob; False: it computes them."""
         resume = sequence.request.resume
         if resume is None:
-            return
+            return False
         if resume.kv_state is not None and resume.generated:
-            self._restore(sequence, resume.generated, resume.kv_state)
-        elif not resume.generated:
+            return self._restore(sequence, resume.generated, resume.kv_state)
+        if not resume.generated:
             sequence.sink.sequence_resumed(ResumePath.REPLAY)  # nothing to rebuild
+        return False
 
-    def _restore(self, sequence: _Sequence, generated: tuple[int, ...], kv: bytes) -> None:
-        buffer = (ctypes.c_uint8 * len(kv)).from_buffer_copy(kv)
-        if (
-            llama_cpp.llama_state_seq_set_data(self._context.ctx, buffer, len(kv), sequence.seq_id)
-            == 0
-        ):
+    # --- the prefix cache -------------------------------------------------------------------
+
+    def _open_cache(self) -> PrefixCache | None:
+        settings = self.settings
+        if not settings.prefix_cache:
+            return None
+        window = llama_cpp.llama_model_n_swa(self._model.model)
+        if window > 0:
+            # Sliding-window layers drop the cells behind their window, so a kept sequence's
+            # prefix cannot be continued from them; a full-size SWA cache for every slot would
+            # cost this model's whole context in every layer.
+            log.info("prefix cache off: the model uses sliding-window attention (%d)", window)
+            return None
+        return PrefixCache(
+            settings.numerics(self.vocabulary.model_digest),
+            max_blob_bytes=settings.prefix_cache_max_bytes,
+        )
+
+    def _lookup(self, sequence: _Sequence) -> Hit | None:
+        """The kept cells this sequence's prompt can start from (none for a KV restore)."""
+        cache = self._cache
+        resume = sequence.request.resume
+        if cache is None or (resume is not None and resume.kv_state is not None):
+            return None
+        request = sequence.request
+        recorded = request.prefill_plan
+        if recorded is None and resume is not None and resume.generated:
+            # Tokens were sent from a cold start: only cells computed that way will do.
+            recorded = PrefillPlan.plain(len(request.prompt_tokens), sequence.chunk)
+        segments = recorded.segments if recorded is not None else None
+        return cache.find(request.cache_scope, request.prompt_tokens, segments)
+
+    def _slot_for(self, hit: Hit | None) -> int:
+        """The hit's slot; else the lowest free slot that keeps nothing; else the slot of the
+        entry used longest ago, which becomes a blob (or is forgotten)."""
+        cache = self._cache
+        if cache is None:
+            return min(self._free_ids)
+        if hit is not None and hit.entry.slot is not None:
+            return hit.entry.slot
+        empty = [slot for slot in self._free_ids if cache.entry_in(slot) is None]
+        if empty:
+            return min(empty)
+        victim = cache.least_used(self._free_ids)
+        assert victim is not None and victim.slot is not None
+        slot = victim.slot
+        blob = self._state_of(slot) if cache.max_blob_bytes > 0 else None
+        cache.spill(victim, blob)
+        llama_cpp.llama_memory_seq_rm(self._memory, slot, -1, -1)
+        return slot
+
+    def _plan_prompt(self, sequence: _Sequence, hit: Hit | None) -> None:
+        """Start the prompt from the hit's cells (if they can be had), tell the sink how the
+        prompt is computed, and queue what is left to feed."""
+        reused = self._take(sequence.seq_id, hit) if hit is not None else 0
+        request = sequence.request
+        n_prompt = len(request.prompt_tokens)
+        if reused and request.prefill_plan is None:
+            # The hit's way up to where it is cut, then the rest as a cold start would (and a
+            # re-prefill's generated tokens after the prompt, as before).
+            assert hit is not None
+            plan = extend(cut(hit.entry.segments, reused), n_prompt, sequence.chunk)
+            for segment in sequence.plan:
+                if segment.end > n_prompt:
+                    plan = extend(plan, segment.end, segment.step)
+            sequence.plan = plan
+        for _ in range(reused):
+            sequence.pending_prompt.popleft()
+        sequence.n_past = reused
+        sequence.segments = deque(rest(sequence.plan, reused))
+        if self._cache is not None:
+            stats = self._cache.stats
+            stats.hits += bool(reused)
+            stats.misses += not reused
+            stats.reused_tokens += reused
+            stats.prefilled_tokens += n_prompt - reused
+        sequence.sink.sequence_planned(PrefillPlan(cut(sequence.plan, n_prompt), reused))
+
+    def _take(self, slot: int, hit: Hit) -> int:
+        """Move the hit's cells into ``slot`` and cut them to its length; 0 when they could
+        not be had (a rejected blob: the prompt is computed cold)."""
+        assert self._cache is not None
+        entry = hit.entry
+        self._cache.take(entry)
+        if entry.blob is not None and not self._set_state(slot, entry.blob):
+            llama_cpp.llama_memory_seq_rm(self._memory, slot, -1, -1)
+            return 0
+        if not llama_cpp.llama_memory_seq_rm(self._memory, slot, hit.length, -1):
+            llama_cpp.llama_memory_seq_rm(self._memory, slot, -1, -1)
+            return 0
+        return hit.length
+
+    def _keep(self, sequence: _Sequence) -> bool:
+        """Leave a released sequence's cells in its slot for later prompts; False: not kept."""
+        cache = self._cache
+        if cache is None or sequence.n_past <= 0:
+            return False
+        n_past = sequence.n_past
+        tokens = (*sequence.request.prompt_tokens, *sequence.history)[:n_past]
+        computed = sequence.plan[-1].end if sequence.plan else 0
+        plan = extend(sequence.plan, n_past, 1) if n_past > computed else cut(sequence.plan, n_past)
+        cache.keep(sequence.seq_id, sequence.request.cache_scope, tokens, plan)
+        return cache.entry_in(sequence.seq_id) is not None
+
+    def _state_of(self, seq_id: int) -> bytes | None:
+        size = llama_cpp.llama_state_seq_get_size(self._context.ctx, seq_id)
+        buffer = (ctypes.c_uint8 * size)()
+        written = llama_cpp.llama_state_seq_get_data(self._context.ctx, buffer, size, seq_id)
+        return ctypes.string_at(buffer, written) if written else None
+
+    def _set_state(self, seq_id: int, blob: bytes) -> bool:
+        buffer = (ctypes.c_uint8 * len(blob)).from_buffer_copy(blob)
+        written = llama_cpp.llama_state_seq_set_data(self._context.ctx, buffer, len(blob), seq_id)
+        return bool(written)
+
+    # --- pause and resume -------------------------------------------------------------------
+
+    def _restore(self, sequence: _Sequence, generated: tuple[int, ...], kv: bytes) -> bool:
+        if not self._set_state(sequence.seq_id, kv):
             # The blob does not fit this context (or is damaged): fall back to exact replay.
             log.warning("KV blob rejected by llama_state_seq_set_data; replaying instead")
             llama_cpp.llama_memory_seq_rm(self._memory, sequence.seq_id, -1, -1)
             sequence.forced = deque(generated)
-            return
+            return False
         sequence.pending_prompt.clear()
         for token in generated:
             sequence.sampler.accept(token)
@@ -437,17 +603,13 @@ class LlamaEngine(ModelFacts):
         # The last generated token was sampled but never decoded: it goes in at the next step.
         sequence.n_past = len(sequence.request.prompt_tokens) + len(generated) - 1
         sequence.sink.sequence_resumed(ResumePath.KV_RESTORE)
+        return True
 
     def _pause(self, sequence: _Sequence) -> None:
         kv: bytes | None = None
         capturable = sequence.history and not sequence.forced and not sequence.pending_prompt
         if sequence.capture_kv and capturable and sequence.seq_id >= 0 and sequence in self._active:
-            size = llama_cpp.llama_state_seq_get_size(self._context.ctx, sequence.seq_id)
-            buffer = (ctypes.c_uint8 * size)()
-            written = llama_cpp.llama_state_seq_get_data(
-                self._context.ctx, buffer, size, sequence.seq_id
-            )
-            kv = ctypes.string_at(buffer, written) if written else None
+            kv = self._state_of(sequence.seq_id)
         generated = (*sequence.history, *sequence.forced)
         resume = sequence.request.resume
         if sequence.seq_id < 0 and resume is not None:
@@ -513,11 +675,13 @@ class LlamaEngine(ModelFacts):
                 sequence.release_admission = None
                 self._admitted -= 1
 
-    def _release(self, sequence: _Sequence) -> bool:
-        """Take a sequence out of the engine and free its cells; False if it was not in."""
+    def _release(self, sequence: _Sequence, *, keep: bool = True) -> bool:
+        """Take a sequence out of the engine; its cells stay for the prefix cache (``keep``,
+        where there is one) or are freed. False if it was not in."""
         if sequence in self._active:
             self._active.remove(sequence)
-            llama_cpp.llama_memory_seq_rm(self._memory, sequence.seq_id, -1, -1)
+            if not (keep and self._keep(sequence)):
+                llama_cpp.llama_memory_seq_rm(self._memory, sequence.seq_id, -1, -1)
             self._free_ids.append(sequence.seq_id)
         elif sequence in self._waiting:
             self._waiting.remove(sequence)
@@ -528,7 +692,8 @@ class LlamaEngine(ModelFacts):
         return True
 
     def _finish(self, sequence: _Sequence, reason: FinishReason) -> None:
-        if not self._release(sequence):
+        kept = reason in (FinishReason.EOS, FinishReason.LENGTH, FinishReason.CANCELLED)
+        if not self._release(sequence, keep=kept):
             return
         generated = sequence.generated - (1 if reason is FinishReason.EOS else 0)
         sequence.sink.sequence_finished(reason, generated)

@@ -76,6 +76,7 @@ from .ipc import (
     Ready,
     SequenceFinished,
     SequencePaused,
+    SequencePlanned,
     SequenceResumed,
     Step,
     Stop,
@@ -83,6 +84,7 @@ from .ipc import (
     TokenGenerated,
 )
 from .llama import EngineSettings, ModelFacts, check_admission, check_request
+from .prefix_cache import PrefixStats
 from .process import WorkerEnd, WorkerProcess
 from .restarts import Action, Breaker, RestartPolicy
 from .spool import Spool, take
@@ -204,6 +206,8 @@ class WorkerEngine(ModelFacts):
         """Told, once per decode step that sampled tokens, whose sequences got one and when the
         step ended (``time.monotonic()``; metrics)."""
         self.last_ready: Ready | None = None
+        self.prefix_stats = PrefixStats(enabled=settings.prefix_cache)
+        """The worker's prefix cache, from its SequencePlanned events (metrics)."""
         # Workers are started from the supervisor thread only: Linux's parent-death signal
         # (the worker's safety net) fires when the *thread* that started it exits.
         self._supervisor = threading.Thread(
@@ -446,7 +450,10 @@ class WorkerEngine(ModelFacts):
                 return None
             outcome = self._spawn()
             if isinstance(outcome, WorkerProcess):
-                self.last_ready = outcome.ready
+                ready = self.last_ready = outcome.ready
+                if ready is not None:  # a new worker's cache starts empty (off for SWA models)
+                    self.prefix_stats.enabled = ready.prefix_cache
+                    self.prefix_stats.resident_tokens = self.prefix_stats.blob_bytes = 0
                 self._restarts.worker_ready()
                 return outcome
             if self._closing:
@@ -524,10 +531,22 @@ class WorkerEngine(ModelFacts):
                 sequence.sink.sequence_finished(event.reason, event.completion_tokens)
             elif isinstance(event, SequenceResumed):
                 sequence.sink.sequence_resumed(event.path)
+            elif isinstance(event, SequencePlanned):
+                self._count_plan(event)
+                sequence.sink.sequence_planned(event.plan)
         if stepped:
             self._restarts.stepped()
         if stepped and self.on_step is not None:
             self.on_step(stepped, step.finished_at)
+
+    def _count_plan(self, event: SequencePlanned) -> None:
+        stats, plan = self.prefix_stats, event.plan
+        if stats.enabled:
+            stats.hits += bool(plan.reused)
+            stats.misses += not plan.reused
+            stats.reused_tokens += plan.reused
+            stats.prefilled_tokens += plan.length - plan.reused
+        stats.resident_tokens, stats.blob_bytes = event.resident_tokens, event.blob_bytes
 
     def _note_locked(self, sequence: _RemoteSequence, event: object) -> None:
         """What an event of a sequence the worker holds tells the bookkeeping (lock held)."""

@@ -49,6 +49,7 @@ from ._api import (
     EngineError,
     FinishReason,
     PausedState,
+    PrefillPlan,
     ResumePath,
     SamplingParams,
     SequenceHandle,
@@ -65,6 +66,7 @@ from .ipc import (
     SequenceCommand,
     SequenceFinished,
     SequencePaused,
+    SequencePlanned,
     SequenceResumed,
     Step,
     Stop,
@@ -159,12 +161,13 @@ class _Worker:
         self._handles: dict[int, SequenceHandle] = {}
         self._poisoned: set[int] = set()  # keys of sequences the ``poison`` fault aborts on
         self._reporting = False  # steps are reported from Ready on (the canary's are not)
+        self._engine: LlamaEngine | None = None
 
     def serve(self) -> None:
         settings = self._options.settings
         started = time.monotonic()
         self._phase.value = WorkerPhase.LOADING
-        engine = LlamaEngine(settings, _Observer(self))
+        engine = self._engine = LlamaEngine(settings, _Observer(self))
         loaded = time.monotonic()
         log.info(
             "model loaded in %.2fs (cpu extra buffers %s)",
@@ -176,7 +179,15 @@ class _Worker:
         canary_s = time.monotonic() - loaded
         self._phase.value = WorkerPhase.IDLE
         self._reporting = True
-        self._send(Ready(os.getpid(), settings.cpu_extra_buffers, loaded - started, canary_s))
+        self._send(
+            Ready(
+                os.getpid(),
+                settings.cpu_extra_buffers,
+                loaded - started,
+                canary_s,
+                engine.prefix_stats.enabled,
+            )
+        )
         while True:
             try:
                 commands: list[Command] = self._conn.recv()
@@ -225,6 +236,11 @@ class _Worker:
             due = self._coalescer.step_finished(step)
             if due:
                 self._send_locked(due)
+
+    def planned(self, key: int, plan: PrefillPlan) -> None:
+        assert self._engine is not None
+        stats = self._engine.prefix_stats
+        self._report(SequencePlanned(key, plan, stats.resident_tokens, stats.blob_bytes))
 
     def paused(self, key: int, state: PausedState) -> None:
         self.forget(key)
@@ -321,6 +337,9 @@ class _Sink:
     def sequence_resumed(self, path: ResumePath) -> None:
         self._worker._report(SequenceResumed(self._key, path))
 
+    def sequence_planned(self, plan: PrefillPlan) -> None:
+        self._worker.planned(self._key, plan)
+
 
 def _with_blob(request: SequenceRequest, kv_file: str | None) -> SequenceRequest:
     if kv_file is None or request.resume is None:
@@ -353,6 +372,9 @@ class _CanarySink:
         self._done.release()
 
     def sequence_resumed(self, path: ResumePath) -> None:
+        pass
+
+    def sequence_planned(self, plan: PrefillPlan) -> None:
         pass
 
 

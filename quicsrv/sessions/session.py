@@ -27,6 +27,7 @@ from ..engine import (
     EngineUnavailable,
     FinishReason,
     PausedState,
+    PrefillPlan,
     ResumePath,
     ResumePoint,
     SequenceHandle,
@@ -97,6 +98,9 @@ class FlowSettings:
     """How long the engine may hold a token before sending it (the worker's coalescing)."""
     inexact_reprefill: bool
     """Rebuild missing KV by one chunked prefill (fast, not bit-exact) instead of the replay."""
+    prefix_cache_shared: bool = False
+    """Every API key's generations reuse every key's kept cells (by default only their own:
+    the time to first token would tell one key what another key's prompts were)."""
 
 
 @dataclass(eq=False)
@@ -372,6 +376,9 @@ class Session:
     def sequence_resumed(self, path: ResumePath) -> None:
         self._to_loop(self._on_resumed, path)
 
+    def sequence_planned(self, plan: PrefillPlan) -> None:
+        self._to_loop(self._on_planned, plan)
+
     def _to_loop(self, callback: Callable[..., None], *args: object) -> None:
         self._inbox.post(callback, *args)
 
@@ -402,6 +409,19 @@ class Session:
         if self._attachment is not None:
             self._attachment.delivery.recorded(len(self.record.generated), self._loop.time())
         self._pump()
+
+    def _on_planned(self, plan: PrefillPlan) -> None:
+        record = self.record
+        if self.handed_over or record.generated:
+            return  # a resume: it follows the plan on record
+        kept = None if plan.is_plain else plan
+        if kept == record.prefill_plan:
+            return
+        record.prefill_plan = kept
+        # Waited for (once per generation that reused cells, a small write): a crash after
+        # the first token was sent but before the plan was on disk would replay the prompt
+        # another way, and the continuation could differ from what the reader holds.
+        self._store.save(record).result()
 
     def _on_finished(self, reason: FinishReason, completion_tokens: int) -> None:
         self._transition(_FINISH_EVENTS[reason])
@@ -617,6 +637,8 @@ class Session:
             ignore_eos=record.ignore_eos,
             prefill_chunk=record.prefill_chunk,
             resume=resume,
+            prefill_plan=record.prefill_plan,
+            cache_scope="" if self._flow.prefix_cache_shared else record.owner,
         )
         self._handle = self._engine.submit(request, self)
         self._transition(SessionEvent.SUBMITTED)

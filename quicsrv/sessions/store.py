@@ -31,7 +31,7 @@ import cbor2
 
 from quicsrv_proto import EndReason, canonical_cbor
 
-from ..engine import SamplingParams
+from ..engine import PrefillPlan, SamplingParams, Segment
 from .snapshot import Snapshot
 
 __all__ = ["SessionEnd", "SessionRecord", "SessionStore", "StoreUsage"]
@@ -68,6 +68,9 @@ class SessionRecord:
     owner: str = ""
     """The id of the API key that started the session ("" on an open server): a resume
     must present the same key."""
+    prefill_plan: PrefillPlan | None = None
+    """How the engine computed the prompt's cells when it started from reused ones (None: as
+    a cold start): a replay follows it, or it would not be exact."""
 
     def snapshot(self, upto: int | None = None) -> Snapshot:
         """The snapshot of the first ``upto`` generated tokens (all by default)."""
@@ -105,12 +108,15 @@ class SessionRecord:
             meta["end"] = [self.end.reason.value, self.end.completion_tokens]
         if self.owner:
             meta["owner"] = self.owner
+        if self.prefill_plan is not None:
+            meta["plan"] = [self.prefill_plan.reused, [list(s) for s in self.prefill_plan.segments]]
         return meta
 
     @classmethod
     def _from_meta(cls, meta: Any, tokens: array[int]) -> SessionRecord:
         t, p, k, m, r, seed = meta["sampling"]
         end = meta.get("end")
+        plan = meta.get("plan")
         return cls(
             session_id=bytes(meta["session"]),
             model_digest=bytes(meta["model"]),
@@ -126,6 +132,9 @@ class SessionRecord:
             expires_at_s=float(meta["expires"]),
             generated=tokens,
             owner=str(meta.get("owner", "")),
+            prefill_plan=None
+            if plan is None
+            else PrefillPlan(tuple(Segment(int(e), int(s)) for e, s in plan[1]), int(plan[0])),
             end=None if end is None else SessionEnd(EndReason(end[0]), int(end[1])),
         )
 

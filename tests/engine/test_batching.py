@@ -41,6 +41,9 @@ class Recorder:
         self.reason = reason
         self.done.set()
 
+    def sequence_planned(self, plan: object) -> None:
+        pass
+
 
 def _request(engine: LlamaEngine, text: str, max_tokens: int) -> SequenceRequest:
     return SequenceRequest(

@@ -1,0 +1,266 @@
+"""Kept KV cells, found again by the prompts that start like them.
+
+A finished sequence leaves its cells where they are, in its released slot: they become an
+:class:`Entry` of the :class:`PrefixCache`, with the tokens they were computed from and how. A
+new sequence whose prompt starts with an entry's tokens takes the cells over and prefills only
+the rest. An entry whose slot another sequence needs becomes a blob
+(``llama_state_seq_get_data``) within a byte budget, the least recently used going first.
+
+How cells were computed is part of what they are: llama.cpp's numbers for a token depend on
+the batch it was computed in (a prompt chunk, or alone as a decoded token), so a generation
+that started from reused cells is rebuilt exactly only by recomputing its prefix the same way.
+A :class:`PrefillPlan` says how: the prompt's segments, each fed from its start in steps of a
+fixed number of tokens. Cells are cut only at a step boundary of their plan, so a cut plan
+still says exactly how the cells that are left were made.
+
+Pure bookkeeping: the engine does the llama.cpp calls.
+"""
+
+from __future__ import annotations
+
+import itertools
+import sys
+from array import array
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass, field
+
+import blake3
+
+from ._api import Segment
+
+__all__ = [
+    "BLOCK_TOKENS",
+    "Entry",
+    "Hit",
+    "PrefixCache",
+    "PrefixStats",
+    "boundaries",
+    "cut",
+    "extend",
+    "rest",
+]
+
+BLOCK_TOKENS = 64
+"""Prefixes are looked up by the hash of each whole block of this many tokens: a shorter
+common prefix is not worth an entry's cells (or a blob's restore)."""
+
+
+def extend(segments: Sequence[Segment], end: int, step: int) -> tuple[Segment, ...]:
+    """``segments`` then positions up to ``end`` in steps of ``step``, in the canonical form
+    (a segment that continues its predecessor's steps exactly is merged into it), so that
+    plans that compute the same cells the same way compare equal."""
+    start = segments[-1].end if segments else 0
+    if end <= start:
+        return tuple(segments)
+    if segments:
+        last = segments[-1]
+        last_start = segments[-2].end if len(segments) > 1 else 0
+        if last.step == step and (last.end - last_start) % step == 0:
+            return (*segments[:-1], Segment(end, step))
+    return (*segments, Segment(end, step))
+
+
+def boundaries(segments: Sequence[Segment]) -> Iterator[int]:
+    """Every position where the plan's cells are complete (after a step), ascending."""
+    start = 0
+    for segment in segments:
+        yield from range(start + segment.step, segment.end, segment.step)
+        yield segment.end
+        start = segment.end
+
+
+def cut(segments: Sequence[Segment], at: int) -> tuple[Segment, ...]:
+    """The plan of the first ``at`` positions (``at`` must be one of its boundaries)."""
+    kept: tuple[Segment, ...] = ()
+    start = 0
+    for segment in segments:
+        if at <= start:
+            break
+        kept = extend(kept, min(at, segment.end), segment.step)
+        start = segment.end
+    return kept
+
+
+def rest(segments: Sequence[Segment], after: int) -> tuple[Segment, ...]:
+    """The segments of the positions from ``after`` on (a boundary), fed as before."""
+    return tuple(s for s in segments if s.end > after)
+
+
+@dataclass(eq=False, kw_only=True)
+class Entry:
+    """Cells kept for positions ``0..len(tokens)-1``: resident in ``slot``, or in ``blob``."""
+
+    scope: str
+    tokens: tuple[int, ...]
+    segments: tuple[Segment, ...]
+    blocks: tuple[bytes, ...]
+    slot: int | None = None
+    blob: bytes | None = None
+    used: int = 0
+
+
+@dataclass(frozen=True, slots=True)
+class Hit:
+    entry: Entry
+    length: int
+    """Positions whose cells are reused: a step boundary of both plans, below the prompt's end."""
+
+
+@dataclass(slots=True)
+class PrefixStats:
+    """What the cache did so far (counters) and holds now (gauges)."""
+
+    enabled: bool = True
+    hits: int = 0
+    misses: int = 0
+    reused_tokens: int = 0
+    prefilled_tokens: int = 0
+    resident_tokens: int = 0
+    blob_bytes: int = 0
+
+
+@dataclass(eq=False)
+class PrefixCache:
+    """Every entry, findable by the hashes of its whole token blocks."""
+
+    namespace: bytes
+    """Digest of what the numbers depend on (model, attention kernel, batching, CPU buffers):
+    the root of every block hash, so that no other engine's cells ever match."""
+    max_blob_bytes: int
+    stats: PrefixStats = field(default_factory=PrefixStats)
+    _by_block: dict[bytes, list[Entry]] = field(default_factory=dict)
+    _by_slot: dict[int, Entry] = field(default_factory=dict)
+    _blobs: list[Entry] = field(default_factory=list)  # least recently used first
+    _clock: Iterator[int] = field(default_factory=itertools.count)
+
+    def keep(self, slot: int, scope: str, tokens: Sequence[int], plan: Sequence[Segment]) -> None:
+        """A released slot's cells (computed as ``plan`` says) stay for later prompts."""
+        if slot in self._by_slot:
+            self.drop(self._by_slot[slot])
+        if len(tokens) < BLOCK_TOKENS:
+            return
+        entry = Entry(
+            scope=scope,
+            tokens=tuple(tokens),
+            segments=tuple(plan),
+            blocks=self._blocks(scope, tokens),
+            slot=slot,
+            used=next(self._clock),
+        )
+        self._by_slot[slot] = entry
+        for block in entry.blocks:
+            self._by_block.setdefault(block, []).append(entry)
+        self.stats.resident_tokens += len(entry.tokens)
+
+    def find(
+        self, scope: str, prompt: Sequence[int], plan: Sequence[Segment] | None = None
+    ) -> Hit | None:
+        """The entry whose cells serve most of ``prompt``, if any; ``plan``: a replay's recorded
+        segments, which the reused cells must have been computed by too."""
+        limit = len(prompt) - 1  # the last prompt token is decoded anyway, for its logits
+        best: Hit | None = None
+        candidates: list[Entry] = []
+        for block in self._blocks(scope, prompt[:limit]):
+            deeper = self._by_block.get(block)
+            if not deeper:
+                break
+            candidates = deeper
+        plan_boundaries = None if plan is None else set(boundaries(plan))
+        for entry in candidates:
+            length = self._usable(entry, prompt, limit, plan, plan_boundaries)
+            if length >= BLOCK_TOKENS and (
+                best is None
+                or (length, entry.slot is not None, entry.used)
+                > (best.length, best.entry.slot is not None, best.entry.used)
+            ):
+                best = Hit(entry, length)
+        return best
+
+    def entry_in(self, slot: int) -> Entry | None:
+        return self._by_slot.get(slot)
+
+    def least_used(self, slots: Sequence[int]) -> Entry | None:
+        """Among the entries resident in ``slots``, the one used longest ago."""
+        held = [self._by_slot[s] for s in slots if s in self._by_slot]
+        return min(held, key=lambda e: e.used, default=None)
+
+    def take(self, entry: Entry) -> None:
+        """The entry's cells (or blob) go to a new sequence: it is no longer the cache's."""
+        self.drop(entry)
+
+    def spill(self, entry: Entry, blob: bytes | None) -> None:
+        """A resident entry's slot is needed: keep its cells as ``blob`` while the budget
+        allows (the least recently used blobs go first), else forget it."""
+        self.drop(entry)
+        if blob is None or len(blob) > self.max_blob_bytes:
+            return
+        while self._blobs and self.stats.blob_bytes + len(blob) > self.max_blob_bytes:
+            self.drop(self._blobs[0])
+        entry.slot, entry.blob = None, blob
+        self._blobs.append(entry)
+        for block in entry.blocks:
+            self._by_block.setdefault(block, []).append(entry)
+        self.stats.blob_bytes += len(blob)
+
+    def drop(self, entry: Entry) -> None:
+        for block in entry.blocks:
+            holders = self._by_block.get(block)
+            if holders is not None and entry in holders:
+                holders.remove(entry)
+                if not holders:
+                    del self._by_block[block]
+        if entry.slot is not None and self._by_slot.get(entry.slot) is entry:
+            del self._by_slot[entry.slot]
+            self.stats.resident_tokens -= len(entry.tokens)
+        if entry.blob is not None and entry in self._blobs:
+            self._blobs.remove(entry)
+            self.stats.blob_bytes -= len(entry.blob)
+
+    def clear(self) -> None:
+        for entry in [*self._by_slot.values(), *self._blobs]:
+            self.drop(entry)
+
+    def touch(self, entry: Entry) -> None:
+        entry.used = next(self._clock)
+
+    def _usable(
+        self,
+        entry: Entry,
+        prompt: Sequence[int],
+        limit: int,
+        plan: Sequence[Segment] | None,
+        plan_boundaries: set[int] | None,
+    ) -> int:
+        common = _common_prefix(entry.tokens, prompt, limit)
+        for at in sorted(boundaries(entry.segments), reverse=True):
+            if at > common:
+                continue
+            if plan is None or plan_boundaries is None:
+                return at
+            if at in plan_boundaries and cut(entry.segments, at) == cut(plan, at):
+                return at
+            if at < BLOCK_TOKENS:
+                break
+        return 0
+
+    def _blocks(self, scope: str, tokens: Sequence[int]) -> tuple[bytes, ...]:
+        """The chained hash of each whole block of ``tokens``: block k names tokens
+        ``0..(k+1)*BLOCK_TOKENS-1`` under this namespace and ``scope``."""
+        hasher = blake3.blake3(self.namespace)
+        hasher.update(scope.encode())
+        chain = []
+        for start in range(0, len(tokens) - BLOCK_TOKENS + 1, BLOCK_TOKENS):
+            packed = array("I", tokens[start : start + BLOCK_TOKENS])
+            if sys.byteorder != "little":
+                packed.byteswap()
+            hasher.update(packed.tobytes())
+            chain.append(hasher.copy().digest(16))
+        return tuple(chain)
+
+
+def _common_prefix(a: Sequence[int], b: Sequence[int], limit: int) -> int:
+    n = min(len(a), len(b), limit)
+    for i in range(n):
+        if a[i] != b[i]:
+            return i
+    return n

@@ -1,0 +1,166 @@
+"""The prefix cache's bookkeeping: plans, cuts, lookups by block hash, budgets (no model)."""
+
+from __future__ import annotations
+
+from hypothesis import given
+from hypothesis import strategies as st
+
+from quicsrv.engine import PrefillPlan, Segment
+from quicsrv.engine.prefix_cache import (
+    BLOCK_TOKENS,
+    PrefixCache,
+    boundaries,
+    cut,
+    extend,
+    rest,
+)
+
+B = BLOCK_TOKENS
+
+
+def _cache(max_blob_bytes: int = 1000) -> PrefixCache:
+    return PrefixCache(b"numerics", max_blob_bytes=max_blob_bytes)
+
+
+def _steps(segments: tuple[Segment, ...]) -> list[tuple[int, int]]:
+    """Every (start, end) a plan feeds in one step: what it means, spelled out."""
+    fed, start = [], 0
+    for segment in segments:
+        position = start
+        while position < segment.end:
+            end = min(position + segment.step, segment.end)
+            fed.append((position, end))
+            position = end
+        start = segment.end
+    return fed
+
+
+def test_a_plan_is_kept_in_its_canonical_form():
+    # A decoded answer after a chunked prompt is a new segment; a second answer continues it.
+    plan = extend(extend((), 150, 64), 170, 1)
+    assert plan == (Segment(150, 64), Segment(170, 1))
+    assert extend(plan, 180, 1) == (Segment(150, 64), Segment(180, 1))
+    # A chunked segment continues a chunked one only where its steps would have fallen.
+    assert extend((Segment(128, 64),), 200, 64) == (Segment(200, 64),)
+    assert extend((Segment(130, 64),), 200, 64) == (Segment(130, 64), Segment(200, 64))
+    assert PrefillPlan.plain(200, 64).is_plain
+    assert not PrefillPlan((Segment(130, 64), Segment(200, 64))).is_plain
+
+
+plans = st.lists(
+    st.tuples(st.integers(1, 90), st.sampled_from([1, 7, 16, 64])), min_size=1, max_size=5
+).map(lambda parts: _build(parts))
+
+
+def _build(parts: list[tuple[int, int]]) -> tuple[Segment, ...]:
+    segments: tuple[Segment, ...] = ()
+    end = 0
+    for length, step in parts:
+        end += length
+        segments = extend(segments, end, step)
+    return segments
+
+
+@given(plans, st.data())
+def test_a_cut_plan_feeds_exactly_the_steps_the_whole_plan_fed_before_the_cut(plan, data):
+    at = data.draw(st.sampled_from(list(boundaries(plan))))
+    head = cut(plan, at)
+    assert head[-1].end == at
+    assert _steps(head) == [s for s in _steps(plan) if s[1] <= at]
+    # ...and feeding the rest from the cut gives the remaining steps, as the engine does.
+    tail_steps = []
+    position = at
+    for segment in rest(plan, at):
+        while position < segment.end:
+            end = min(position + segment.step, segment.end)
+            tail_steps.append((position, end))
+            position = end
+    assert _steps(head) + tail_steps == _steps(plan)
+
+
+def test_a_conversation_turn_finds_the_previous_turn_up_to_where_they_differ():
+    cache = _cache()
+    prompt = list(range(100, 100 + 3 * B + 10))
+    answer = [7, 8, 9, 10, 11]
+    cells = [*prompt, *answer[:-1]]  # the last answer token was sampled, never decoded
+    cache.keep(0, "", cells, extend(extend((), len(prompt), 64), len(cells), 1))
+    next_turn = [*prompt, *answer[:3], 99, 98, *range(50)]
+    hit = cache.find("", next_turn)
+    assert hit is not None and hit.entry.slot == 0
+    assert hit.length == len(prompt) + 3  # decoded one by one: any position is a boundary
+    # Another scope (API key) never sees it.
+    assert cache.find("other key", next_turn) is None
+    # Less than a block in common is no hit.
+    assert cache.find("", prompt[: B - 1] + [5] * 100) is None
+
+
+def test_the_last_prompt_token_is_always_computed_for_its_logits():
+    cache = _cache()
+    prompt = list(range(2 * B))
+    cache.keep(3, "", prompt, (Segment(len(prompt), 1),))
+    hit = cache.find("", prompt)
+    assert hit is not None and hit.length == len(prompt) - 1
+
+
+def test_reuse_stops_at_a_step_boundary_of_the_kept_cells():
+    cache = _cache()
+    tokens = list(range(5 * B))
+    cache.keep(0, "", tokens, (Segment(len(tokens), 64),))
+    hit = cache.find("", [*tokens[: 3 * B + 20], -1, -2])
+    assert hit is not None and hit.length == 3 * B  # not 3B+20: cells there were mid-step
+
+
+def test_a_replay_only_reuses_cells_computed_its_own_way():
+    cache = _cache()
+    tokens = list(range(4 * B))
+    cache.keep(0, "", tokens, (Segment(2 * B + 10, 64), Segment(len(tokens), 1)))
+    prompt = [*tokens, 5, 6]
+    # A replay whose prompt was prefilled cold (chunks of 64 from 0) may take the first two
+    # chunks, not the cells after them (those were computed in a chunk of 10, then alone).
+    hit = cache.find("", prompt, (Segment(len(prompt), 64),))
+    assert hit is not None and hit.length == 2 * B
+    # One recorded with the same segments takes everything but the last token.
+    same = (Segment(2 * B + 10, 64), Segment(len(prompt), 1))
+    hit = cache.find("", prompt, same)
+    assert hit is not None and hit.length == len(tokens)
+
+
+def test_a_spilled_entry_is_found_as_a_blob_and_the_budget_drops_the_oldest():
+    cache = _cache(max_blob_bytes=250)
+    first, second, third = (list(range(k, k + 2 * B)) for k in (0, 1000, 2000))
+    for slot, tokens in enumerate((first, second, third)):
+        cache.keep(slot, "", tokens, (Segment(len(tokens), 64),))
+    assert cache.stats.resident_tokens == 6 * B
+    victim = cache.least_used([0, 1, 2])
+    assert victim is not None and victim.slot == 0
+    cache.spill(victim, b"x" * 100)
+    second_entry = cache.entry_in(1)
+    assert second_entry is not None
+    cache.spill(second_entry, b"y" * 100)
+    assert cache.stats.blob_bytes == 200 and cache.stats.resident_tokens == 2 * B
+    hit = cache.find("", [*first, 1])
+    assert hit is not None and hit.entry.blob == b"x" * 100 and hit.length == 2 * B
+    third_entry = cache.entry_in(2)
+    assert third_entry is not None
+    cache.spill(third_entry, b"z" * 100)  # over 250: the oldest blob goes
+    assert cache.find("", [*first, 1]) is None
+    assert cache.stats.blob_bytes == 200
+    # A blob larger than the whole budget is not kept at all.
+    cache.keep(5, "", first, (Segment(len(first), 64),))
+    big = cache.entry_in(5)
+    assert big is not None
+    cache.spill(big, b"w" * 1000)
+    assert cache.find("", [*first, 1]) is None
+
+
+def test_taking_an_entry_removes_it_and_a_slot_keeps_one_entry():
+    cache = _cache()
+    tokens = list(range(2 * B))
+    cache.keep(0, "", tokens, (Segment(len(tokens), 64),))
+    cache.keep(0, "", [t + 1 for t in tokens], (Segment(len(tokens), 64),))  # the slot was reused
+    assert cache.find("", [*tokens, 0]) is None
+    hit = cache.find("", [*(t + 1 for t in tokens), 0])
+    assert hit is not None
+    cache.take(hit.entry)
+    assert cache.entry_in(0) is None and cache.stats.resident_tokens == 0
+    assert cache.find("", [*(t + 1 for t in tokens), 0]) is None

@@ -1,0 +1,154 @@
+"""The engine's prefix cache with the real model: the next turn reuses the kept cells, and a
+generation that started from them is replayed exactly by following its plan."""
+
+from __future__ import annotations
+
+import dataclasses
+import threading
+
+import pytest
+
+from quicsrv.config import engine_settings_for
+from quicsrv.engine import (
+    FinishReason,
+    PausedState,
+    PrefillPlan,
+    ResumePath,
+    ResumePoint,
+    SamplingParams,
+    SequenceRequest,
+)
+from quicsrv.engine.llama import LlamaEngine
+
+pytestmark = pytest.mark.model
+
+_SYSTEM = (
+    "You are a patient assistant for a small bakery. You answer questions about bread, "
+    "pastry, opening hours and orders, briefly and politely, in plain English."
+)
+
+
+class Turn:
+    """A sink that keeps one sequence's tokens and its plan."""
+
+    def __init__(self) -> None:
+        self.tokens: list[int] = []
+        self.plans: list[PrefillPlan] = []
+        self.paths: list[ResumePath] = []
+        self.done = threading.Event()
+        self.reason: FinishReason | None = None
+
+    def token_generated(self, index: int, token_id: int, piece: bytes) -> None:
+        self.tokens.append(token_id)
+
+    def sequence_finished(self, reason: FinishReason, completion_tokens: int) -> None:
+        self.reason = reason
+        self.done.set()
+
+    def sequence_paused(self, state: PausedState) -> None:
+        self.done.set()
+
+    def sequence_resumed(self, path: ResumePath) -> None:
+        self.paths.append(path)
+
+    def sequence_planned(self, plan: PrefillPlan) -> None:
+        self.plans.append(plan)
+
+
+def _run(engine: LlamaEngine, request: SequenceRequest) -> Turn:
+    turn = Turn()
+    engine.submit(request, turn)
+    assert turn.done.wait(300)
+    assert turn.reason is FinishReason.LENGTH
+    return turn
+
+
+def _request(prompt: list[int], **changes: object) -> SequenceRequest:
+    request = SequenceRequest(
+        prompt_tokens=tuple(prompt), max_tokens=24, sampling=SamplingParams(), ignore_eos=True
+    )
+    return dataclasses.replace(request, **changes)  # type: ignore[arg-type]
+
+
+def _conversation(engine: LlamaEngine) -> tuple[list[int], list[int], list[int]]:
+    """Turn 1's prompt and answer, and turn 2's prompt: the history resent, then more."""
+    first = engine.tokenize(
+        engine.render_chat(
+            [
+                {"role": "system", "content": _SYSTEM},
+                {"role": "user", "content": "Which breads do you bake on Saturdays?"},
+            ]
+        ),
+        add_special=True,
+    )
+    answer = _run(engine, _request(first)).tokens
+    more = engine.tokenize(" And which of them keep best for a week?", add_special=False)
+    return first, answer, [*first, *answer, *more]
+
+
+def test_the_next_turn_reuses_the_kept_cells_and_replays_exactly_by_its_plan(
+    model_path, cpu_extra_buffers
+):
+    settings = engine_settings_for(model_path, n_seq_max=2, cpu_extra_buffers=cpu_extra_buffers)
+    engine = LlamaEngine(settings)
+    try:
+        first, answer, second = _conversation(engine)
+        turn = _run(engine, _request(second))
+        (plan,) = turn.plans
+        # Turn 1's prompt and every decoded answer token (the last one was sampled, never
+        # decoded): the cells of each were computed alone, so any of them is a boundary.
+        assert plan.reused == len(first) + len(answer) - 1
+        assert plan.length == len(second) and not plan.is_plain
+        assert engine.prefix_stats.hits == 1 and engine.prefix_stats.reused_tokens == plan.reused
+
+        # Another API key's prompt finds nothing of it.
+        other = _run(engine, _request(second, cache_scope="someone else"))
+        assert other.plans[0].reused == 0
+
+        # A replay that follows the plan continues exactly, here with the cache warm ...
+        resume = ResumePoint(generated=tuple(turn.tokens[:8]))
+        warm = _run(engine, _request(second, resume=resume, prefill_plan=plan))
+        assert warm.tokens == turn.tokens[8:]
+        assert warm.plans[0].segments == plan.segments
+    finally:
+        engine.close()
+
+    # ... and in a new engine, cold, as after a worker's kill -9.
+    engine = LlamaEngine(settings)
+    try:
+        cold = _run(engine, _request(second, resume=resume, prefill_plan=plan))
+        assert cold.plans[0].reused == 0 and cold.plans[0].segments == plan.segments
+        assert cold.tokens == turn.tokens[8:]
+        assert cold.paths == [ResumePath.REPLAY]
+    finally:
+        engine.close()
+
+
+def test_an_evicted_entry_becomes_a_blob_that_a_later_turn_restores(model_path, cpu_extra_buffers):
+    settings = engine_settings_for(model_path, n_seq_max=1, cpu_extra_buffers=cpu_extra_buffers)
+    engine = LlamaEngine(settings)
+    try:
+        first, answer, second = _conversation(engine)
+        # One slot: an unrelated prompt needs it, so turn 1's cells are spilled to a blob.
+        stranger = engine.tokenize("Write a limerick about a lighthouse keeper.", add_special=True)
+        _run(engine, _request(stranger))
+        assert engine.prefix_stats.blob_bytes > 0
+        turn = _run(engine, _request(second))
+        assert turn.plans[0].reused == len(first) + len(answer) - 1
+        assert engine.prefix_stats.blob_bytes == 0  # restored: the blob is the slot's again
+    finally:
+        engine.close()
+
+
+def test_the_cache_switched_off_reuses_nothing(model_path, cpu_extra_buffers):
+    settings = engine_settings_for(
+        model_path, n_seq_max=1, prefix_cache=False, cpu_extra_buffers=cpu_extra_buffers
+    )
+    engine = LlamaEngine(settings)
+    try:
+        _first, _answer, second = _conversation(engine)
+        turn = _run(engine, _request(second))
+        assert turn.plans[0].reused == 0 and turn.plans[0].is_plain
+        assert not engine.prefix_stats.enabled
+    finally:
+        engine.close()
