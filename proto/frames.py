@@ -268,6 +268,8 @@ class End(Frame):
     """Tokens generated."""
     text: str = ""
     """Text held back while it could have begun a stop sequence, released at the end."""
+    cached_tokens: int = 0
+    """Prompt tokens whose KV cells were reused from an earlier generation, not computed."""
 
     def to_payload(self) -> dict[str, Any]:
         payload: dict[str, Any] = {
@@ -277,6 +279,8 @@ class End(Frame):
         }
         if self.text:
             payload["text"] = self.text
+        if self.cached_tokens:
+            payload["cached_tokens"] = self.cached_tokens
         return payload
 
     @classmethod
@@ -292,6 +296,7 @@ class End(Frame):
             prompt_tokens=r.integer("prompt_tokens", lo=0, hi=MAX_TOKEN_INDEX, default=0),
             completion_tokens=r.integer("completion_tokens", lo=0, hi=MAX_TOKEN_INDEX, default=0),
             text=r.text("text", max_chars=MAX_STOP_CHARS * MAX_STOP_SEQUENCES, default=""),
+            cached_tokens=r.integer("cached_tokens", lo=0, hi=MAX_TOKEN_INDEX, default=0),
         )
         r.finish()
         return frame

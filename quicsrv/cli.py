@@ -65,6 +65,22 @@ def _parser() -> argparse.ArgumentParser:
         help="decode each sequence alone so output never depends on batch composition",
     )
     serve.add_argument(
+        "--no-prefix-cache",
+        action="store_const",
+        const=False,
+        dest="prefix_cache",
+        help="free a finished generation's KV cells at once instead of keeping them for the "
+        "next prompt that starts the same (a chat's next turn)",
+    )
+    serve.add_argument(
+        "--prefix-cache-shared",
+        action="store_const",
+        const=True,
+        dest="prefix_cache_shared",
+        help="let every API key reuse every key's kept KV cells (the time to first token then "
+        "tells one key what another's prompts began with)",
+    )
+    serve.add_argument(
         "--cpu-extra-buffers",
         choices=[c.value for c in CpuExtraBuffers],
         dest="cpu_extra_buffers",

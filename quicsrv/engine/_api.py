@@ -136,6 +136,11 @@ class PrefillPlan:
     segments: tuple[Segment, ...]
     reused: int = 0
 
+    def __reduce__(self) -> tuple[type[PrefillPlan], tuple[tuple[Segment, ...], int]]:
+        # Its constructor call: unpickling a frozen slots dataclass otherwise takes a walk
+        # over its fields (it travels in the worker's step messages; see .ipc).
+        return PrefillPlan, (self.segments, self.reused)
+
     @classmethod
     def plain(cls, n_tokens: int, step: int) -> PrefillPlan:
         """A prompt prefilled from position 0 in chunks of ``step``: a cold start."""

@@ -116,12 +116,12 @@ class EngineSettings:
     flash_attn: bool
     kv_unified: bool
     """One KV buffer for all sequences: faster at 8, but output then depends on the batch."""
+    prefix_cache: bool
+    """Keep finished sequences' cells for the prompts that start the same (.prefix_cache)."""
+    prefix_cache_max_bytes: int
+    """Evicted entries kept as blobs in memory, up to this many bytes in all."""
     cpu_extra_buffers: bool = True
     """llama.cpp's extra CPU weight buffers (AMX, repacked layouts); off = the safe mode."""
-    prefix_cache: bool = True
-    """Keep finished sequences' cells for the prompts that start the same (.prefix_cache)."""
-    prefix_cache_max_bytes: int = 256 << 20
-    """Evicted entries kept as blobs in memory, up to this many bytes in all."""
 
     def numerics(self, model_digest: bytes) -> bytes:
         """What a token's computed numbers depend on besides the tokens: cells computed under

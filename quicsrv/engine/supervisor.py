@@ -481,6 +481,7 @@ class WorkerEngine(ModelFacts):
             settings=settings,
             spool_dir=self._spool.path,
             incarnation=next(self._incarnations),
+            replaces_ready=self.last_ready is not None,
             token_coalesce_s=self.supervision.token_coalesce_s,
             log_level=logging.getLogger().getEffectiveLevel(),
             log_format=current_log_format(),

@@ -16,8 +16,9 @@ otherwise only a broken CPU or build does:
 
 * ``canary-crash`` - SIGSEGV inside the canary's decode while CPU extra buffers are on;
 * ``decode-crash:N`` - SIGSEGV at the N-th decode after Ready while extra buffers are on;
-* ``hang:N`` - the first worker (incarnation 0) hangs at its N-th decode after Ready;
-* ``decode-error:N`` - the first worker's N-th decode after Ready raises, as a failed
+* ``hang:N`` - the first worker to get ready hangs at its N-th decode after Ready (on a CPU
+  whose canary crashes, that is the safe-mode worker after it);
+* ``decode-error:N`` - the first ready worker's N-th decode after Ready raises, as a failed
   ``llama_decode`` does;
 * ``decode-abort:N`` - every worker aborts (SIGABRT) at its N-th decode after Ready: a crash loop;
   ``decode-abort:N:M``: only the workers before incarnation M do (the M-th one recovers);
@@ -93,6 +94,8 @@ class WorkerOptions:
     settings: EngineSettings
     spool_dir: Path
     incarnation: int
+    replaces_ready: bool
+    """An earlier worker of this engine got ready (the one-shot test faults spare this one)."""
     token_coalesce_s: float
     """How long a token may wait to share a message with the next ones (:mod:`.coalescing`)."""
     log_level: int = logging.INFO
@@ -455,7 +458,7 @@ class _Faults:
         log.warning("test faults armed: %s (cpu extra buffers %s)", spec, extra_buffers)
         if not extra_buffers:  # the crashes model a kernel that only the extra buffers use
             canary_crash, crash_at = False, 0
-        if options.incarnation != 0:
+        if options.replaces_ready:
             hang_at, error_at = 0, 0
         return cls(
             canary_crash=canary_crash,

@@ -182,11 +182,13 @@ def finish_reason(reason: EndReason) -> str:
     return "stop"
 
 
-def usage(prompt_tokens: int, completion_tokens: int) -> dict[str, int]:
+def usage(end: quicsrv_proto.End) -> dict[str, Any]:
     return {
-        "prompt_tokens": prompt_tokens,
-        "completion_tokens": completion_tokens,
-        "total_tokens": prompt_tokens + completion_tokens,
+        "prompt_tokens": end.prompt_tokens,
+        "completion_tokens": end.completion_tokens,
+        "total_tokens": end.prompt_tokens + end.completion_tokens,
+        # OpenAI's name for prompt tokens served from its prompt cache.
+        "prompt_tokens_details": {"cached_tokens": end.cached_tokens},
     }
 
 
@@ -253,7 +255,7 @@ def completion_body(
         "created": created,
         "model": model,
         "choices": [choice],
-        "usage": usage(end.prompt_tokens, end.completion_tokens),
+        "usage": usage(end),
     }
 
 

@@ -125,7 +125,7 @@ class SseEncoder:
         n = end.completion_tokens
         out = self._event(n, text=end.text or None, finish=openai_api.finish_reason(end.reason))
         if self.shape.include_usage:
-            counts = openai_api.usage(end.prompt_tokens, end.completion_tokens)
+            counts = openai_api.usage(end)
             out += self._event(n + 1, text=None, usage_counts=counts)
         self.finished = True
         return out + DONE

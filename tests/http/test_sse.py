@@ -50,7 +50,12 @@ def test_a_whole_chat_stream():
     text = "".join(c["choices"][0]["delta"].get("content", "") for c in chunks if c["choices"])
     assert text == "Hello!"
     assert chunks[-2]["choices"][0]["finish_reason"] == "length"
-    assert chunks[-1]["usage"] == {"prompt_tokens": 4, "completion_tokens": 3, "total_tokens": 7}
+    assert chunks[-1]["usage"] == {
+        "prompt_tokens": 4,
+        "completion_tokens": 3,
+        "total_tokens": 7,
+        "prompt_tokens_details": {"cached_tokens": 0},
+    }
     indices = [decode_cursor(i, [KEY]).index for i, _ in events[:-1] if i is not None]
     assert indices == [-1, 0, 2, 3, 4]
     assert encoder.finished

@@ -63,7 +63,9 @@ async def test_fds_threads_spool_and_kv_files_come_back_after_cuts_resumes_and_c
     # of them: a client that lags (2 busy cores) acknowledges tokens its reader never took, so
     # a generation may run to its end before the cut.
     assert any(result.resume_paths.get("kv-restore") for result in results), results
-    assert baseline.kv == () and baseline.spool == ("phase-0",)
+    # One worker's phase file (the safe-mode worker's on a CPU whose canary crashes).
+    assert baseline.kv == () and len(baseline.spool) == 1
+    assert baseline.spool[0].startswith("phase-")
     assert results[-1].census.sessions == ROUNDS * PER_ROUND  # kept until their TTL
     growth = rss_growth_mib(results)
     assert max(growth.values()) <= RSS_GROWTH_BOUND_MIB, growth
