@@ -144,17 +144,16 @@ class PrefillPlan:
     @classmethod
     def plain(cls, n_tokens: int, step: int) -> PrefillPlan:
         """A prompt prefilled from position 0 in chunks of ``step``: a cold start."""
-        return cls((Segment(n_tokens, step),))
+        return cls((Segment(n_tokens, min(step, n_tokens)),))
+
+    def is_cold(self, step: int) -> bool:
+        """Whether it computes the cells as :meth:`plain` with ``step`` does (whatever was
+        reused): a replay without a recorded plan is then exact."""
+        return self.segments == PrefillPlan.plain(self.length, step).segments
 
     @property
     def length(self) -> int:
         return self.segments[-1].end if self.segments else 0
-
-    @property
-    def is_plain(self) -> bool:
-        """Whether it computes the cells as a cold start does (one segment from position 0,
-        whatever was reused): a replay without a recorded plan is then exact."""
-        return len(self.segments) <= 1
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)

@@ -199,8 +199,12 @@ class _Sequence:
     pause_requested: bool = False
     capture_kv: bool = True
     reprefill: bool = False  # pending_prompt holds generated tokens too: sample nothing from it
-    plan: tuple[Segment, ...] = ()  # how its cells are computed: pending_prompt's way included
-    segments: deque[Segment] = field(default_factory=deque)  # the plan's part still to feed
+    # How its cells are computed, pending_prompt's included: a recorded plan, whole from the
+    # start (``fixed``); else its steps are chosen as it goes and added here as they are fed.
+    plan: tuple[Segment, ...] = ()
+    fixed: bool = False
+    segments: deque[Segment] = field(default_factory=deque)  # a fixed plan's part still to feed
+    reused: int = 0  # leading positions whose cells came from the prefix cache
     pending_prompt: deque[int] = field(default_factory=deque)
     forced: deque[int] = field(default_factory=deque)  # replay: tokens to decode, not sample
     history: list[int] = field(default_factory=list)  # every generated token, in order
@@ -304,18 +308,23 @@ class LlamaEngine(ModelFacts):
                 raise EngineError("the engine is shutting down")
             check_admission(self.settings, self._admitted)
             self._admitted += 1
-        plan = request.prefill_plan or PrefillPlan.plain(len(request.prompt_tokens), chunk)
+        resume = request.resume
+        plan = request.prefill_plan
+        if plan is None and resume is not None and resume.generated:
+            # Tokens were sent from a run without a recorded plan: one that fed the prompt in
+            # chunks from position 0 (what every run did before plans were recorded).
+            plan = PrefillPlan.plain(len(request.prompt_tokens), chunk)
         sequence = _Sequence(
             request=request,
             sink=sink,
             sampler=SequenceSampler(request.sampling, self._n_vocab),
             pending_prompt=deque(request.prompt_tokens),
-            plan=plan.segments,
+            plan=plan.segments if plan is not None else (),
+            fixed=plan is not None,
             release_admission=self._release_admission,
             chunk=chunk,
             order=next(self._submissions),
         )
-        resume = request.resume
         if resume is not None and resume.kv_state is None and resume.generated:
             if resume.inexact_reprefill:
                 # Fast, but prompt-processing logits are not bit-identical to token-by-token
@@ -406,20 +415,14 @@ class LlamaEngine(ModelFacts):
             if not sequence.pending_prompt:
                 entries.append((sequence, sequence.last_token, sequence.n_past, True))
                 sequence.n_past += 1
-        # One prompt chunk per step (first come, first served), so a long prompt is fed in
-        # pieces between the other sequences' tokens instead of stalling them.
+        # One prompt piece per step (first come, first served).
         prefilling = min(
             (s for s in self._active if s.pending_prompt), key=lambda s: s.order, default=None
         )
         if prefilling is not None:
-            # Steps from the segment's start, as the plan says: so a replay cuts them the same.
-            segment = prefilling.segments[0]
-            room = min(
-                segment.step,
-                segment.end - prefilling.n_past,
-                self.settings.n_batch - len(entries),
-            )
-            for _ in range(min(room, len(prefilling.pending_prompt))):
+            step, room = self._prefill_step(prefilling, decoding=bool(entries))
+            fed_from = prefilling.n_past
+            for _ in range(room):
                 token = prefilling.pending_prompt.popleft()
                 last = not prefilling.pending_prompt
                 # A re-prefill ends on a generated token whose successor is already known.
@@ -430,8 +433,13 @@ class LlamaEngine(ModelFacts):
                 if last and prefilling.reprefill:
                     prefilling.reprefill = False
                     prefilling.sink.sequence_resumed(ResumePath.REPREFILL)
-            if prefilling.n_past >= segment.end:
-                prefilling.segments.popleft()
+            if prefilling.fixed:
+                if prefilling.n_past >= prefilling.segments[0].end:
+                    prefilling.segments.popleft()
+            else:
+                prefilling.plan = extend(prefilling.plan, prefilling.n_past, step)
+            if fed_from < len(prefilling.request.prompt_tokens) <= prefilling.n_past:
+                self._report_plan(prefilling)
         if not self.settings.batch_invariant:
             self._decode(entries)
             return
@@ -454,6 +462,24 @@ class LlamaEngine(ModelFacts):
         for i, (sequence, _token, _position, logits) in enumerate(entries):
             if logits:
                 self._sample(sequence, i)
+
+    def _prefill_step(self, sequence: _Sequence, *, decoding: bool) -> tuple[int, int]:
+        """The step a prompt is fed in now, and how many of its tokens go in.
+
+        A fixed plan's steps (a recorded one, or a cold prompt's chunks) are taken from each
+        segment's start, so a replay cuts the prompt exactly as the run it replays did. What
+        follows reused cells is fed in steps chosen now (and added to the plan): beside
+        decoding sequences a chunk of ``prefill_chunk`` tokens, so that their next token is not
+        stalled behind a long prompt; alone, the widest piece a batch takes, which stalls
+        nobody (prompts in line wait for this one's prefill anyway) and over a long kept
+        prefix costs half of what chunks do (measured: loadtest.bench.conversation).
+        """
+        if sequence.fixed:
+            segment = sequence.segments[0]
+            return segment.step, min(segment.step, segment.end - sequence.n_past)
+        widest = self.settings.n_batch - self.settings.n_seq_max
+        step = sequence.chunk if decoding else max(sequence.chunk, widest)
+        return step, min(step, len(sequence.pending_prompt))
 
     def _out_of_allowance(self, sequence: _Sequence) -> bool:
         busy_rebuilding = sequence.pending_prompt or sequence.forced
@@ -495,12 +521,9 @@ class LlamaEngine(ModelFacts):
         if cache is None or (resume is not None and resume.kv_state is not None):
             return None
         request = sequence.request
-        recorded = request.prefill_plan
-        if recorded is None and resume is not None and resume.generated:
-            # Tokens were sent from a cold start: only cells computed that way will do.
-            recorded = PrefillPlan.plain(len(request.prompt_tokens), sequence.chunk)
-        segments = recorded.segments if recorded is not None else None
-        return cache.find(request.cache_scope, request.prompt_tokens, segments)
+        # A fixed plan takes only cells computed its own way; a new prompt, any.
+        recorded = sequence.plan if sequence.fixed else None
+        return cache.find(request.cache_scope, request.prompt_tokens, recorded)
 
     def _slot_for(self, hit: Hit | None) -> int:
         """The hit's slot; else the lowest free slot that keeps nothing; else the slot of the
@@ -525,28 +548,32 @@ class LlamaEngine(ModelFacts):
         """Start the prompt from the hit's cells (if they can be had), tell the sink how the
         prompt is computed, and queue what is left to feed."""
         reused = self._take(sequence.seq_id, hit) if hit is not None else 0
-        request = sequence.request
-        n_prompt = len(request.prompt_tokens)
-        if reused and request.prefill_plan is None:
-            # The hit's way up to where it is cut, then the rest as a cold start would (and a
-            # re-prefill's generated tokens after the prompt, as before).
+        if not sequence.fixed and not reused:
+            # A cold prompt is cut the same way whatever runs beside it, so that the same
+            # request gives the same output under any load: in chunks of ``prefill_chunk``.
+            n_prompt = len(sequence.request.prompt_tokens)
+            sequence.plan = PrefillPlan.plain(n_prompt, sequence.chunk).segments
+            sequence.fixed = True
+        if sequence.fixed:
+            sequence.segments = deque(rest(sequence.plan, reused))
+        else:
             assert hit is not None
-            plan = extend(cut(hit.entry.segments, reused), n_prompt, sequence.chunk)
-            for segment in sequence.plan:
-                if segment.end > n_prompt:
-                    plan = extend(plan, segment.end, segment.step)
-            sequence.plan = plan
+            sequence.plan = cut(hit.entry.segments, reused)  # the hit's way, up to the cut
         for _ in range(reused):
             sequence.pending_prompt.popleft()
-        sequence.n_past = reused
-        sequence.segments = deque(rest(sequence.plan, reused))
+        sequence.n_past = sequence.reused = reused
+
+    def _report_plan(self, sequence: _Sequence) -> None:
+        """The prompt is fed: tell the sink how (before its first token), and count it."""
+        n_prompt = len(sequence.request.prompt_tokens)
         if self._cache is not None:
             stats = self._cache.stats
-            stats.hits += bool(reused)
-            stats.misses += not reused
-            stats.reused_tokens += reused
-            stats.prefilled_tokens += n_prompt - reused
-        sequence.sink.sequence_planned(PrefillPlan(cut(sequence.plan, n_prompt), reused))
+            stats.hits += bool(sequence.reused)
+            stats.misses += not sequence.reused
+            stats.reused_tokens += sequence.reused
+            stats.prefilled_tokens += n_prompt - sequence.reused
+        plan = PrefillPlan(cut(sequence.plan, n_prompt), sequence.reused)
+        sequence.sink.sequence_planned(plan)
 
     def _take(self, slot: int, hit: Hit) -> int:
         """Move the hit's cells into ``slot`` and cut them to its length; 0 when they could

@@ -55,9 +55,12 @@ def extend(segments: Sequence[Segment], end: int, step: int) -> tuple[Segment, .
     if segments:
         last = segments[-1]
         last_start = segments[-2].end if len(segments) > 1 else 0
-        if last.step == step and (last.end - last_start) % step == 0:
-            return (*segments[:-1], Segment(end, step))
-    return (*segments, Segment(end, step))
+        # Fed in whole steps so far, it goes on with the same steps, or with one last piece.
+        if (last.end - last_start) % last.step == 0 and (
+            step == last.step or end - start <= min(step, last.step)
+        ):
+            return (*segments[:-1], Segment(end, last.step))
+    return (*segments, Segment(end, min(step, end - start)))  # one piece: one way to say it
 
 
 def boundaries(segments: Sequence[Segment]) -> Iterator[int]:

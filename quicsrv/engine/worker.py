@@ -396,6 +396,8 @@ def _canary(engine: LlamaEngine) -> None:
             sampling=SamplingParams(),
             ignore_eos=True,
             prefill_chunk=chunk,
+            # In chunks, even alone: several multi-token batches per sequence.
+            prefill_plan=PrefillPlan.plain(len(prompt), chunk),
         )
         engine.submit(request, sink)
     deadline = time.monotonic() + CANARY_TIMEOUT_S

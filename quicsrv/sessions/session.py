@@ -415,7 +415,8 @@ class Session:
         record = self.record
         if self.handed_over or record.generated:
             return  # a resume: it follows the plan on record
-        kept = None if plan.is_plain and not plan.reused else plan
+        cold = plan.is_cold(record.prefill_chunk)
+        kept = None if cold and not plan.reused else plan
         if kept == record.prefill_plan:
             return
         record.prefill_plan = kept

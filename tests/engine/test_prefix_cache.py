@@ -43,8 +43,13 @@ def test_a_plan_is_kept_in_its_canonical_form():
     # A chunked segment continues a chunked one only where its steps would have fallen.
     assert extend((Segment(128, 64),), 200, 64) == (Segment(200, 64),)
     assert extend((Segment(130, 64),), 200, 64) == (Segment(130, 64), Segment(200, 64))
-    assert PrefillPlan.plain(200, 64).is_plain
-    assert not PrefillPlan((Segment(130, 64), Segment(200, 64))).is_plain
+    # A last piece shorter than the step is the same computation as one more step cut short.
+    assert extend((Segment(128, 64),), 150, 22) == (Segment(150, 64),)
+    assert extend((), 50, 64) == (Segment(50, 50),)
+    assert PrefillPlan.plain(200, 64).is_cold(64)
+    assert PrefillPlan(extend((Segment(128, 64),), 200, 64), reused=128).is_cold(64)
+    assert not PrefillPlan((Segment(130, 64), Segment(200, 64))).is_cold(64)
+    assert not PrefillPlan((Segment(200, 200),)).is_cold(64)
 
 
 plans = st.lists(
@@ -164,3 +169,10 @@ def test_taking_an_entry_removes_it_and_a_slot_keeps_one_entry():
     cache.take(hit.entry)
     assert cache.entry_in(0) is None and cache.stats.resident_tokens == 0
     assert cache.find("", [*(t + 1 for t in tokens), 0]) is None
+
+
+@given(plans, st.integers(1, 90), st.sampled_from([1, 7, 16, 64, 200]))
+def test_extending_a_plan_feeds_the_old_steps_then_the_new_ones(plan, length, step):
+    start = plan[-1].end
+    new = [(p, min(p + step, start + length)) for p in range(start, start + length, step)]
+    assert _steps(extend(plan, start + length, step)) == _steps(plan) + new

@@ -93,7 +93,7 @@ def test_the_next_turn_reuses_the_kept_cells_and_replays_exactly_by_its_plan(
         # Turn 1's prompt and every decoded answer token (the last one was sampled, never
         # decoded): the cells of each were computed alone, so any of them is a boundary.
         assert plan.reused == len(first) + len(answer) - 1
-        assert plan.length == len(second) and not plan.is_plain
+        assert plan.length == len(second) and not plan.is_cold(settings.prefill_chunk)
         assert engine.prefix_stats.hits == 1 and engine.prefix_stats.reused_tokens == plan.reused
 
         # Another API key's prompt finds nothing of it.
@@ -143,7 +143,7 @@ def test_the_cache_switched_off_reuses_nothing(model_path, cpu_extra_buffers):
     try:
         _first, _answer, second = _conversation(engine)
         turn = _run(engine, _request(second))
-        assert turn.plans[0].reused == 0 and turn.plans[0].is_plain
+        assert turn.plans[0].reused == 0 and turn.plans[0].is_cold(settings.prefill_chunk)
         assert not engine.prefix_stats.enabled
     finally:
         engine.close()
@@ -166,7 +166,7 @@ def test_a_sliding_window_model_runs_with_the_cache_off_and_resumes_exactly(
         assert not engine.prefix_stats.enabled
         _first, _answer, second = _conversation(engine)
         turn = _run(engine, _request(second))
-        assert turn.plans[0].reused == 0 and turn.plans[0].is_plain
+        assert turn.plans[0].reused == 0 and turn.plans[0].is_cold(settings.prefill_chunk)
         resume = ResumePoint(generated=tuple(turn.tokens[:8]))
         replayed = _run(engine, _request(second, resume=resume))
         assert replayed.tokens == turn.tokens[8:]
