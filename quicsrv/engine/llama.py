@@ -478,7 +478,7 @@ class LlamaEngine(ModelFacts):
             segment = sequence.segments[0]
             return segment.step, min(segment.step, segment.end - sequence.n_past)
         widest = self.settings.n_batch - self.settings.n_seq_max
-        step = sequence.chunk if decoding else max(sequence.chunk, widest)
+        step = sequence.chunk if decoding else widest
         return step, min(step, len(sequence.pending_prompt))
 
     def _out_of_allowance(self, sequence: _Sequence) -> bool:
