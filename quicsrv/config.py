@@ -95,6 +95,9 @@ class ServerConfig:
     # (engine/prefix_cache.py). Off for sliding-window models (Gemma 3).
     prefix_cache: bool = True
     prefix_cache_max_bytes: int = 256 << 20  # evicted entries kept as blobs in the worker
+    # ...and past that on disk, under kv_shared_dir (shared by this node's processes) or
+    # data_dir: a worker that replaces a dead one, or a restarted server, finds them there.
+    prefix_cache_disk_bytes: int = 2 << 30
     prefix_cache_shared: bool = False  # True: API keys reuse each other's cells (TTFT leaks)
     # The engine worker process and its supervision.
     cpu_extra_buffers: CpuExtraBuffers = CpuExtraBuffers.AUTO  # on unless the canary crashes
@@ -212,6 +215,8 @@ class ServerConfig:
             kv_unified=self.kv_unified,
             prefix_cache=self.prefix_cache,
             prefix_cache_max_bytes=self.prefix_cache_max_bytes,
+            prefix_cache_dir=(self.kv_shared_dir or self.data_dir) / "prefix-cache",
+            prefix_cache_disk_bytes=self.prefix_cache_disk_bytes,
         )
 
     def supervisor_settings(self) -> SupervisorSettings:
@@ -286,6 +291,8 @@ class ServerConfig:
 def engine_settings_for(model_path: Path, **changes: Any) -> EngineSettings:
     """The default configuration's engine settings for ``model_path``, with ``changes`` (for
     tools and tests that drive an engine without a server)."""
+    # Without a server there is no data directory: no shelf unless one is named.
+    changes.setdefault("prefix_cache_dir", None)
     return dataclasses.replace(ServerConfig().engine_settings(model_path), **changes)
 
 

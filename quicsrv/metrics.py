@@ -403,6 +403,11 @@ def _prefix_cache(stats: PrefixStats) -> Iterator[Metric]:
         "Bytes of evicted entries kept as blobs in the engine worker's memory",
         stats.blob_bytes,
     )
+    yield _gauge(
+        "quicsrv_prefix_cache_disk_bytes",
+        "Bytes of entries on disk (prefix_cache_disk_bytes; shared by this node's processes)",
+        stats.disk_bytes,
+    )
 
 
 def _gauge(name: str, documentation: str, value: float) -> GaugeMetricFamily:

@@ -167,6 +167,7 @@ class SequencePlanned:
     plan: PrefillPlan
     resident_tokens: int
     blob_bytes: int
+    disk_bytes: int
 
 
 Event = TokenGenerated | SequenceFinished | SequencePaused | SequenceResumed | SequencePlanned

@@ -39,7 +39,7 @@ from ._api import (
     SequenceRequest,
     TokenSink,
 )
-from .prefix_cache import Hit, PrefixCache, PrefixStats, cut, extend, rest
+from .prefix_cache import Hit, PrefixCache, PrefixShelf, PrefixStats, cut, extend, rest
 from .sampling import SequenceSampler
 from .vocab import Vocabulary, file_digest
 
@@ -120,6 +120,9 @@ class EngineSettings:
     """Keep finished sequences' cells for the prompts that start the same (.prefix_cache)."""
     prefix_cache_max_bytes: int
     """Evicted entries kept as blobs in memory, up to this many bytes in all."""
+    prefix_cache_dir: Path | None
+    """Where entries go from memory (a directory other engines on this node may share)."""
+    prefix_cache_disk_bytes: int
     cpu_extra_buffers: bool = True
     """llama.cpp's extra CPU weight buffers (AMX, repacked layouts); off = the safe mode."""
 
@@ -385,6 +388,7 @@ class LlamaEngine(ModelFacts):
             if item is None:
                 for sequence in [*self._active, *self._waiting]:
                     self._finish(sequence, FinishReason.SHUTDOWN)
+                self._shelve_resident()
                 return False
             self._waiting.append(item)
             idle = False
@@ -509,10 +513,15 @@ class LlamaEngine(ModelFacts):
             # cost this model's whole context in every layer.
             log.info("prefix cache off: the model uses sliding-window attention (%d)", window)
             return None
-        return PrefixCache(
+        cache = PrefixCache(
             settings.numerics(self.vocabulary.model_digest),
             max_blob_bytes=settings.prefix_cache_max_bytes,
         )
+        if settings.prefix_cache_dir is not None and settings.prefix_cache_disk_bytes > 0:
+            cache.shelf = PrefixShelf(
+                settings.prefix_cache_dir, settings.prefix_cache_disk_bytes, cache.stats
+            )
+        return cache
 
     def _lookup(self, sequence: _Sequence) -> Hit | None:
         """The kept cells this sequence's prompt can start from (none for a KV restore)."""
@@ -574,6 +583,19 @@ class LlamaEngine(ModelFacts):
             stats.prefilled_tokens += n_prompt - sequence.reused
         plan = PrefillPlan(cut(sequence.plan, n_prompt), sequence.reused)
         sequence.sink.sequence_planned(plan)
+
+    def _shelve_resident(self) -> None:
+        """Closing: the cells kept in slots go to the shelf, if there is one, the most recently
+        used first, so that the next engine (a restarted server) finds them."""
+        cache = self._cache
+        if cache is None or cache.shelf is None:
+            return
+        for entry in sorted(cache.resident(), key=lambda e: -e.used):
+            assert entry.slot is not None
+            blob = self._state_of(entry.slot)
+            cache.drop(entry)
+            if blob is not None:
+                cache.shelf.put(entry, blob)
 
     def _take(self, slot: int, hit: Hit) -> int:
         """Move the hit's cells into ``slot`` and cut them to its length; 0 when they could

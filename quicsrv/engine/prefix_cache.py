@@ -4,7 +4,9 @@ A finished sequence leaves its cells where they are, in its released slot: they 
 :class:`Entry` of the :class:`PrefixCache`, with the tokens they were computed from and how. A
 new sequence whose prompt starts with an entry's tokens takes the cells over and prefills only
 the rest. An entry whose slot another sequence needs becomes a blob
-(``llama_state_seq_get_data``) within a byte budget, the least recently used going first.
+(``llama_state_seq_get_data``) within a byte budget in memory, the least recently used going
+first to a :class:`PrefixShelf` on disk: a directory other engines (the worker that replaces a
+dead one, the other processes of ``--workers N``) find it in.
 
 How cells were computed is part of what they are: llama.cpp's numbers for a token depend on
 the batch it was computed in (a prompt chunk, or alone as a decoded token), so a generation
@@ -19,12 +21,17 @@ Pure bookkeeping: the engine does the llama.cpp calls.
 from __future__ import annotations
 
 import itertools
+import logging
+import os
+import secrets
 import sys
 from array import array
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import blake3
+import cbor2
 
 from ._api import Segment
 
@@ -33,12 +40,15 @@ __all__ = [
     "Entry",
     "Hit",
     "PrefixCache",
+    "PrefixShelf",
     "PrefixStats",
     "boundaries",
     "cut",
     "extend",
     "rest",
 ]
+
+log = logging.getLogger(__name__)
 
 BLOCK_TOKENS = 64
 """Prefixes are looked up by the hash of each whole block of this many tokens: a shorter
@@ -120,6 +130,86 @@ class PrefixStats:
     prefilled_tokens: int = 0
     resident_tokens: int = 0
     blob_bytes: int = 0
+    disk_bytes: int = 0
+
+
+class PrefixShelf:
+    """Evicted entries on disk, one file each, named by the chained hash of the entry's last
+    whole block: a prompt finds one by the hashes of its own blocks, deepest first, with a stat
+    each, whichever process wrote it. Files are written whole and renamed into place; the
+    oldest (by modification time) go first past ``max_bytes``."""
+
+    SUFFIX = ".prefix"
+
+    def __init__(self, directory: Path, max_bytes: int, stats: PrefixStats) -> None:
+        self.directory = directory
+        self.max_bytes = max_bytes
+        self._stats = stats
+        directory.mkdir(parents=True, exist_ok=True, mode=0o700)
+        self._stats.disk_bytes = sum(size for _, size, _ in self._files())
+
+    def put(self, entry: Entry, blob: bytes) -> None:
+        if not entry.blocks or len(blob) > self.max_bytes:
+            return
+        data = cbor2.dumps(
+            {"v": 1, "tokens": list(entry.tokens), "segments": entry.segments, "blob": blob}
+        )
+        path = self._path(entry.blocks[-1])
+        tmp = path.with_name(f".{path.name}.{secrets.token_hex(4)}.tmp")
+        try:
+            fd = os.open(tmp, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o600)
+            with os.fdopen(fd, "wb") as f:
+                f.write(data)
+            os.replace(tmp, path)
+        except OSError as exc:  # a full disk costs the entry, nothing else
+            tmp.unlink(missing_ok=True)
+            log.warning("prefix cache: cannot write %s: %s", path.name, exc)
+        self._trim()
+
+    def find(self, blocks: Sequence[bytes], scope: str, longer_than: int) -> Entry | None:
+        """The shelved entry whose last whole block is the deepest of ``blocks`` (so that it
+        shares more than ``longer_than`` tokens with their prompt), read in."""
+        for depth in range(len(blocks), 0, -1):
+            if depth * BLOCK_TOKENS <= longer_than:
+                return None
+            path = self._path(blocks[depth - 1])
+            try:
+                data = cbor2.loads(path.read_bytes())
+                tokens = tuple(int(t) for t in data["tokens"])
+                segments = tuple(Segment(int(e), int(s)) for e, s in data["segments"])
+                blob = bytes(data["blob"])
+            except FileNotFoundError:
+                continue
+            except Exception as exc:  # damaged (or another version's): it goes
+                log.warning("prefix cache: ignoring unreadable %s: %s", path.name, exc)
+                path.unlink(missing_ok=True)
+                continue
+            os.utime(path)  # used: the last to go
+            return Entry(scope=scope, tokens=tokens, segments=segments, blocks=(), blob=blob)
+        return None
+
+    def _trim(self) -> None:
+        files = sorted(self._files(), key=lambda f: f[2])
+        held = sum(size for _, size, _ in files)
+        for path, size, _ in files:
+            if held <= self.max_bytes:
+                break
+            path.unlink(missing_ok=True)
+            held -= size
+        self._stats.disk_bytes = held
+
+    def _files(self) -> list[tuple[Path, int, float]]:
+        found = []
+        for path in self.directory.glob(f"*{self.SUFFIX}"):
+            try:
+                st = path.stat()
+            except FileNotFoundError:
+                continue  # another process trimmed it
+            found.append((path, st.st_size, st.st_mtime))
+        return found
+
+    def _path(self, block: bytes) -> Path:
+        return self.directory / f"{block.hex()}{self.SUFFIX}"
 
 
 @dataclass(eq=False)
@@ -131,6 +221,7 @@ class PrefixCache:
     the root of every block hash, so that no other engine's cells ever match."""
     max_blob_bytes: int
     stats: PrefixStats = field(default_factory=PrefixStats)
+    shelf: PrefixShelf | None = None
     _by_block: dict[bytes, list[Entry]] = field(default_factory=dict)
     _by_slot: dict[int, Entry] = field(default_factory=dict)
     _blobs: list[Entry] = field(default_factory=list)  # least recently used first
@@ -163,7 +254,8 @@ class PrefixCache:
         limit = len(prompt) - 1  # the last prompt token is decoded anyway, for its logits
         best: Hit | None = None
         candidates: list[Entry] = []
-        for block in self._blocks(scope, prompt[:limit]):
+        blocks = self._blocks(scope, prompt[:limit])
+        for block in blocks:
             deeper = self._by_block.get(block)
             if not deeper:
                 break
@@ -177,7 +269,16 @@ class PrefixCache:
                 > (best.length, best.entry.slot is not None, best.entry.used)
             ):
                 best = Hit(entry, length)
+        if self.shelf is not None:
+            shelved = self.shelf.find(blocks, scope, best.length if best else BLOCK_TOKENS - 1)
+            if shelved is not None:
+                length = self._usable(shelved, prompt, limit, plan, plan_boundaries)
+                if length >= BLOCK_TOKENS and (best is None or length > best.length):
+                    best = Hit(shelved, length)
         return best
+
+    def resident(self) -> list[Entry]:
+        return list(self._by_slot.values())
 
     def entry_in(self, slot: int) -> Entry | None:
         return self._by_slot.get(slot)
@@ -192,18 +293,28 @@ class PrefixCache:
         self.drop(entry)
 
     def spill(self, entry: Entry, blob: bytes | None) -> None:
-        """A resident entry's slot is needed: keep its cells as ``blob`` while the budget
-        allows (the least recently used blobs go first), else forget it."""
+        """A resident entry's slot is needed: keep its cells as ``blob`` in memory while the
+        budget allows, the least recently used blobs going to the shelf (or away) first."""
         self.drop(entry)
-        if blob is None or len(blob) > self.max_blob_bytes:
+        if blob is None:
+            return
+        if len(blob) > self.max_blob_bytes:
+            self._shelve(entry, blob)
             return
         while self._blobs and self.stats.blob_bytes + len(blob) > self.max_blob_bytes:
-            self.drop(self._blobs[0])
+            oldest = self._blobs[0]
+            self.drop(oldest)
+            assert oldest.blob is not None
+            self._shelve(oldest, oldest.blob)
         entry.slot, entry.blob = None, blob
         self._blobs.append(entry)
         for block in entry.blocks:
             self._by_block.setdefault(block, []).append(entry)
         self.stats.blob_bytes += len(blob)
+
+    def _shelve(self, entry: Entry, blob: bytes) -> None:
+        if self.shelf is not None:
+            self.shelf.put(entry, blob)
 
     def drop(self, entry: Entry) -> None:
         for block in entry.blocks:

@@ -548,6 +548,7 @@ class WorkerEngine(ModelFacts):
             stats.reused_tokens += plan.reused
             stats.prefilled_tokens += plan.length - plan.reused
         stats.resident_tokens, stats.blob_bytes = event.resident_tokens, event.blob_bytes
+        stats.disk_bytes = event.disk_bytes
 
     def _note_locked(self, sequence: _RemoteSequence, event: object) -> None:
         """What an event of a sequence the worker holds tells the bookkeeping (lock held)."""

@@ -243,7 +243,9 @@ class _Worker:
     def planned(self, key: int, plan: PrefillPlan) -> None:
         assert self._engine is not None
         stats = self._engine.prefix_stats
-        self._report(SequencePlanned(key, plan, stats.resident_tokens, stats.blob_bytes))
+        self._report(
+            SequencePlanned(key, plan, stats.resident_tokens, stats.blob_bytes, stats.disk_bytes)
+        )
 
     def paused(self, key: int, state: PausedState) -> None:
         self.forget(key)

@@ -54,6 +54,7 @@ MESSAGES = [
                 plan=PrefillPlan((Segment(130, 64), Segment(150, 1), Segment(170, 64)), 150),
                 resident_tokens=300,
                 blob_bytes=0,
+                disk_bytes=5,
             ),
         ),
         finished_at=12.5,

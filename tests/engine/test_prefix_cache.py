@@ -9,6 +9,7 @@ from quicsrv.engine import PrefillPlan, Segment
 from quicsrv.engine.prefix_cache import (
     BLOCK_TOKENS,
     PrefixCache,
+    PrefixShelf,
     boundaries,
     cut,
     extend,
@@ -176,3 +177,42 @@ def test_extending_a_plan_feeds_the_old_steps_then_the_new_ones(plan, length, st
     start = plan[-1].end
     new = [(p, min(p + step, start + length)) for p in range(start, start + length, step)]
     assert _steps(extend(plan, start + length, step)) == _steps(plan) + new
+
+
+def test_the_shelf_keeps_what_memory_cannot_and_another_cache_finds_it(tmp_path):
+    first, second = list(range(3 * B)), list(range(1000, 1000 + 3 * B))
+    writer = _cache(max_blob_bytes=150)
+    writer.shelf = PrefixShelf(tmp_path, max_bytes=10_000, stats=writer.stats)
+    for slot, tokens in enumerate((first, second)):
+        writer.keep(slot, "key", tokens, (Segment(len(tokens), 64),))
+    for slot, blob in ((0, b"a" * 100), (1, b"b" * 100)):
+        entry = writer.entry_in(slot)
+        assert entry is not None
+        writer.spill(entry, blob)  # the second pushes the first out of memory, onto the shelf
+    assert writer.stats.blob_bytes == 100 and writer.stats.disk_bytes > 100
+    # Another engine (a replacement worker, another process) with the same directory.
+    reader = _cache()
+    reader.shelf = PrefixShelf(tmp_path, max_bytes=10_000, stats=reader.stats)
+    hit = reader.find("key", [*first, 5, 6])
+    assert hit is not None and hit.entry.blob == b"a" * 100 and hit.length == 3 * B
+    assert reader.find("another key", [*first, 5, 6]) is None
+    assert reader.find("key", [*second, 5]) is None  # it never left the writer's memory
+    # A damaged file is no hit, and is removed.
+    (damaged,) = tmp_path.glob("*.prefix")
+    damaged.write_bytes(b"\xff")
+    assert reader.find("key", [*first, 5, 6]) is None
+    assert not damaged.exists()
+
+
+def test_the_shelf_drops_the_oldest_past_its_budget(tmp_path):
+    cache = _cache(max_blob_bytes=0)
+    cache.shelf = PrefixShelf(tmp_path, max_bytes=2_500, stats=cache.stats)
+    prompts = [list(range(k, k + 2 * B)) for k in (0, 1000, 2000)]
+    for slot, tokens in enumerate(prompts):
+        cache.keep(slot, "", tokens, (Segment(len(tokens), 64),))
+        entry = cache.entry_in(slot)
+        assert entry is not None
+        cache.spill(entry, bytes(1000))
+    assert cache.stats.disk_bytes <= 2_500
+    assert cache.find("", [*prompts[0], 1]) is None
+    assert cache.find("", [*prompts[2], 1]) is not None

@@ -172,3 +172,27 @@ def test_a_sliding_window_model_runs_with_the_cache_off_and_resumes_exactly(
         assert replayed.tokens == turn.tokens[8:]
     finally:
         engine.close()
+
+
+def test_a_restarted_engine_finds_the_cells_the_last_one_shelved(
+    model_path, cpu_extra_buffers, tmp_path
+):
+    settings = engine_settings_for(
+        model_path,
+        n_seq_max=1,
+        prefix_cache_dir=tmp_path,
+        cpu_extra_buffers=cpu_extra_buffers,
+    )
+    engine = LlamaEngine(settings)
+    try:
+        first, answer, second = _conversation(engine)
+    finally:
+        engine.close()  # the slot's cells go to the shelf
+    assert list(tmp_path.glob("*.prefix"))
+    engine = LlamaEngine(settings)
+    try:
+        assert engine.prefix_stats.disk_bytes > 0
+        turn = _run(engine, _request(second))
+        assert turn.plans[0].reused == len(first) + len(answer) - 1
+    finally:
+        engine.close()
