@@ -55,6 +55,9 @@ class GenerationEnded:
     completion_tokens: int
     text: str = ""
     """Trailing text the server held back while it could have begun a stop sequence."""
+    cached_tokens: int = 0
+    """Prompt tokens the server did not compute again: their KV cells were kept from an
+    earlier generation (the previous turn of a chat)."""
 
 
 @dataclass(frozen=True, slots=True)

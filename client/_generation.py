@@ -366,6 +366,7 @@ def _event(frame: quicsrv_proto.Frame) -> Event | None:
             prompt_tokens=frame.prompt_tokens,
             completion_tokens=frame.completion_tokens,
             text=frame.text,
+            cached_tokens=frame.cached_tokens,
         )
     return None
 

@@ -24,6 +24,7 @@ __all__ = [
     "Command",
     "Event",
     "Pause",
+    "PrefixHeld",
     "Ready",
     "SequenceCommand",
     "SequenceFinished",
@@ -160,17 +161,31 @@ class SequenceResumed:
 @_pickled_as_fields
 @dataclass(frozen=True, slots=True)
 class SequencePlanned:
-    """The sequence got a slot; how its prompt is computed (before any of its tokens), and
-    what the worker's prefix cache holds now."""
+    """How the sequence's prompt was computed (sent before any of its tokens)."""
 
     key: int
     plan: PrefillPlan
+
+
+@_pickled_as_fields
+@dataclass(frozen=True, slots=True)
+class PrefixHeld:
+    """What the worker's prefix cache holds, after a sequence started or left (metrics)."""
+
+    key: int
     resident_tokens: int
     blob_bytes: int
     disk_bytes: int
 
 
-Event = TokenGenerated | SequenceFinished | SequencePaused | SequenceResumed | SequencePlanned
+Event = (
+    TokenGenerated
+    | SequenceFinished
+    | SequencePaused
+    | SequenceResumed
+    | SequencePlanned
+    | PrefixHeld
+)
 
 
 @_pickled_as_fields

@@ -73,6 +73,7 @@ from .ipc import (
     Cancel,
     Command,
     Pause,
+    PrefixHeld,
     Ready,
     SequenceFinished,
     SequencePaused,
@@ -521,6 +522,10 @@ class WorkerEngine(ModelFacts):
                     )
                 else:
                     _deliver_pause(sequence, event)
+            elif isinstance(event, PrefixHeld):
+                stats = self.prefix_stats
+                stats.resident_tokens, stats.blob_bytes = event.resident_tokens, event.blob_bytes
+                stats.disk_bytes = event.disk_bytes
             elif sequence is None:
                 continue
             elif isinstance(event, TokenGenerated):
@@ -547,8 +552,6 @@ class WorkerEngine(ModelFacts):
             stats.misses += not plan.reused
             stats.reused_tokens += plan.reused
             stats.prefilled_tokens += plan.length - plan.reused
-        stats.resident_tokens, stats.blob_bytes = event.resident_tokens, event.blob_bytes
-        stats.disk_bytes = event.disk_bytes
 
     def _note_locked(self, sequence: _RemoteSequence, event: object) -> None:
         """What an event of a sequence the worker holds tells the bookkeeping (lock held)."""

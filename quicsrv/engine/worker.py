@@ -63,6 +63,7 @@ from .ipc import (
     Command,
     Event,
     Pause,
+    PrefixHeld,
     Ready,
     SequenceCommand,
     SequenceFinished,
@@ -241,14 +242,18 @@ class _Worker:
                 self._send_locked(due)
 
     def planned(self, key: int, plan: PrefillPlan) -> None:
-        assert self._engine is not None
-        stats = self._engine.prefix_stats
-        self._report(
-            SequencePlanned(key, plan, stats.resident_tokens, stats.blob_bytes, stats.disk_bytes)
-        )
+        self._report(SequencePlanned(key, plan))
+        self.held(key)
+
+    def held(self, key: int) -> None:
+        """Report what the prefix cache holds (it changes when sequences come and go)."""
+        if self._engine is not None and self._engine.prefix_stats.enabled:
+            stats = self._engine.prefix_stats
+            self._report(PrefixHeld(key, stats.resident_tokens, stats.blob_bytes, stats.disk_bytes))
 
     def paused(self, key: int, state: PausedState) -> None:
         self.forget(key)
+        self.held(key)
         if state.kv_state is None:
             self._report(SequencePaused(key, state.generated, None))
         else:
@@ -335,6 +340,7 @@ class _Sink:
     def sequence_finished(self, reason: FinishReason, completion_tokens: int) -> None:
         self._worker.forget(self._key)
         self._worker._report(SequenceFinished(self._key, reason, completion_tokens))
+        self._worker.held(self._key)
 
     def sequence_paused(self, state: PausedState) -> None:
         self._worker.paused(self._key, state)

@@ -17,6 +17,7 @@ from quicsrv.config import engine_settings_for, supervisor_settings_for
 from quicsrv.engine.supervisor import WorkerEngine
 from quicsrv_client import Client, GenerationEnded, TokenReceived
 from tests.helpers import running_server
+from tests.quicsrv.test_metrics_e2e import delta, scrape, value
 
 pytestmark = [pytest.mark.model, pytest.mark.asyncio, pytest.mark.slow]
 
@@ -68,11 +69,22 @@ async def test_a_kill_9_mid_turn_2_of_a_conversation_that_hit_the_cache_changes_
             _ids, answer, _end = await _turn(c, FIRST)
             second = FIRST + answer + MORE
             hits, reused = stats.hits, stats.reused_tokens
+            before = await scrape(c)
             reference = await _turn(c, second)
+            after = await scrape(c)
             assert stats.hits == hits + 1
             turn_2_reused = stats.reused_tokens - reused
             # Turn 1's prompt at least (its answer, re-tokenized, mostly too).
             assert turn_2_reused >= len(engine.tokenize(FIRST, add_special=True)) - 2
+            assert reference[2] is not None and reference[2].cached_tokens == turn_2_reused
+            metric = "quicsrv_prompt_tokens_total"
+            assert delta(before, after, metric, source="reused") == turn_2_reused
+            assert delta(before, after, metric, source="prefilled") == (
+                reference[2].prompt_tokens - turn_2_reused
+            )
+            assert delta(before, after, "quicsrv_prefix_cache_lookups_total", result="hit") == 1
+            assert value(after, "quicsrv_prefix_cache_resident_tokens") > 0
+            assert value(after, "quicsrv_prefix_cache_enabled") == 1
 
             # The same conversation again: turn 1 computes its cells the same way (a cold
             # prompt reuses only cells that were computed cold), then turn 2 hits them ...
