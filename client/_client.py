@@ -378,6 +378,7 @@ class Client:
         messages: Sequence[MessageLike] | None = None,
         sampling: SamplingOptions | None = None,
         deadline_ms: int | None = None,
+        truncation: quicsrv_proto.Truncation = quicsrv_proto.Truncation.DISABLED,
         **options: Unpack[SamplingSettings],
     ) -> Generation:
         """One generation's events; the last one is :class:`GenerationEnded`.
@@ -390,7 +391,8 @@ class Client:
         malformed bytes, and :class:`NetworkError` if the stream ends without END; whatever
         happens, :attr:`Generation.position` says where :meth:`resume_from` can continue.
         ``deadline_ms``: the server gives up (``deadline_exceeded``) unless generation starts
-        within that long.
+        within that long. ``truncation=Truncation.AUTO``: a chat over the context budget loses
+        its oldest turns instead of being refused (``prompt_too_long``).
         """
         if (prompt is None) == (messages is None):
             raise ValueError("pass exactly one of prompt and messages")
@@ -401,6 +403,7 @@ class Client:
             prompt=prompt,
             messages=None if messages is None else tuple(_to_message(m) for m in messages),
             deadline_ms=deadline_ms,
+            truncation=truncation,
         )
         return Generation(self, GENERATE_PATH, frame, session_id=None, last_index=-1)
 
@@ -457,12 +460,18 @@ class Client:
         messages: Sequence[MessageLike] | None = None,
         sampling: SamplingOptions | None = None,
         deadline_ms: int | None = None,
+        truncation: quicsrv_proto.Truncation = quicsrv_proto.Truncation.DISABLED,
         **options: Unpack[SamplingSettings],
     ) -> GenerationResult:
         """Run a whole generation (as :meth:`stream`) and return its text, token ids and END."""
         return await collect(
             self.stream(
-                prompt, messages=messages, sampling=sampling, deadline_ms=deadline_ms, **options
+                prompt,
+                messages=messages,
+                sampling=sampling,
+                deadline_ms=deadline_ms,
+                truncation=truncation,
+                **options,
             )
         )
 

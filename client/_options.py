@@ -132,6 +132,7 @@ class SamplingOptions:
         prompt: str | None,
         messages: tuple[quicsrv_proto.ChatMessage, ...] | None,
         deadline_ms: int | None,
+        truncation: quicsrv_proto.Truncation = quicsrv_proto.Truncation.DISABLED,
     ) -> quicsrv_proto.Generate:
         """The GENERATE frame asking for these options (the frame checks every range)."""
         return quicsrv_proto.Generate(
@@ -147,6 +148,7 @@ class SamplingOptions:
             stop=self.stop,
             ignore_eos=self.ignore_eos,
             deadline_ms=deadline_ms,
+            truncation=truncation,
         )
 
 

@@ -42,6 +42,7 @@ from .frames import (
     Generate,
     ResumeStream,
     Token,
+    Truncation,
 )
 
 __all__ = [
@@ -71,6 +72,7 @@ __all__ = [
     "ResumeStream",
     "Token",
     "TruncatedFrame",
+    "Truncation",
     "UnexpectedFrame",
     "UnknownField",
     "UnknownFrameType",

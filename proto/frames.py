@@ -58,6 +58,13 @@ class FrameType(IntEnum):
     CHECKPOINT = 6
 
 
+class Truncation(StrEnum):
+    """What a chat over the context budget gets (OpenAI's Responses API names)."""
+
+    DISABLED = "disabled"  # refused: prompt_too_long
+    AUTO = "auto"  # its oldest turns are dropped (never system messages, never part of a turn)
+
+
 class EndReason(StrEnum):
     """Why a stream stopped. The first four end the generation; ``shutdown`` and
     ``superseded`` end only this stream, and the generation stays resumable."""
@@ -135,6 +142,8 @@ class Generate(Frame):
     deadline_ms: int | None = None
     """Give up (``deadline_exceeded``) unless generation starts within this many milliseconds
     of the request's arrival; None: the server's own queue-wait bound."""
+    truncation: Truncation = Truncation.DISABLED
+    """A chat (``messages``) over the context budget: refused, or its oldest turns dropped."""
 
     def to_payload(self) -> dict[str, Any]:
         payload: dict[str, Any] = {"max_tokens": self.max_tokens}
@@ -153,6 +162,8 @@ class Generate(Frame):
             payload["stop"] = list(self.stop)
         if self.deadline_ms is not None:
             payload["deadline_ms"] = self.deadline_ms
+        if self.truncation is not Truncation.DISABLED:
+            payload["truncation"] = self.truncation.value
         return payload
 
     @classmethod
@@ -169,6 +180,16 @@ class Generate(Frame):
             raise InvalidField("GENERATE.messages must not be empty")
         raw_stop = r.array("stop", max_items=MAX_STOP_SEQUENCES) or []
         stop = tuple(_read_stop(s) for s in raw_stop)
+        raw_truncation = r.text("truncation", max_chars=16, default=Truncation.DISABLED.value)
+        try:
+            truncation = Truncation(raw_truncation)
+        except ValueError:
+            raise InvalidField(
+                f"GENERATE.truncation {raw_truncation!r} is not one of "
+                f"{sorted(t.value for t in Truncation)}"
+            ) from None
+        if truncation is Truncation.AUTO and messages is None:
+            raise InvalidField("GENERATE.truncation applies to messages, not to a prompt")
         frame = cls(
             prompt=prompt,
             messages=messages,
@@ -182,6 +203,7 @@ class Generate(Frame):
             stop=stop,
             ignore_eos=r.flag("ignore_eos", default=False),
             deadline_ms=r.optional_integer("deadline_ms", lo=1, hi=MAX_DEADLINE_MS),
+            truncation=truncation,
         )
         r.finish()
         if frame.top_p <= 0.0:

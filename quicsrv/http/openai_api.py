@@ -64,6 +64,9 @@ _COMMON = frozenset(
         "deadline_ms",
     }
 )
+#: Extension of chat completions (the Responses API's name): ``auto`` drops the oldest turns of a
+#: chat over the context budget instead of answering 413 ``prompt_too_long``.
+_TRUNCATION = "truncation"
 _CHAT = _COMMON | {
     "messages",
     "max_completion_tokens",
@@ -76,6 +79,7 @@ _CHAT = _COMMON | {
     "function_call",
     "store",
     "metadata",
+    _TRUNCATION,
 }
 _TEXT = _COMMON | {"prompt", "echo", "suffix", "best_of"}
 
@@ -155,6 +159,11 @@ def parse_completion(body: bytes, *, chat: bool, model_id: str) -> CompletionReq
     deadline_ms = _optional(request, "deadline_ms", int, None)
     if deadline_ms is not None:
         payload["deadline_ms"] = deadline_ms
+    if chat:
+        truncation = _optional(request, _TRUNCATION, str, "disabled")
+        if truncation not in ("auto", "disabled"):
+            raise _invalid("truncation must be 'auto' or 'disabled'", _TRUNCATION)
+        payload["truncation"] = truncation
     try:
         generate = quicsrv_proto.Generate.from_payload(payload)
     except quicsrv_proto.ProtocolError as exc:  # the wire format's own bounds (lengths, ranges)

@@ -2,14 +2,19 @@
 
 from __future__ import annotations
 
+import logging
 import secrets
+from collections.abc import Sequence
 
 import quicsrv_proto
-from quicsrv_proto import ErrorCode
+from quicsrv_proto import ChatMessage, ErrorCode, Truncation
 
 from ..engine import Engine, SamplingParams, SequenceRequest
+from .overflow import fit_history
 
 __all__ = ["INLINE_PROMPT_CHARS", "RequestRejected", "build_request", "prompt_chars"]
+
+log = logging.getLogger(__name__)
 
 #: A prompt up to this size is tokenized on the event loop (tens of microseconds), a longer one
 #: on a thread (tokenizing takes about half a microsecond per character).
@@ -45,17 +50,40 @@ def build_request(
             f"GENERATE.max_tokens {frame.max_tokens} exceeds this server's limit "
             f"{max_tokens_limit}",
         )
+    budget = engine.context_per_sequence - frame.max_tokens
     if frame.messages is not None:
-        text = engine.render_chat([{"role": m.role, "content": m.content} for m in frame.messages])
-        tokens = engine.tokenize(text, add_special=False)
+        tokens = _chat_tokens(engine, frame.messages)
+        if len(tokens) > budget and frame.truncation is Truncation.AUTO:
+            kept = fit_history(
+                frame.messages,
+                budget=budget,
+                prompt_tokens=lambda messages: len(_chat_tokens(engine, messages)),
+                content_tokens=lambda m: len(engine.tokenize(m.content, add_special=False)),
+            )
+            if kept is not None:
+                log.info(
+                    "truncation auto: %d of %d messages kept to fit %d tokens",
+                    len(kept),
+                    len(frame.messages),
+                    budget,
+                )
+                tokens = _chat_tokens(engine, kept)
     else:
         assert frame.prompt is not None  # proto guarantees exactly one of the two
         tokens = engine.tokenize(frame.prompt, add_special=True)
-    if len(tokens) + frame.max_tokens > engine.context_per_sequence:
+    if len(tokens) > budget:
+        hint = (
+            " even with its oldest turns dropped (truncation auto keeps the system messages "
+            "and the newest turn)"
+            if frame.truncation is Truncation.AUTO
+            else "; truncation 'auto' drops a chat's oldest turns instead"
+            if frame.messages is not None
+            else ""
+        )
         raise RequestRejected(
             ErrorCode.PROMPT_TOO_LONG,
             f"prompt of {len(tokens)} tokens + max_tokens {frame.max_tokens} does not fit the "
-            f"context of {engine.context_per_sequence} tokens",
+            f"context of {engine.context_per_sequence} tokens{hint}",
         )
     seed = frame.seed if frame.seed is not None else int.from_bytes(_random_seed(), "little")
     return SequenceRequest(
@@ -71,6 +99,11 @@ def build_request(
         ),
         ignore_eos=frame.ignore_eos,
     )
+
+
+def _chat_tokens(engine: Engine, messages: Sequence[ChatMessage]) -> list[int]:
+    text = engine.render_chat([{"role": m.role, "content": m.content} for m in messages])
+    return engine.tokenize(text, add_special=False)
 
 
 def _random_seed() -> bytes:

@@ -341,3 +341,26 @@ async def test_a_completion_in_early_data_is_too_early(engine, certs):
     assert raw.status == 425
     assert json.loads(bytes(raw.body))["error"]["code"] == "too_early"
     assert len(server.sessions.store) == 0  # no compute was started
+
+
+async def test_a_chat_over_the_context_is_refused_or_truncated_when_asked(engine, certs):
+    # max_tokens takes most of the context, so a modest history is already over the budget.
+    max_tokens = engine.context_per_sequence - 400
+    history = [{"role": "system", "content": "You answer in one short sentence."}]
+    for i in range(12):
+        history.append({"role": "user", "content": f"Tell me fact number {i} about lighthouses."})
+        history.append({"role": "assistant", "content": f"Fact {i}: " + "a tall tower. " * 8})
+    history.append({"role": "user", "content": "Which fact was the most surprising?"})
+    async with running_server(engine, certs) as server, openai_client(server, certs) as client:
+        params = dict(model=await _model(server), messages=history, max_tokens=max_tokens)
+        with pytest.raises(openai.APIStatusError) as refused:
+            await client.chat.completions.create(**params)
+        assert refused.value.status_code == 413
+        assert "truncation" in str(refused.value.message)
+        stream = await client.chat.completions.create(
+            **params, stream=True, extra_body={"truncation": "auto"}
+        )
+        async for chunk in stream:  # it started: the history was cut to fit; enough
+            assert chunk.id.startswith("chatcmpl-")
+            break
+        await stream.close()

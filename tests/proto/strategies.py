@@ -20,6 +20,7 @@ from quicsrv_proto import (
     Generate,
     ResumeStream,
     Token,
+    Truncation,
 )
 from quicsrv_proto.frames import (
     CHAT_ROLES,
@@ -67,7 +68,10 @@ def generates(draw: st.DrawFn) -> Generate:
     if draw(st.booleans()):
         source: dict[str, Any] = {"prompt": draw(short_text)}
     else:
-        source = {"messages": tuple(draw(st.lists(chat_messages, min_size=1, max_size=4)))}
+        source = {
+            "messages": tuple(draw(st.lists(chat_messages, min_size=1, max_size=4))),
+            "truncation": draw(st.sampled_from(Truncation)),
+        }
     return Generate(
         **source,
         max_tokens=draw(st.integers(1, MAX_MAX_TOKENS)),
