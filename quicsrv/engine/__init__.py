@@ -1,6 +1,7 @@
 """The generation engine: llama.cpp behind a small interface. Knows nothing of QUIC."""
 
 from ._api import (
+    CannotReplay,
     CpuExtraBuffers,
     Engine,
     EngineError,
@@ -21,6 +22,7 @@ from ._api import (
 from .model import default_model_path
 
 __all__ = [
+    "CannotReplay",
     "CpuExtraBuffers",
     "Engine",
     "EngineError",

@@ -12,6 +12,7 @@ from enum import StrEnum
 from typing import NamedTuple, Protocol
 
 __all__ = [
+    "CannotReplay",
     "CpuExtraBuffers",
     "Engine",
     "EngineError",
@@ -76,6 +77,11 @@ class EngineUnavailable(EngineError):
 
 class PromptTooLong(EngineError):
     """The prompt plus max_tokens does not fit in one sequence's context."""
+
+
+class CannotReplay(EngineError):
+    """This engine can never continue the sequence as it was computed (its prefill settings
+    changed since the recorded plan): a replay would not be exact, so there is none."""
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)

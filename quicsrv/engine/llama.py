@@ -27,6 +27,7 @@ from llama_cpp import _logger as llama_cpp_logger
 from llama_cpp._internals import LlamaContext, LlamaModel
 
 from ._api import (
+    CannotReplay,
     EngineError,
     EngineUnavailable,
     FinishReason,
@@ -70,7 +71,10 @@ def check_request(settings: EngineSettings, request: SequenceRequest) -> int:
         )
     plan = request.prefill_plan
     if plan is not None and not _plan_fits(plan, len(request.prompt_tokens), settings):
-        raise EngineError("the recorded prefill plan does not fit this prompt and engine")
+        raise CannotReplay(
+            "this generation's prompt was computed in steps this server's prefill settings no "
+            "longer allow (n_batch - n_seq_max), so it cannot be continued exactly"
+        )
     budget = len(request.prompt_tokens) + request.max_tokens
     if budget > settings.context_per_sequence:
         raise PromptTooLong(

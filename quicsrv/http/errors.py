@@ -22,7 +22,7 @@ import quicsrv_proto
 from quicsrv_proto import ErrorCode, http_status_for
 
 from ..apikeys import AccessDenied
-from ..engine import EngineError, EngineUnavailable, Overloaded, PromptTooLong
+from ..engine import CannotReplay, EngineError, EngineUnavailable, Overloaded, PromptTooLong
 from ..sessions.generation import RequestRejected
 
 __all__ = ["CHALLENGE", "ApiError", "Refusal", "error_type_for", "from_code", "refusal_for"]
@@ -33,6 +33,7 @@ CHALLENGE = ((b"www-authenticate", b'Bearer realm="quicsrv"'),)
 # The engine's refusals, most specific first (EngineError itself: the engine is shutting down).
 _ENGINE_CODES: Mapping[type[EngineError], ErrorCode] = {
     PromptTooLong: ErrorCode.PROMPT_TOO_LONG,
+    CannotReplay: ErrorCode.MODEL_CHANGED,
     EngineUnavailable: ErrorCode.ENGINE_UNAVAILABLE,
     Overloaded: ErrorCode.OVERLOADED,
     EngineError: ErrorCode.SHUTTING_DOWN,

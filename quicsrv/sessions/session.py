@@ -22,12 +22,14 @@ import quicsrv_proto
 from quicsrv_proto import EndReason
 
 from ..engine import (
+    CannotReplay,
     Engine,
     EngineError,
     EngineUnavailable,
     FinishReason,
     PausedState,
     PrefillPlan,
+    PromptTooLong,
     ResumePath,
     ResumePoint,
     SequenceHandle,
@@ -595,6 +597,14 @@ class Session:
         again when it says."""
         if isinstance(exc, EngineUnavailable):
             self._fail_reader(str(exc))
+            return
+        if isinstance(exc, CannotReplay | PromptTooLong):  # this server's settings changed
+            code = (
+                quicsrv_proto.ErrorCode.PROMPT_TOO_LONG
+                if isinstance(exc, PromptTooLong)
+                else quicsrv_proto.ErrorCode.MODEL_CHANGED
+            )
+            self._fail_reader(str(exc), code)
             return
         retry = 1.0 if exc.retry_after_s is None else exc.retry_after_s
         log.info("session %s waits to start: %s", self.session_id.hex(), exc)

@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import dataclasses
+
+import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
@@ -216,3 +219,26 @@ def test_the_shelf_drops_the_oldest_past_its_budget(tmp_path):
     assert cache.stats.disk_bytes <= 2_500
     assert cache.find("", [*prompts[0], 1]) is None
     assert cache.find("", [*prompts[2], 1]) is not None
+
+
+def test_a_recorded_plan_this_engine_cannot_follow_is_refused_not_replayed_otherwise(
+    model_path,
+):
+    from quicsrv.config import engine_settings_for
+    from quicsrv.engine import CannotReplay, ResumePoint, SamplingParams, SequenceRequest
+    from quicsrv.engine.llama import check_request
+
+    settings = engine_settings_for(model_path)  # steps of at most n_batch - n_seq_max (504)
+    request = SequenceRequest(
+        prompt_tokens=tuple(range(1000)),
+        max_tokens=8,
+        sampling=SamplingParams(),
+        resume=ResumePoint(generated=(1, 2)),
+    )
+    fits = PrefillPlan((Segment(600, 64), Segment(1000, 400)), reused=600)
+    check_request(settings, dataclasses.replace(request, prefill_plan=fits))
+    too_wide = PrefillPlan((Segment(1000, 1000),))
+    wrong_length = PrefillPlan((Segment(900, 64),))
+    for plan in (too_wide, wrong_length):
+        with pytest.raises(CannotReplay):
+            check_request(settings, dataclasses.replace(request, prefill_plan=plan))

@@ -10,7 +10,7 @@ import pytest
 
 import quicsrv_proto
 from quicsrv.config import session_settings_for
-from quicsrv.engine import FinishReason
+from quicsrv.engine import CannotReplay, FinishReason, PromptTooLong
 from quicsrv.sessions.admission import Slot
 from quicsrv.sessions.generation import INLINE_PROMPT_CHARS, RequestRejected, build_request
 from quicsrv.sessions.manager import SessionManager
@@ -282,3 +282,49 @@ async def test_open_generation_refuses_once_shutting_down_and_gives_the_slot_bac
     assert refused.value.code == quicsrv_proto.ErrorCode.SHUTTING_DOWN
     assert manager.gate.active == 0
     assert not engine.sinks
+
+
+class _RefusingResumes(FakeEngine):
+    """Runs a first start; refuses every resume with ``refusal``."""
+
+    refusal: Exception | None = None
+
+    def submit(self, request, sink):
+        if request.resume is not None and self.refusal is not None:
+            raise self.refusal
+        return super().submit(request, sink)
+
+
+@pytest.mark.asyncio
+@pytest.mark.parametrize(
+    ("refusal", "code"),
+    [
+        (CannotReplay("the plan no longer fits"), quicsrv_proto.ErrorCode.MODEL_CHANGED),
+        (PromptTooLong("the context shrank"), quicsrv_proto.ErrorCode.PROMPT_TOO_LONG),
+    ],
+)
+async def test_a_resume_the_engine_can_never_run_fails_its_reader_at_once(tmp_path, refusal, code):
+    engine = _RefusingResumes()
+    manager = _manager(tmp_path, engine)
+    frame = quicsrv_proto.Generate(prompt="hi", max_tokens=8)
+    session = manager.start(frame, slot=await _slot(manager))
+    port = FakePort()
+    session.attach(port, 0)
+    engine.emit([b"a", b"b"])
+    engine.pause_latest((1000, 1001), kv=None)
+    await _drain_callbacks()
+    checkpoint = port.frames[0]
+    assert isinstance(checkpoint, quicsrv_proto.Checkpoint)
+    engine.refusal = refusal
+    resume = quicsrv_proto.ResumeStream(
+        session_id=checkpoint.session_id,
+        last_index=1,
+        snapshot_hash=checkpoint.snapshot_hash,
+        hash_index=-1,
+    )
+    resumed = manager.resume(resume, checkpoint.session_id)
+    again = FakePort()
+    resumed.attach(again, 2)
+    await asyncio.wait_for(again.ended.wait(), 10)  # not a retry every second, for ever
+    (error,) = [f for f in again.frames if isinstance(f, quicsrv_proto.Error)]
+    assert error.code == code
