@@ -146,6 +146,8 @@ class PrefixShelf:
         self.max_bytes = max_bytes
         self._stats = stats
         directory.mkdir(parents=True, exist_ok=True, mode=0o700)
+        for leftover in directory.glob(f".*{self.SUFFIX}.*.tmp"):  # a writer killed mid-file
+            leftover.unlink(missing_ok=True)
         self._stats.disk_bytes = sum(size for _, size, _ in self._files())
 
     def put(self, entry: Entry, blob: bytes) -> None:

@@ -242,3 +242,10 @@ def test_a_recorded_plan_this_engine_cannot_follow_is_refused_not_replayed_other
     for plan in (too_wide, wrong_length):
         with pytest.raises(CannotReplay):
             check_request(settings, dataclasses.replace(request, prefill_plan=plan))
+
+
+def test_a_half_written_shelf_file_is_swept_when_a_shelf_opens(tmp_path):
+    leftover = tmp_path / f".{'ab' * 16}.prefix.1234abcd.tmp"
+    leftover.write_bytes(b"half")
+    PrefixShelf(tmp_path, max_bytes=1000, stats=_cache().stats)
+    assert not leftover.exists()
