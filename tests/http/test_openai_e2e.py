@@ -364,3 +364,39 @@ async def test_a_chat_over_the_context_is_refused_or_truncated_when_asked(engine
             assert chunk.id.startswith("chatcmpl-")
             break
         await stream.close()
+
+
+async def test_the_next_turn_reports_cached_tokens_and_another_key_never_reuses_them(
+    engine, certs, tmp_path
+):
+    alice, bob = new_key(), new_key()
+    keys_file = tmp_path / "keys"
+    keys_file.write_text(f"{hash_key(alice)} alice\n{hash_key(bob)} bob\n")
+    notes = (
+        "Notes for the night shift at the lighthouse: the lamp is lit at dusk, the lens is "
+        "cleaned at dawn, the logbook records every ship that passes, the fog horn sounds "
+        "every thirty seconds in fog, and the keeper checks the oil twice a night. "
+    )
+    first = [
+        {"role": "system", "content": notes * 2},
+        {"role": "user", "content": "When is the lens cleaned?"},
+    ]
+    async with running_server(engine, certs, api_keys_file=keys_file) as server:
+        model = await _model(server)
+        params = dict(model=model, max_tokens=16, temperature=0)
+        async with openai_client(server, certs, api_key=alice) as as_alice:
+            answer = await as_alice.chat.completions.create(messages=first, **params)
+            second = [
+                *first,
+                {"role": "assistant", "content": answer.choices[0].message.content},
+                {"role": "user", "content": "And the oil?"},
+            ]
+            turn = await as_alice.chat.completions.create(messages=second, **params)
+        async with openai_client(server, certs, api_key=bob) as as_bob:
+            foreign = await as_bob.chat.completions.create(messages=second, **params)
+    cached = turn.usage.prompt_tokens_details.cached_tokens
+    assert 0 < cached < turn.usage.prompt_tokens  # the first turn's cells, not the new text
+    # Bob's identical request finds nothing of Alice's: his time to first token cannot tell
+    # him what she asked.
+    assert foreign.usage.prompt_tokens_details.cached_tokens == 0
+    assert foreign.usage.prompt_tokens == turn.usage.prompt_tokens
