@@ -372,42 +372,40 @@ class _StateCollector(Collector):
 
 
 def _prefix_cache(stats: PrefixStats) -> Iterator[Metric]:
-    yield _gauge(
-        "quicsrv_prefix_cache_enabled",
-        "1 while kept KV cells are reused (off by configuration, or for a sliding-window model)",
-        stats.enabled,
-    )
-    tokens = CounterMetricFamily(
+    yield _labelled(
+        CounterMetricFamily,
         "quicsrv_prompt_tokens",
         "Prompt tokens of started generations: reused from kept cells, or prefilled",
-        labels=["source"],
+        "source",
+        [("reused", stats.reused_tokens), ("prefilled", stats.prefilled_tokens)],
     )
-    tokens.add_metric(["reused"], stats.reused_tokens)
-    tokens.add_metric(["prefilled"], stats.prefilled_tokens)
-    yield tokens
-    lookups = CounterMetricFamily(
+    yield _labelled(
+        CounterMetricFamily,
         "quicsrv_prefix_cache_lookups",
         "Generations that started from kept cells (hit) or computed their whole prompt (miss)",
-        labels=["result"],
+        "result",
+        [("hit", stats.hits), ("miss", stats.misses)],
     )
-    lookups.add_metric(["hit"], stats.hits)
-    lookups.add_metric(["miss"], stats.misses)
-    yield lookups
-    yield _gauge(
-        "quicsrv_prefix_cache_resident_tokens",
-        "Tokens whose cells are kept in released slots",
-        stats.resident_tokens,
-    )
-    yield _gauge(
-        "quicsrv_prefix_cache_blob_bytes",
-        "Bytes of evicted entries kept as blobs in the engine worker's memory",
-        stats.blob_bytes,
-    )
-    yield _gauge(
-        "quicsrv_prefix_cache_disk_bytes",
-        "Bytes of entries on disk (prefix_cache_disk_bytes; shared by this node's processes)",
-        stats.disk_bytes,
-    )
+    for name, documentation, value in (
+        (
+            "enabled",
+            "1 while kept KV cells are reused (off by configuration, or for a sliding-window "
+            "model)",
+            stats.enabled,
+        ),
+        ("resident_tokens", "Tokens whose cells are kept in released slots", stats.resident_tokens),
+        (
+            "blob_bytes",
+            "Bytes of evicted entries kept as blobs in the engine worker's memory",
+            stats.blob_bytes,
+        ),
+        (
+            "disk_bytes",
+            "Bytes of entries on disk (prefix_cache_disk_bytes; shared by this node's processes)",
+            stats.disk_bytes,
+        ),
+    ):
+        yield _gauge(f"quicsrv_prefix_cache_{name}", documentation, value)
 
 
 def _gauge(name: str, documentation: str, value: float) -> GaugeMetricFamily:

@@ -558,8 +558,8 @@ class LlamaEngine(ModelFacts):
         return slot
 
     def _plan_prompt(self, sequence: _Sequence, hit: Hit | None) -> None:
-        """Start the prompt from the hit's cells (if they can be had), tell the sink how the
-        prompt is computed, and queue what is left to feed."""
+        """Start the prompt from the hit's cells (if they can be had) and set out how the rest
+        is fed: a fixed plan's segments, or steps chosen as it goes (:meth:`_prefill_step`)."""
         reused = self._take(sequence.seq_id, hit) if hit is not None else 0
         if not sequence.fixed and not reused:
             # A cold prompt is cut the same way whatever runs beside it, so that the same
@@ -624,8 +624,7 @@ class LlamaEngine(ModelFacts):
         tokens = (*sequence.request.prompt_tokens, *sequence.history)[:n_past]
         computed = sequence.plan[-1].end if sequence.plan else 0
         plan = extend(sequence.plan, n_past, 1) if n_past > computed else cut(sequence.plan, n_past)
-        cache.keep(sequence.seq_id, sequence.request.cache_scope, tokens, plan)
-        return cache.entry_in(sequence.seq_id) is not None
+        return cache.keep(sequence.seq_id, sequence.request.cache_scope, tokens, plan)
 
     def _state_of(self, seq_id: int) -> bytes | None:
         size = llama_cpp.llama_state_seq_get_size(self._context.ctx, seq_id)

@@ -23,7 +23,6 @@ from __future__ import annotations
 import itertools
 import logging
 import os
-import secrets
 import sys
 from array import array
 from collections.abc import Iterator, Sequence
@@ -33,6 +32,7 @@ from pathlib import Path
 import blake3
 import cbor2
 
+from ..files import write_atomically
 from ._api import Segment
 
 __all__ = [
@@ -157,14 +157,9 @@ class PrefixShelf:
             {"v": 1, "tokens": list(entry.tokens), "segments": entry.segments, "blob": blob}
         )
         path = self._path(entry.blocks[-1])
-        tmp = path.with_name(f".{path.name}.{secrets.token_hex(4)}.tmp")
         try:
-            fd = os.open(tmp, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o600)
-            with os.fdopen(fd, "wb") as f:
-                f.write(data)
-            os.replace(tmp, path)
+            write_atomically(path, data)
         except OSError as exc:  # a full disk costs the entry, nothing else
-            tmp.unlink(missing_ok=True)
             log.warning("prefix cache: cannot write %s: %s", path.name, exc)
         self._trim()
 
@@ -229,12 +224,13 @@ class PrefixCache:
     _blobs: list[Entry] = field(default_factory=list)  # least recently used first
     _clock: Iterator[int] = field(default_factory=itertools.count)
 
-    def keep(self, slot: int, scope: str, tokens: Sequence[int], plan: Sequence[Segment]) -> None:
-        """A released slot's cells (computed as ``plan`` says) stay for later prompts."""
+    def keep(self, slot: int, scope: str, tokens: Sequence[int], plan: Sequence[Segment]) -> bool:
+        """A released slot's cells (computed as ``plan`` says) stay for later prompts; False:
+        too few to be worth it (the caller frees them)."""
         if slot in self._by_slot:
             self.drop(self._by_slot[slot])
         if len(tokens) < BLOCK_TOKENS:
-            return
+            return False
         entry = Entry(
             scope=scope,
             tokens=tuple(tokens),
@@ -247,6 +243,7 @@ class PrefixCache:
         for block in entry.blocks:
             self._by_block.setdefault(block, []).append(entry)
         self.stats.resident_tokens += len(entry.tokens)
+        return True
 
     def find(
         self, scope: str, prompt: Sequence[int], plan: Sequence[Segment] | None = None

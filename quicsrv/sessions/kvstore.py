@@ -10,8 +10,6 @@ side puts, the event loop's worker threads get, a writer thread spills.
 from __future__ import annotations
 
 import logging
-import os
-import secrets
 import struct
 import threading
 from collections import OrderedDict
@@ -21,6 +19,8 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 import blake3
+
+from ..files import write_atomically
 
 if TYPE_CHECKING:
     from .shared_kv import SharedKV
@@ -214,15 +214,9 @@ class KVStore:
                 self._disk_bytes -= dropped
                 self._path(oldest).unlink(missing_ok=True)
         path = self._path(session)
-        tmp = self._dir / f".{path.name}.{secrets.token_hex(4)}.tmp"
         try:
-            fd = os.open(tmp, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o600)
-            with os.fdopen(fd, "wb") as f:
-                f.write(data)
-                f.write(blob)
-            os.replace(tmp, path)
+            write_atomically(path, data, blob)
         except OSError as exc:
-            tmp.unlink(missing_ok=True)
             log.warning("cannot spill KV blob to %s: %s", path, exc)
             with self._lock:
                 if self._spilling.get(session) is held:

@@ -15,11 +15,11 @@ its writer thread and the resume path on a worker thread, never on the event loo
 from __future__ import annotations
 
 import logging
-import os
-import secrets
 import time
 from pathlib import Path
 from typing import TYPE_CHECKING
+
+from ..files import write_atomically
 
 if TYPE_CHECKING:
     import redis
@@ -118,13 +118,4 @@ class SharedKV:
             self._path(session).unlink(missing_ok=True)
 
     def _write(self, session: bytes, packed: bytes) -> None:
-        path = self._path(session)
-        tmp = path.with_name(f".{path.name}.{secrets.token_hex(4)}.tmp")
-        fd = os.open(tmp, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o600)
-        try:
-            with os.fdopen(fd, "wb") as f:
-                f.write(packed)
-            os.replace(tmp, path)  # readers see the old blob or the new one, never half
-        except BaseException:
-            tmp.unlink(missing_ok=True)
-            raise
+        write_atomically(self._path(session), packed)

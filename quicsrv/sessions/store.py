@@ -16,7 +16,6 @@ from __future__ import annotations
 import functools
 import logging
 import os
-import secrets
 import struct
 import threading
 from array import array
@@ -32,6 +31,7 @@ import cbor2
 from quicsrv_proto import EndReason, canonical_cbor
 
 from ..engine import PrefillPlan, SamplingParams, Segment
+from ..files import write_atomically
 from .snapshot import Snapshot
 
 __all__ = ["SessionEnd", "SessionRecord", "SessionStore", "StoreUsage"]
@@ -258,7 +258,7 @@ class SessionStore:
         self._disk_bytes += len(data) - old
         return self._save_latest(
             record.session_id,
-            functools.partial(_write_atomically, self._meta_path(record.session_id), data),
+            functools.partial(_write_or_log, self._meta_path(record.session_id), data),
         )
 
     def _save_latest(self, session: bytes, write: Callable[[], None]) -> Future[None]:
@@ -339,15 +339,10 @@ class SessionStore:
             self._records[record.session_id] = record
 
 
-def _write_atomically(path: Path, data: bytes) -> None:
-    tmp = path.with_name(f".{path.name}.{secrets.token_hex(4)}.tmp")
+def _write_or_log(path: Path, data: bytes) -> None:
     try:
-        fd = os.open(tmp, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o600)
-        with os.fdopen(fd, "wb") as f:
-            f.write(data)
-        os.replace(tmp, path)
+        write_atomically(path, data)
     except OSError as exc:  # a full disk must not take the server down: the session lives on
-        tmp.unlink(missing_ok=True)
         log.error("cannot write session file %s: %s", path.name, exc)
 
 
