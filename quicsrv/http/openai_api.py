@@ -102,26 +102,15 @@ class CompletionRequest:
 def parse_completion(body: bytes, *, chat: bool, model_id: str) -> CompletionRequest:
     """Check a completion request body; raises :class:`ApiError` (400, or 404 for a model
     this server does not serve)."""
-    request = _json_object(body)
+    request = json_object(body)
     unknown = sorted(set(request) - (_CHAT if chat else _TEXT))
     if unknown:
         raise _invalid(
             f"Unrecognized request argument supplied: {unknown[0]}", unknown[0], "unknown_parameter"
         )
-    model = request.get("model")
-    if not isinstance(model, str):
-        raise _invalid(
-            "you must provide a model parameter (a string)", "model", "missing_required_parameter"
-        )
-    if model != model_id:
-        raise ApiError(
-            404,
-            f"The model `{model}` does not exist; this server serves `{model_id}`",
-            code="model_not_found",
-            param="model",
-        )
+    check_model(request, model_id)
     _refuse_unsupported(request, chat)
-    stream = _optional(request, "stream", bool, False)
+    stream = optional(request, "stream", bool, False)
     options = request.get("stream_options")
     include_usage = False
     if options is not None:
@@ -129,7 +118,7 @@ def parse_completion(body: bytes, *, chat: bool, model_id: str) -> CompletionReq
             raise _invalid("stream_options is only allowed when stream is true", "stream_options")
         if not isinstance(options, dict) or set(options) - {"include_usage"}:
             raise _invalid("stream_options takes only include_usage", "stream_options")
-        include_usage = _optional(
+        include_usage = optional(
             options, "include_usage", bool, False, "stream_options.include_usage"
         )
     payload: dict[str, Any] = {"max_tokens": _max_tokens(request, chat)}
@@ -137,30 +126,13 @@ def parse_completion(body: bytes, *, chat: bool, model_id: str) -> CompletionReq
         payload["messages"] = _messages(request.get("messages"))
     else:
         payload["prompt"] = _prompt(request.get("prompt"))
-    payload["temperature"] = _number(request, "temperature", 0.0, 2.0, 1.0)
-    payload["top_p"] = _number(request, "top_p", 0.0, 1.0, 1.0)
-    if payload["top_p"] == 0.0:
-        raise _invalid("top_p must be greater than 0", "top_p")
-    seed = _optional(request, "seed", int, None)
-    if seed is not None:
-        if seed < 0 or seed > MAX_SEED:
-            raise _invalid("seed must be between 0 and 2^64 - 1", "seed")
-        payload["seed"] = seed
+    payload |= sampling_payload(request)
     stop = _stop(request.get("stop"))
     if stop:
         payload["stop"] = stop
-    for name, lo, hi, default in (("min_p", 0.0, 1.0, 0.0), ("repeat_penalty", 0.0, 10.0, 1.0)):
-        payload[name] = _number(request, name, lo, hi, default)
-    top_k = _optional(request, "top_k", int, 0)
-    if top_k < 0:
-        raise _invalid("top_k must be 0 or more", "top_k")
-    payload["top_k"] = top_k
-    payload["ignore_eos"] = _optional(request, "ignore_eos", bool, False)
-    deadline_ms = _optional(request, "deadline_ms", int, None)
-    if deadline_ms is not None:
-        payload["deadline_ms"] = deadline_ms
+    payload["ignore_eos"] = optional(request, "ignore_eos", bool, False)
     if chat:
-        truncation = _optional(request, _TRUNCATION, str, "disabled")
+        truncation = optional(request, _TRUNCATION, str, "disabled")
         if truncation not in ("auto", "disabled"):
             raise _invalid("truncation must be 'auto' or 'disabled'", _TRUNCATION)
         payload["truncation"] = truncation
@@ -276,14 +248,56 @@ def models_body(model_id: str, created: int) -> dict[str, Any]:
     }
 
 
-# --- field checks -------------------------------------------------------------------------
+# --- field checks (shared with the Responses API) ------------------------------------------
+
+
+def check_model(request: dict[str, Any], model_id: str) -> None:
+    """The request names the model this server serves (400 without one, 404 another)."""
+    model = request.get("model")
+    if not isinstance(model, str):
+        raise _invalid(
+            "you must provide a model parameter (a string)", "model", "missing_required_parameter"
+        )
+    if model != model_id:
+        raise ApiError(
+            404,
+            f"The model `{model}` does not exist; this server serves `{model_id}`",
+            code="model_not_found",
+            param="model",
+        )
+
+
+def sampling_payload(request: dict[str, Any]) -> dict[str, Any]:
+    """The GENERATE fields of OpenAI's sampling settings and quicsrv's extensions (``seed``,
+    ``top_k``, ``min_p``, ``repeat_penalty``, ``deadline_ms``), checked."""
+    payload: dict[str, Any] = {
+        "temperature": _number(request, "temperature", 0.0, 2.0, 1.0),
+        "top_p": _number(request, "top_p", 0.0, 1.0, 1.0),
+    }
+    if payload["top_p"] == 0.0:
+        raise _invalid("top_p must be greater than 0", "top_p")
+    seed = optional(request, "seed", int, None)
+    if seed is not None:
+        if seed < 0 or seed > MAX_SEED:
+            raise _invalid("seed must be between 0 and 2^64 - 1", "seed")
+        payload["seed"] = seed
+    for name, lo, hi, default in (("min_p", 0.0, 1.0, 0.0), ("repeat_penalty", 0.0, 10.0, 1.0)):
+        payload[name] = _number(request, name, lo, hi, default)
+    top_k = optional(request, "top_k", int, 0)
+    if top_k < 0:
+        raise _invalid("top_k must be 0 or more", "top_k")
+    payload["top_k"] = top_k
+    deadline_ms = optional(request, "deadline_ms", int, None)
+    if deadline_ms is not None:
+        payload["deadline_ms"] = deadline_ms
+    return payload
 
 
 def _invalid(message: str, param: str | None, code: str = "invalid_value") -> ApiError:
     return ApiError(400, message, code=code, param=param)
 
 
-def _json_object(body: bytes) -> dict[str, Any]:
+def json_object(body: bytes) -> dict[str, Any]:
     try:
         value = json.loads(body)
     except (ValueError, RecursionError):  # RecursionError: absurdly deep nesting
@@ -317,6 +331,15 @@ def _refuse_unsupported(request: dict[str, Any], chat: bool) -> None:
         }
     else:
         neutral |= {"echo": (None, False), "suffix": (None,), "best_of": (None, 1)}
+    refuse_unless_neutral(request, neutral)
+    user = request.get("user")
+    if user is not None and not isinstance(user, str):
+        raise _invalid("user must be a string", "user")
+
+
+def refuse_unless_neutral(request: dict[str, Any], neutral: dict[str, tuple[object, ...]]) -> None:
+    """Each field of ``neutral`` present in ``request`` holds one of its allowed values (a
+    setting this server cannot honour is refused, never silently ignored)."""
     for name, allowed in neutral.items():
         if name not in request:
             continue
@@ -331,12 +354,9 @@ def _refuse_unsupported(request: dict[str, Any], chat: bool) -> None:
             name,
             "unsupported_parameter",
         )
-    user = request.get("user")
-    if user is not None and not isinstance(user, str):
-        raise _invalid("user must be a string", "user")
 
 
-def _optional(
+def optional(
     fields: dict[str, Any], name: str, kind: type, default: Any, param: str | None = None
 ) -> Any:
     value = fields.get(name)
@@ -363,9 +383,9 @@ def _number(request: dict[str, Any], name: str, lo: float, hi: float, default: f
 
 
 def _max_tokens(request: dict[str, Any], chat: bool) -> int:
-    value = _optional(request, "max_tokens", int, None)
+    value = optional(request, "max_tokens", int, None)
     if chat:
-        newer = _optional(request, "max_completion_tokens", int, None)
+        newer = optional(request, "max_completion_tokens", int, None)
         if newer is not None:
             if value is not None and value != newer:
                 raise _invalid(

@@ -10,6 +10,10 @@ Routes:
   (:mod:`.native`): a session stream of frames, refusals as an ERROR frame;
 - ``POST /v1/chat/completions``, ``POST /v1/completions``: a generation (``stream: true`` →
   a session stream of SSE events, else one JSON body once it has ended);
+- ``POST /v1/responses``: OpenAI's Responses API (:mod:`.responses_api`): a generation, streamed
+  (events with sequence numbers), answered whole, or run in the background;
+  ``GET /v1/responses/{id}`` (the response object; with ``?stream=true&starting_after=N`` its
+  events after N), ``POST /v1/responses/{id}/cancel``, ``DELETE /v1/responses/{id}``;
 - ``GET /v1/models``;
 - ``GET /v1/streams/{session}`` with ``Last-Event-ID`` (header, or ``?last_event_id=``): the
   stream's events after that cursor; ``DELETE /v1/streams/{session}``: stop the generation;
@@ -28,6 +32,7 @@ what exists is harmless twice. Every refusal goes through the one error table
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import json
 import logging
 import time
@@ -37,19 +42,31 @@ from collections.abc import Callable, Mapping
 from typing import Any, Protocol
 
 import quicsrv_proto
-from quicsrv_proto import ErrorCode, http3
+from quicsrv_proto import ChatMessage, EndReason, ErrorCode, http3
+from quicsrv_proto.frames import MAX_MESSAGES
 from quicsrv_proto.http3 import EARLY_DATA_HEADER, RESUME_PATH_HEADER, SESSION_HEADER
 
 from ..apikeys import ApiKeys, ClientId
 from ..metrics import ServerMetrics
-from ..sessions.generation import RequestRejected
+from ..sessions.generation import PreparedRequest, PriorTurn, RequestRejected
+from ..sessions.lifecycle import SessionState
 from ..sessions.manager import SessionManager
 from ..sessions.session import Session
-from . import native, openai_api
+from ..sessions.store import SessionRecord
+from . import native, openai_api, responses_api
 from .cursor import InvalidCursor, decode_cursor
 from .errors import ApiError, Refusal, from_code, refusal_for
-from .messages import FullResponse, HttpRequest, KeepAlive, Response, SessionStream
-from .sse import KEEPALIVE_COMMENT, CollectingPort, SseEncoder, StreamShape
+from .messages import (
+    FrameEncoder,
+    FullResponse,
+    HttpRequest,
+    KeepAlive,
+    Response,
+    SessionStream,
+)
+from .responses_api import ResponseView
+from .responses_stream import ResponseEncoder
+from .sse import KEEPALIVE_COMMENT, CollectedAnswer, CollectingPort, SseEncoder, StreamShape
 
 __all__ = ["STARTS_COMPUTE", "PlainHandler", "Router", "request_too_large"]
 
@@ -59,11 +76,13 @@ _CHAT_PATH = "/v1/chat/completions"
 _TEXT_PATH = "/v1/completions"
 _MODELS_PATH = "/v1/models"
 _STREAMS_PREFIX = "/v1/streams/"
+_RESPONSES_PATH = "/v1/responses"
+_RESPONSES_PREFIX = "/v1/responses/"
 _GENERATE_PATH = http3.GENERATE_PATH.decode()
 _RESUME_PATH = http3.RESUME_PATH.decode()
 
 #: The endpoints whose request starts compute: a replay of its 0-RTT data would start it twice.
-STARTS_COMPUTE = frozenset({"generate", "chat_completions", "completions"})
+STARTS_COMPUTE = frozenset({"generate", "chat_completions", "completions", "responses"})
 
 
 class PlainHandler(Protocol):
@@ -242,6 +261,21 @@ class Router:
         if path in (_CHAT_PATH, _TEXT_PATH):
             _allow(request, "POST")
             return await self._complete(request, who, chat=path == _CHAT_PATH)
+        if path == _RESPONSES_PATH:
+            _allow(request, "POST")
+            return await self._create_response(request, who)
+        if path.startswith(_RESPONSES_PREFIX):
+            name, _, action = path[len(_RESPONSES_PREFIX) :].partition("/")
+            session_id = responses_api.from_response_id(name)
+            if action == "cancel":
+                _allow(request, "POST")
+                return await self._cancel_response(who, session_id)
+            if action:
+                raise ApiError(404, f"no such endpoint: {path}", code="not_found")
+            if request.method == "DELETE":
+                return await self._delete_response(who, session_id)
+            _allow(request, "GET", "DELETE")
+            return await self._get_response(request, who, session_id, query)
         if path.startswith(_STREAMS_PREFIX):
             session_id = _session_id(path[len(_STREAMS_PREFIX) :])
             if request.method == "DELETE":
@@ -269,17 +303,8 @@ class Router:
         )
         if completion.stream:
             encoder = SseEncoder(shape, mac_key=self._sessions.keys.current)
-            return self._event_stream(session, 0, encoder, client=who.name, fresh=True)
-        port = CollectingPort()
-        session.attach(port, 0, who.name)
-        try:
-            answer = await port.answer
-        except asyncio.CancelledError:
-            # Nobody can resume a non-streamed answer: its peer never learned the session.
-            session.cancel()
-            raise
-        finally:
-            session.detach(port)
+            return self._event_stream(session, 0, encoder.encode_all, client=who.name, fresh=True)
+        answer = await _collect(session, who.name)
         body = openai_api.completion_body(
             session_id=shape.session_id,
             chat=chat,
@@ -329,7 +354,9 @@ class Router:
         encoder = SseEncoder(shape, mac_key=self._sessions.keys.current, after=cursor.index)
         # Past the last token (the finishing or usage event): only the END is left to send.
         from_index = min(cursor.index + 1, len(session.record.generated))
-        return self._event_stream(session, from_index, encoder, client=who.name, fresh=False)
+        return self._event_stream(
+            session, from_index, encoder.encode_all, client=who.name, fresh=False
+        )
 
     async def _stop(self, request: HttpRequest, who: ClientId, session_id: bytes) -> FullResponse:
         end = await self._sessions.cancel_anywhere(session_id, key_id=who.key_id)
@@ -344,14 +371,163 @@ class Router:
         }
         return _json(200, body)
 
+    # --- the Responses API --------------------------------------------------------------
+
+    async def _create_response(self, request: HttpRequest, who: ClientId) -> Response:
+        create = responses_api.parse_create(request.body, model_id=self.model_id)
+        if not self._accepting():
+            raise from_code(ErrorCode.SHUTTING_DOWN, "the server is shutting down")
+        generate, prior = create.generate, None
+        if create.previous_response_id is not None:
+            generate, prior = await self._continue(create, who)
+        conversation_from = 0 if create.instructions is None else 1
+
+        def api(prepared: PreparedRequest) -> dict[str, Any]:
+            kept = prepared.messages if create.store and prepared.messages else ()
+            return {
+                "kind": responses_api.KIND,
+                "fields": create.fields,
+                "messages": [[m.role, m.content] for m in kept],
+                "from": conversation_from,
+            }
+
+        session = await self._sessions.open_generation(
+            generate,
+            client=who.name,
+            owner=who.key_id or "",
+            arrived_at=request.arrived_at,
+            prior=prior,
+            api=api,
+            unattended=create.background,
+        )
+        headers = ((SESSION_HEADER, session.session_id.hex().encode()),)
+        if create.stream:
+            encoder = ResponseEncoder(ResponseView.of(session.record, ""), text_before="")
+            return self._event_stream(session, 0, encoder.encode_all, client=who.name, fresh=True)
+        if create.background:
+            view = ResponseView.of(session.record, "", queued=session.state is SessionState.QUEUED)
+            return _json(200, responses_api.response_object(view), headers)
+        answer = await _collect(session, who.name)
+        view = ResponseView.of(session.record, answer.text)
+        return _json(200, responses_api.response_object(view), headers)
+
+    async def _continue(
+        self, create: responses_api.CreateRequest, who: ClientId
+    ) -> tuple[quicsrv_proto.Generate, PriorTurn]:
+        """The GENERATE of a request that continues ``previous_response_id``: its
+        instructions, the previous response's conversation and answer, then its input."""
+        assert create.previous_response_id is not None
+        param = "previous_response_id"
+        previous = await self._stored_response(
+            responses_api.from_response_id(create.previous_response_id, param), who, param
+        )
+        if previous.end is None:
+            raise ApiError(
+                400,
+                f"Previous response with id '{create.previous_response_id}' is still in "
+                "progress: wait for it to end, or cancel it",
+                code="previous_response_in_progress",
+                param=param,
+            )
+        api = previous.api or {}
+        stored = tuple(ChatMessage(role=r, content=c) for r, c in api.get("messages", ()))
+        answer = self._sessions.text_of(previous)
+        given = create.generate.messages or ()
+        messages = (
+            *given[: len(given) - len(create.input)],  # the instructions, if any
+            *stored[int(api.get("from", 0)) :],
+            ChatMessage(role="assistant", content=answer),
+            *create.input,
+        )
+        if len(messages) > MAX_MESSAGES:
+            raise ApiError(
+                400,
+                f"the conversation has {len(messages)} messages, more than {MAX_MESSAGES}: "
+                "start a new one from a summary",
+                code="invalid_value",
+                param=param,
+            )
+        prior = PriorTurn(
+            messages=stored,
+            prompt_tokens=previous.prompt_tokens,
+            generated=tuple(previous.generated),
+            answer=answer,
+            exact=previous.end.reason is not EndReason.STOP,
+        )
+        return dataclasses.replace(create.generate, messages=messages), prior
+
+    async def _stored_response(
+        self, session_id: bytes, who: ClientId, param: str | None = None
+    ) -> SessionRecord:
+        """A response's record, if it was stored and this key made it (404 otherwise, as for
+        an id that never existed)."""
+        record = await self._sessions.lookup(session_id, key_id=who.key_id)
+        api = record.api or {}
+        if not responses_api.is_response(record) or not api.get("fields", {}).get("store", True):
+            raise ApiError(
+                404,
+                f"Response with id '{responses_api.response_id(session_id)}' not found.",
+                code="not_found",
+                param=param,
+            )
+        return record
+
+    async def _get_response(
+        self, request: HttpRequest, who: ClientId, session_id: bytes, query: str
+    ) -> Response:
+        params = urllib.parse.parse_qs(query)
+        stream = _flag(params, "stream")
+        if not stream:
+            record = await self._stored_response(session_id, who)
+            live = self._sessions.live(session_id)
+            queued = live is not None and live.state is SessionState.QUEUED
+            view = ResponseView.of(record, self._sessions.text_of(record), queued=queued)
+            return _json(200, responses_api.response_object(view))
+        after = _starting_after(params, request.headers.get(b"last-event-id"))
+        if not self._accepting():
+            raise from_code(ErrorCode.SHUTTING_DOWN, "the server is shutting down")
+        from_index = responses_api.first_token_after(after)
+        session = await self._sessions.reattach_anywhere(session_id, from_index, key_id=who.key_id)
+        record = session.record
+        if not responses_api.is_response(record):
+            raise ApiError(404, "no such response", code="not_found")
+        # Past the last token (the closing events): only the END is left to send.
+        from_index = min(from_index, len(record.generated))
+        encoder = ResponseEncoder(
+            ResponseView.of(record, ""),
+            text_before=self._sessions.text_of(record, upto=from_index),
+            after=after,
+        )
+        return self._event_stream(
+            session, from_index, encoder.encode_all, client=who.name, fresh=False
+        )
+
+    async def _cancel_response(self, who: ClientId, session_id: bytes) -> FullResponse:
+        await self._stored_response(session_id, who)
+        await self._sessions.cancel_anywhere(session_id, key_id=who.key_id)
+        record = await self._sessions.lookup(session_id, key_id=who.key_id)
+        view = ResponseView.of(record, self._sessions.text_of(record))
+        return _json(200, responses_api.response_object(view))
+
+    async def _delete_response(self, who: ClientId, session_id: bytes) -> FullResponse:
+        await self._stored_response(session_id, who)
+        await self._sessions.delete_anywhere(session_id, key_id=who.key_id)
+        return _json(200, responses_api.deleted_body(session_id))
+
     def _event_stream(
-        self, session: Session, from_index: int, encoder: SseEncoder, *, client: str, fresh: bool
+        self,
+        session: Session,
+        from_index: int,
+        encode: FrameEncoder,
+        *,
+        client: str,
+        fresh: bool,
     ) -> SessionStream:
         """A session stream of SSE events (``text/event-stream``), kept alive while quiet."""
         return SessionStream(
             session=session,
             from_index=from_index,
-            encode=encoder.encode_all,
+            encode=encode,
             content_type="text/event-stream",
             headers=(
                 (SESSION_HEADER, session.session_id.hex().encode()),
@@ -386,10 +562,13 @@ def _endpoint(path: str) -> str:
     """The ``endpoint`` metrics label (bounded: anything unknown is "other")."""
     if path.startswith(_STREAMS_PREFIX):
         return "streams"
+    if path.startswith(_RESPONSES_PREFIX):
+        return "response"
     return {
         _CHAT_PATH: "chat_completions",
         _TEXT_PATH: "completions",
         _MODELS_PATH: "models",
+        _RESPONSES_PATH: "responses",
         _GENERATE_PATH: "generate",
         _RESUME_PATH: "resume",
     }.get(path, "other")
@@ -413,6 +592,46 @@ def _session_id(text: str) -> bytes:
     if len(session_id) != quicsrv_proto.SESSION_ID_BYTES:
         raise ApiError(404, "no such stream", code="unknown_session")
     return session_id
+
+
+async def _collect(session: Session, client: str) -> CollectedAnswer:
+    """The whole answer of a request that is not streamed."""
+    port = CollectingPort()
+    session.attach(port, 0, client)
+    try:
+        return await port.answer
+    except asyncio.CancelledError:
+        # Nobody can resume a non-streamed answer: its peer never learned the session.
+        session.cancel()
+        raise
+    finally:
+        session.detach(port)
+
+
+def _flag(params: dict[str, list[str]], name: str) -> bool:
+    values = params.get(name, [])
+    if not values or values[0] in ("false", "0", ""):
+        return False
+    if values[0] in ("true", "1"):
+        return True
+    raise ApiError(400, f"{name} must be true or false", code="invalid_value", param=name)
+
+
+def _starting_after(params: dict[str, list[str]], last_event_id: bytes | None) -> int:
+    """The ``starting_after`` of a streamed GET (or the ``Last-Event-ID`` an EventSource sends,
+    which names the same number); -1: from the first event."""
+    values = params.get("starting_after", [])
+    text = values[0] if values else (last_event_id or b"").decode("latin-1").strip()
+    if not text:
+        return -1
+    if not text.isdigit() or len(text) > 10:
+        raise ApiError(
+            400,
+            "starting_after must be a sequence number (an integer, 0 or more)",
+            code="invalid_value",
+            param="starting_after",
+        )
+    return int(text)
 
 
 def _query_value(query: str) -> str:

@@ -1,10 +1,21 @@
-"""A GENERATE checked against this server's limits and turned into an engine request."""
+"""A GENERATE checked against this server's limits and turned into an engine request.
+
+A chat that continues a stored turn (the Responses API's ``previous_response_id``) is
+rendered so that its prompt starts with that turn's own token ids, prompt and answer as the
+engine saw them, not a re-tokenization of their text (which may split the answer otherwise):
+the prefix cache then finds the cells the turn left, and the follow-up's time to first token
+does not grow with the history. That holds only when the chat template is prefix-stable for
+this conversation (rendering it with the answer and the new messages extends the old prompt's
+text by the answer and more): checked on every request, and where it fails the whole chat is
+rendered and tokenized afresh.
+"""
 
 from __future__ import annotations
 
 import logging
 import secrets
 from collections.abc import Sequence
+from dataclasses import dataclass
 
 import quicsrv_proto
 from quicsrv_proto import ChatMessage, ErrorCode, Truncation
@@ -12,7 +23,14 @@ from quicsrv_proto import ChatMessage, ErrorCode, Truncation
 from ..engine import Engine, SamplingParams, SequenceRequest
 from .overflow import fit_history
 
-__all__ = ["INLINE_PROMPT_CHARS", "RequestRejected", "build_request", "prompt_chars"]
+__all__ = [
+    "INLINE_PROMPT_CHARS",
+    "PreparedRequest",
+    "PriorTurn",
+    "RequestRejected",
+    "build_request",
+    "prompt_chars",
+]
 
 log = logging.getLogger(__name__)
 
@@ -32,6 +50,32 @@ class RequestRejected(Exception):
         self.retry_after_s = retry_after_s
 
 
+@dataclass(frozen=True, slots=True, kw_only=True)
+class PriorTurn:
+    """A stored turn that a chat continues: see the module docstring."""
+
+    messages: tuple[ChatMessage, ...]
+    """The messages its prompt was rendered from."""
+    prompt_tokens: tuple[int, ...]
+    generated: tuple[int, ...]
+    answer: str
+    """Its answer's text."""
+    exact: bool
+    """The answer's text is its tokens' text (False when a stop sequence cut it)."""
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class PreparedRequest:
+    """A GENERATE made ready for the engine."""
+
+    sequence: SequenceRequest
+    messages: tuple[ChatMessage, ...] | None
+    """The chat as rendered into the prompt (its oldest turns dropped by ``truncation``);
+    None for a plain prompt."""
+    continued: bool
+    """The prompt starts with the prior turn's own tokens (see the module docstring)."""
+
+
 def prompt_chars(frame: quicsrv_proto.Generate) -> int:
     """About how many characters a GENERATE gives the tokenizer (a chat: its messages, each
     with its template overhead, so many empty messages do not pass for a short prompt)."""
@@ -41,9 +85,14 @@ def prompt_chars(frame: quicsrv_proto.Generate) -> int:
 
 
 def build_request(
-    engine: Engine, frame: quicsrv_proto.Generate, *, max_tokens_limit: int
-) -> SequenceRequest:
-    """Validate a GENERATE against this server's limits and tokenize its prompt."""
+    engine: Engine,
+    frame: quicsrv_proto.Generate,
+    *,
+    max_tokens_limit: int,
+    prior: PriorTurn | None = None,
+) -> PreparedRequest:
+    """Validate a GENERATE against this server's limits and tokenize its prompt (a chat that
+    continues ``prior``: its messages start with the prior's and its answer)."""
     if frame.max_tokens > max_tokens_limit:
         raise RequestRejected(
             ErrorCode.INVALID_FIELD,
@@ -51,8 +100,10 @@ def build_request(
             f"{max_tokens_limit}",
         )
     budget = engine.context_per_sequence - frame.max_tokens
+    messages, continued = None, False
     if frame.messages is not None:
-        tokens = _chat_tokens(engine, frame.messages)
+        messages = tuple(frame.messages)
+        tokens, continued = _chat_prompt(engine, messages, prior)
         if len(tokens) > budget and frame.truncation is Truncation.AUTO:
             kept = fit_history(
                 frame.messages,
@@ -67,7 +118,8 @@ def build_request(
                     len(frame.messages),
                     budget,
                 )
-                tokens = _chat_tokens(engine, kept)
+                messages = kept
+                tokens, continued = _chat_prompt(engine, kept, prior)
     else:
         assert frame.prompt is not None  # proto guarantees exactly one of the two
         tokens = engine.tokenize(frame.prompt, add_special=True)
@@ -86,7 +138,7 @@ def build_request(
             f"context of {engine.context_per_sequence} tokens{hint}",
         )
     seed = frame.seed if frame.seed is not None else int.from_bytes(_random_seed(), "little")
-    return SequenceRequest(
+    sequence = SequenceRequest(
         prompt_tokens=tuple(tokens),
         max_tokens=frame.max_tokens,
         sampling=SamplingParams(
@@ -99,11 +151,38 @@ def build_request(
         ),
         ignore_eos=frame.ignore_eos,
     )
+    return PreparedRequest(sequence=sequence, messages=messages, continued=continued)
+
+
+def _chat_prompt(
+    engine: Engine, messages: tuple[ChatMessage, ...], prior: PriorTurn | None
+) -> tuple[list[int], bool]:
+    """The chat's prompt tokens, and whether they continue ``prior``'s own (see the module
+    docstring)."""
+    if prior is not None and prior.exact:
+        n = len(prior.messages)
+        if messages[:n] == prior.messages and messages[n : n + 1] == (
+            ChatMessage(role="assistant", content=prior.answer),
+        ):
+            before = _render(engine, prior.messages)
+            full = _render(engine, messages)
+            head = before + prior.answer
+            if (
+                full.startswith(head)
+                and len(full) > len(head)
+                and engine.tokenize(before, add_special=False) == list(prior.prompt_tokens)
+            ):
+                rest = engine.tokenize(full[len(head) :], add_special=False)
+                return [*prior.prompt_tokens, *prior.generated, *rest], True
+    return _chat_tokens(engine, messages), False
+
+
+def _render(engine: Engine, messages: Sequence[ChatMessage]) -> str:
+    return engine.render_chat([{"role": m.role, "content": m.content} for m in messages])
 
 
 def _chat_tokens(engine: Engine, messages: Sequence[ChatMessage]) -> list[int]:
-    text = engine.render_chat([{"role": m.role, "content": m.content} for m in messages])
-    return engine.tokenize(text, add_special=False)
+    return engine.tokenize(_render(engine, messages), add_special=False)
 
 
 def _random_seed() -> bytes:

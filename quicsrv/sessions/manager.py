@@ -17,16 +17,24 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import redis
 
 import quicsrv_proto
 from quicsrv_proto import ErrorCode
 
-from ..engine import Engine, SequenceRequest
+from ..engine import Engine
 from ..metrics import ServerMetrics
 from .admission import AdmissionLimits, FairGate, Place, Slot
-from .generation import INLINE_PROMPT_CHARS, RequestRejected, build_request, prompt_chars
+from .generation import (
+    INLINE_PROMPT_CHARS,
+    PreparedRequest,
+    PriorTurn,
+    RequestRejected,
+    build_request,
+    prompt_chars,
+)
 from .inbox import LoopInbox
 from .keys import KeyRing, SharedKeyRing
 from .kvstore import KVStore
@@ -35,6 +43,7 @@ from .redis_store import RedisSessionStore, connect, connect_async, process_owne
 from .session import FlowSettings, Session
 from .shared_kv import SharedKV
 from .store import SessionEnd, SessionRecord, SessionStore
+from .text import TextAssembler
 
 __all__ = ["HandOver", "SessionManager", "SessionSettings"]
 
@@ -195,7 +204,15 @@ class SessionManager:
     # --- new generations ----------------------------------------------------------------
 
     async def open_generation(
-        self, frame: quicsrv_proto.Generate, *, client: str, owner: str, arrived_at: float
+        self,
+        frame: quicsrv_proto.Generate,
+        *,
+        client: str,
+        owner: str,
+        arrived_at: float,
+        prior: PriorTurn | None = None,
+        api: Callable[[PreparedRequest], dict[str, Any]] | None = None,
+        unattended: bool = False,
     ) -> Session:
         """A new generation, from a GENERATE to a session whose record is on disk: the one way
         every front end opens one. Checks and tokenizes it (a long prompt off the loop), takes
@@ -209,13 +226,25 @@ class SessionManager:
 
         Cancelling it (its peer went away) gives back what it holds: its place in line, its
         slot, or the compute of the session it started (which stays resumable).
+
+        A front end may continue a stored chat turn (``prior``), keep its own fields with the
+        record (``api``: made from the prepared request, saved with the record's first write)
+        and have the session run to its end with nobody reading (``unattended``).
         """
-        prepared = await self.prepare_off_loop(frame)
+        prepared = await self.prepare_off_loop(frame, prior)
         if self._shutting_down:
             raise RequestRejected(ErrorCode.SHUTTING_DOWN, "the server is shutting down")
         place = self.gate.queue(client)
         try:
-            session = self._open(frame, prepared, place, owner=owner, arrived_at=arrived_at)
+            session = self._open(
+                frame,
+                prepared,
+                place,
+                owner=owner,
+                arrived_at=arrived_at,
+                api=None if api is None else api(prepared),
+                unattended=unattended,
+            )
         except BaseException:
             place.leave()
             raise
@@ -226,18 +255,24 @@ class SessionManager:
             raise
         return session
 
-    def prepare(self, frame: quicsrv_proto.Generate) -> SequenceRequest:
+    def prepare(
+        self, frame: quicsrv_proto.Generate, prior: PriorTurn | None = None
+    ) -> PreparedRequest:
         """Check a GENERATE against the limits and tokenize its prompt (rendering the chat
         template first): the slow, pure part of a start, safe to run on any thread."""
-        return build_request(self._engine, frame, max_tokens_limit=self.settings.max_tokens_limit)
+        return build_request(
+            self._engine, frame, max_tokens_limit=self.settings.max_tokens_limit, prior=prior
+        )
 
-    async def prepare_off_loop(self, frame: quicsrv_proto.Generate) -> SequenceRequest:
+    async def prepare_off_loop(
+        self, frame: quicsrv_proto.Generate, prior: PriorTurn | None = None
+    ) -> PreparedRequest:
         """:meth:`prepare` on a thread, except for a short prompt: tokenizing one takes tens
         of microseconds, the trip to a thread and back a millisecond or more of the time to
         first token (measured on 2 busy cores). A long one would hold up every other stream."""
-        if prompt_chars(frame) <= INLINE_PROMPT_CHARS:
+        if prompt_chars(frame) <= INLINE_PROMPT_CHARS and prior is None:
             return self.prepare(frame)
-        return await asyncio.to_thread(self.prepare, frame)
+        return await asyncio.to_thread(self.prepare, frame, prior)
 
     def queue_wait_s(self, deadline_ms: int | None, arrived_at: float) -> float:
         """How much longer a new request may wait for a slot: the server's
@@ -250,11 +285,13 @@ class SessionManager:
     def start(
         self,
         frame: quicsrv_proto.Generate,
-        request: SequenceRequest | None = None,
+        request: PreparedRequest | None = None,
         *,
         slot: Slot,
         owner: str = "",
         arrived_at: float | None = None,
+        api: dict[str, Any] | None = None,
+        unattended: bool = False,
     ) -> Session:
         """Validate, record and submit a GENERATE under ``slot`` (``request``: its
         :meth:`prepare` result, made here when not given; ``owner``: the API key id that
@@ -263,7 +300,12 @@ class SessionManager:
         end maps either to its wire code), the slot then given back."""
         try:
             return self._record(
-                frame, request, owner, lambda session: session.start(slot, arrived_at)
+                frame,
+                request,
+                owner,
+                lambda session: session.start(slot, arrived_at),
+                api=api,
+                unattended=unattended,
             )
         except BaseException:
             slot.release()
@@ -272,35 +314,51 @@ class SessionManager:
     def _open(
         self,
         frame: quicsrv_proto.Generate,
-        request: SequenceRequest,
+        request: PreparedRequest,
         place: Place,
         *,
         owner: str,
         arrived_at: float,
+        api: dict[str, Any] | None,
+        unattended: bool,
     ) -> Session:
         """Start the generation at once if ``place`` has its slot, else leave it in line."""
         slot = place.take()
         if slot is not None:
-            return self.start(frame, request, slot=slot, owner=owner, arrived_at=arrived_at)
+            return self.start(
+                frame,
+                request,
+                slot=slot,
+                owner=owner,
+                arrived_at=arrived_at,
+                api=api,
+                unattended=unattended,
+            )
         timeout_s = self.queue_wait_s(frame.deadline_ms, arrived_at)
         return self._record(
             frame,
             request,
             owner,
             lambda session: session.enter_line(place, arrived_at=arrived_at, timeout_s=timeout_s),
+            api=api,
+            unattended=unattended,
         )
 
     def _record(
         self,
         frame: quicsrv_proto.Generate,
-        request: SequenceRequest | None,
+        prepared: PreparedRequest | None,
         owner: str,
         begin: Callable[[Session], None],
+        *,
+        api: dict[str, Any] | None = None,
+        unattended: bool = False,
     ) -> Session:
         """A new session for ``frame``, begun by ``begin`` (which may refuse by raising),
         then recorded in the store and the live table."""
-        if request is None:
-            request = self.prepare(frame)
+        if prepared is None:
+            prepared = self.prepare(frame)
+        request = prepared.sequence
         if not self.store.has_room(lambda r: r.session_id not in self._live):
             raise RequestRejected(
                 ErrorCode.OVERLOADED,
@@ -321,9 +379,13 @@ class SessionManager:
             created_at_s=now,
             expires_at_s=now + self.settings.ttl_s,
             owner=owner,
+            api=api,
+            unattended=unattended,
         )
         session = self._session(record)
         begin(session)  # an engine refusal goes to the caller as it is
+        if unattended:
+            session.run_unattended()
         self.store.add(record)
         self._live[record.session_id] = session
         return session
@@ -481,6 +543,66 @@ class SessionManager:
             session = self._session(record)
             self._live[record.session_id] = session
         return session
+
+    async def lookup(self, session_id: bytes, *, key_id: str | None = None) -> SessionRecord:
+        """The record of ``session_id`` as it stands, to read, not to run: this process's copy
+        when it owns the session, else (a shared store) what Redis holds. Raises unknown,
+        expired or key mismatch."""
+        if self.shared:
+            live = self._live.get(session_id)
+            if live is None or live.handed_over:
+                store = self.store
+                assert isinstance(store, RedisSessionStore)
+                try:
+                    fetched = await store.fetch(session_id)
+                except redis.RedisError as exc:
+                    log.error("session %s: redis: %s", session_id.hex(), exc)
+                    raise RequestRejected(
+                        ErrorCode.STORE_UNAVAILABLE, "the session store cannot be reached"
+                    ) from None
+                record = self._require_current(
+                    session_id, fetched.record if fetched is not None else None, None
+                )
+                _check_owner(record, key_id)
+                return record
+        _, record = self._find(session_id)
+        _check_owner(record, key_id)
+        return record
+
+    def text_of(self, record: SessionRecord, upto: int | None = None) -> str:
+        """The text of a record's answer: of its first ``upto`` tokens, as a stream sent it
+        (what a stop sequence may still match held back), or else all of it."""
+        text = TextAssembler(record.stop)
+        tokens = record.generated if upto is None else record.generated[:upto]
+        parts = [text.push(self._engine.piece(token)) for token in tokens]
+        if upto is None and record.end is not None:
+            parts.append(text.finish())
+        return "".join(parts)
+
+    async def delete_anywhere(self, session_id: bytes, *, key_id: str | None = None) -> None:
+        """Stop a session if it runs and forget it for good (its owner asked): its record,
+        token log and saved KV cells go, from the shared store too."""
+        await self.cancel_anywhere(session_id, key_id=key_id)
+        self.store.delete(session_id)
+        self.kv.discard(session_id)
+        await self.persisted()
+
+    def run_unattended_again(self) -> int:
+        """Start again the unattended sessions (background responses) that the previous
+        process left unfinished in this data dir; how many. (With the shared store a session
+        goes on when someone reads it: no process walks every record in Redis.)"""
+        if self.shared:
+            return 0
+        started = 0
+        for record in self.store:
+            if record.unattended and record.end is None and record.session_id not in self._live:
+                if record.model_digest != self._engine.model_digest:
+                    continue
+                session = self._session(record)
+                self._live[record.session_id] = session
+                session.run_unattended()
+                started += 1
+        return started
 
     def cancel(self, session_id: bytes, *, key_id: str | None = None) -> SessionEnd:
         """End a generation for good (an explicit stop): the engine sequence and its saved KV

@@ -87,6 +87,15 @@ redis.call('SET', KEYS[1], ARGV[1], 'PX', ARGV[2])
 return {meta, redis.call('GET', KEYS[3]) or '', previous}
 """
 
+# KEYS: lease, meta, tokens. ARGV: expires_at_ms. A deletion: the record and its log go, and the
+# lease names nobody's process until the session would have expired, so that a stale copy's
+# late write (its owner check) cannot bring the record back.
+_DELETE = """
+redis.call('DEL', KEYS[2], KEYS[3])
+redis.call('SET', KEYS[1], 'deleted', 'PXAT', ARGV[1])
+return 1
+"""
+
 
 def connect(url: str, *, timeout_s: float = 5.0, retries: int = 2) -> redis.Redis:
     """A sync client for ``redis://host:port/db`` (or ``unix:///path``); raises
@@ -175,6 +184,7 @@ class RedisSessionStore(SessionStore):
         self._save_script = client.register_script(_SAVE)
         self._append_script = client.register_script(_APPEND)
         self._claim_script = client.register_script(_CLAIM)
+        self._delete_script = client.register_script(_DELETE)
         self._lock = threading.Lock()  # guards _pending: the loop adds, the writer takes
         self._pending: dict[bytes, _PendingAppend] = {}
         self._durable: dict[bytes, int] = {}
@@ -241,6 +251,12 @@ class RedisSessionStore(SessionStore):
             while len(self._expired) > 65536:
                 self._expired.popitem(last=False)
 
+    def delete(self, session: bytes) -> None:
+        record = self._records.get(session)
+        expires_at_ms = int((record.expires_at_s if record else self._clock() + self.ttl_s) * 1000)
+        self.remove(session)
+        self._writer.submit(self._delete, session, expires_at_ms)
+
     def adopt(self, record: SessionRecord) -> None:
         """Know ``record`` (just fetched or claimed) here, replacing any older copy."""
         self.remove(record.session_id)
@@ -293,6 +309,13 @@ class RedisSessionStore(SessionStore):
             return
         if not saved:
             log.info("session %s is owned by another process: not saved", session.hex())
+
+    def _delete(self, session: bytes, expires_at_ms: int) -> None:
+        lease, meta, tokens = self._keys(session)
+        try:
+            self._delete_script(keys=[lease, meta, tokens], args=[expires_at_ms])
+        except redis.RedisError as exc:
+            log.error("cannot delete session %s from redis: %s", session.hex(), exc)
 
     def _flush_appends(self) -> None:
         with self._lock:

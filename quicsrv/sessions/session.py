@@ -7,6 +7,10 @@ same frames. While the attached reader lags (its unacknowledged bytes past the h
 ``max_tokens_ahead`` tokens generated beyond what it acknowledged, more for a reader whose
 acknowledgements take long: :mod:`.flow`) the engine sequence is paused and its batch slot
 freed; it runs again once the reader drains below the low watermark.
+
+A session may also run *unattended* (a background response): while no stream reads it, a
+stand-in reader takes every frame at once, so the generation runs to its end; a stream that
+comes and goes meanwhile never pauses it.
 """
 
 from __future__ import annotations
@@ -82,6 +86,26 @@ class StreamPort(Protocol):
 
     def acked_offset(self) -> int:
         """Stream bytes the peer acknowledged without a gap."""
+
+
+class _Unattended:
+    """The reader of an unattended session while no stream reads it: takes every frame at
+    once and drops it (the record keeps them), so the engine never waits."""
+
+    def __init__(self) -> None:
+        self._sent = 0
+
+    def send_frame(self, frame: quicsrv_proto.Frame, end_stream: bool) -> None:
+        self._sent += 1
+
+    def send_frames(self, frames: Sequence[quicsrv_proto.Frame]) -> None:
+        self._sent += len(frames)
+
+    def sent_offset(self) -> int:
+        return self._sent
+
+    def acked_offset(self) -> int:
+        return self._sent
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -171,6 +195,8 @@ class Session:
         self.sequence_released = asyncio.Event()
         self.sequence_released.set()
         self._shutting_down = False  # no restart from now on: the server is going
+        self.unattended = False
+        """It runs to its end whether or not a stream reads it (:meth:`run_unattended`)."""
 
     @property
     def session_id(self) -> bytes:
@@ -182,7 +208,9 @@ class Session:
 
     @property
     def attached(self) -> bool:
-        return self._attachment is not None
+        """A stream reads it (the stand-in reader of an unattended session is none)."""
+        attachment = self._attachment
+        return attachment is not None and not isinstance(attachment.port, _Unattended)
 
     @property
     def handed_over(self) -> bool:
@@ -253,9 +281,22 @@ class Session:
         self._pump()
         self._maybe_run()
 
+    def run_unattended(self) -> None:
+        """Run to the end with nobody reading (a background response): counted against its
+        client's slots like any generation, stopped only by a cancel, a shutdown (the next
+        process picks it up again) or its end."""
+        self.unattended = True
+        if self._attachment is None and not self.finished and not self.handed_over:
+            self.attach(_Unattended(), len(self.record.generated))
+
     def detach(self, port: StreamPort, *, capture_kv: bool = True) -> None:
-        """The stream went away: pause the engine (nobody reads) but keep the session."""
+        """The stream went away: pause the engine (nobody reads) but keep the session; an
+        unattended one goes on with its stand-in reader."""
         if self._attachment is None or self._attachment.port is not port:
+            return
+        if self.unattended and not (self.finished or self._shutting_down or self.handed_over):
+            next_index, self._attachment = self._attachment.next_index, None
+            self.attach(_Unattended(), next_index)
             return
         left = self._transition(SessionEvent.DETACHED)
         self._attachment = None
@@ -265,7 +306,10 @@ class Session:
         self._check_idle()
 
     def abandon(self) -> None:
-        """Its stream went away before it was told the session id: stop spending compute."""
+        """Its stream went away before it was told the session id: stop spending compute
+        (unless it runs unattended: then nobody needs to have been told)."""
+        if self.unattended:
+            return
         left = self._transition(SessionEvent.ABANDONED)
         self._pause_sequence(left, capture_kv=False)
         self._leave_line()
@@ -301,6 +345,8 @@ class Session:
         """Tell the reader, if any, that the server is going: END(shutdown), which is no end
         (the session stays resumable from disk). Whether a stream was told."""
         attachment, self._attachment = self._attachment, None
+        if attachment is not None and isinstance(attachment.port, _Unattended):
+            attachment = None  # nobody to tell
         if attachment is not None:
             end = quicsrv_proto.End(
                 reason=EndReason.SHUTDOWN,

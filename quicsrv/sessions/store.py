@@ -71,6 +71,12 @@ class SessionRecord:
     prefill_plan: PrefillPlan | None = None
     """How the engine computed the prompt's cells when it started from reused ones (None: as
     a cold start): a replay follows it, or it would not be exact."""
+    unattended: bool = False
+    """It runs to its end whether or not anyone reads it (a background response): a restarted
+    server starts it again on its own."""
+    api: dict[str, Any] | None = None
+    """What a front end keeps with the session to answer about it later (the Responses API:
+    its request fields and the conversation the prompt was rendered from); CBOR values."""
 
     @property
     def cached_tokens(self) -> int:
@@ -113,6 +119,10 @@ class SessionRecord:
             meta["end"] = [self.end.reason.value, self.end.completion_tokens]
         if self.owner:
             meta["owner"] = self.owner
+        if self.unattended:
+            meta["unattended"] = True
+        if self.api is not None:
+            meta["api"] = self.api
         if self.prefill_plan is not None:
             meta["plan"] = [self.prefill_plan.reused, [list(s) for s in self.prefill_plan.segments]]
         return meta
@@ -141,6 +151,8 @@ class SessionRecord:
             if plan is None
             else PrefillPlan(tuple(Segment(int(e), int(s)) for e, s in plan[1]), int(plan[0])),
             end=None if end is None else SessionEnd(EndReason(end[0]), int(end[1])),
+            unattended=bool(meta.get("unattended", False)),
+            api=meta.get("api"),
         )
 
 
@@ -296,6 +308,11 @@ class SessionStore:
             self._expired[session] = None
             while len(self._expired) > _TOMBSTONES:
                 self._expired.popitem(last=False)
+
+    def delete(self, session: bytes) -> None:
+        """Forget a session for good, at its owner's request (not an expiry): a later lookup
+        finds nothing."""
+        self.remove(session)
 
     def expired(self, now_s: float) -> list[SessionRecord]:
         return [r for r in self._records.values() if r.expires_at_s <= now_s]

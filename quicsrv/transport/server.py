@@ -359,6 +359,9 @@ async def start_server(
         sessions.run_sweeper(config.session_sweep_interval_s)
     )
     log.info("session store: %s", sessions.usage())
+    restarted = sessions.run_unattended_again()
+    if restarted:
+        log.info("background responses: %d unfinished ones started again", restarted)
     tcp = None
     if tcp_sock is not None:
         tcp = await start_tcp_listener(

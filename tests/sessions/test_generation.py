@@ -253,7 +253,7 @@ async def test_a_short_prompt_is_tokenized_on_the_loop_and_a_long_one_on_a_threa
     ]
     for frame in frames:
         request = await manager.prepare_off_loop(frame)
-        assert request.prompt_tokens == tuple(manager.prepare(frame).prompt_tokens)
+        assert request.sequence.prompt_tokens == manager.prepare(frame).sequence.prompt_tokens
     on_loop = [thread == loop_thread for thread in engine.tokenized_on[::2]]
     assert on_loop == [True, False, True, False]
 

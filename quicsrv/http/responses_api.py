@@ -1,0 +1,545 @@
+"""OpenAI's Responses API, mapped onto a session, and every object and event it answers with.
+
+Request side: :func:`parse_create` checks a ``POST /v1/responses`` body field by field, as
+:mod:`.openai_api` does for completions: what the engine cannot honour (tools, reasoning,
+structured output, ...) is accepted only at its neutral value and refused otherwise.
+
+Everything a response says is a pure function of its session record (:class:`ResponseView`):
+the ids (``resp_<session id>``, ``msg_<session id>``), the stored request fields and
+``created_at``, the token ids, their text and the end. So any suffix of the event stream can be
+rendered again, on any node, after any restart. Sequence numbers are fixed by the token index
+(:func:`delta_sequence`):
+
+====================  ==========================================================
+``0``                 ``response.created``
+``1``                 ``response.in_progress``
+``2``                 ``response.output_item.added`` (the assistant message)
+``3``                 ``response.content_part.added`` (its ``output_text`` part)
+``4 + i``             ``response.output_text.delta`` of token ``i`` (its text,
+                      possibly empty: a token that completes no character yet)
+``4 + n``, ...        at the end (``n`` tokens): a last delta with the held-back
+                      tail when there is one, ``response.output_text.done``,
+                      ``response.content_part.done``, ``response.output_item.done``,
+                      then ``response.completed`` (end of text, stop sequence),
+                      ``response.incomplete`` (``max_output_tokens``; or a cancel,
+                      with the response's ``status: cancelled``)
+====================  ==========================================================
+
+A stream that cannot go on (the server restarts, another reader took the response over, the
+engine is down) ends with an ``error`` event numbered with the next event's number: it is not
+part of the response, and a resume with ``starting_after`` = the last number received
+continues exactly.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from typing import Any
+
+import quicsrv_proto
+from quicsrv_proto import ChatMessage, EndReason
+from quicsrv_proto.frames import MAX_MESSAGES, MAX_PROMPT_CHARS
+
+from ..sessions.store import SessionRecord
+from . import openai_api
+from .errors import ApiError
+
+__all__ = [
+    "FIRST_DELTA",
+    "CreateRequest",
+    "ResponseView",
+    "delta_sequence",
+    "from_response_id",
+    "message_id",
+    "parse_create",
+    "response_id",
+    "response_object",
+]
+
+KIND = "response"
+"""``SessionRecord.api["kind"]`` of a session this API started."""
+RESPONSE_PREFIX = "resp_"
+MESSAGE_PREFIX = "msg_"
+FIRST_DELTA = 4
+"""The sequence number of token 0's delta: four events come before it."""
+
+#: OpenAI's bounds on ``metadata``.
+MAX_METADATA_PAIRS = 16
+MAX_METADATA_KEY_CHARS = 64
+MAX_METADATA_VALUE_CHARS = 512
+
+_FIELDS = frozenset(
+    {
+        "model",
+        "input",
+        "instructions",
+        "max_output_tokens",
+        "temperature",
+        "top_p",
+        "stream",
+        "background",
+        "store",
+        "previous_response_id",
+        "truncation",
+        "metadata",
+        "user",
+        "safety_identifier",
+        # Neutral values only (see _NEUTRAL).
+        "tools",
+        "tool_choice",
+        "parallel_tool_calls",
+        "text",
+        "reasoning",
+        "include",
+        "top_logprobs",
+        "max_tool_calls",
+        "service_tier",
+        "stream_options",
+        "prompt",
+        "conversation",
+        "prompt_cache_key",
+        # Extensions, as on the completion endpoints.
+        "seed",
+        "top_k",
+        "min_p",
+        "repeat_penalty",
+        "deadline_ms",
+    }
+)
+_NEUTRAL: dict[str, tuple[object, ...]] = {
+    "tools": (None, []),
+    "tool_choice": (None, "none", "auto"),
+    "parallel_tool_calls": (None, True, False),
+    "text": (None, {}, {"format": {"type": "text"}}),
+    "reasoning": (None, {}),
+    "include": (None, []),
+    "top_logprobs": (None, 0),
+    "max_tool_calls": (None,),
+    "service_tier": (None, "auto", "default"),
+    "stream_options": (None, {}, {"include_obfuscation": False}),
+    "prompt": (None,),
+    "conversation": (None,),
+    "prompt_cache_key": (None,),
+}
+_INPUT_ROLES = {"user": "user", "assistant": "assistant", "system": "system", "developer": "system"}
+_TEXT_PARTS = frozenset({"input_text", "output_text", "text"})
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class CreateRequest:
+    """A checked ``POST /v1/responses``."""
+
+    generate: quicsrv_proto.Generate
+    """Sampling and limits; its ``messages`` are this request's instructions and input only
+    (the router puts a previous response's conversation in between)."""
+    instructions: str | None
+    input: tuple[ChatMessage, ...]
+    stream: bool
+    background: bool
+    store: bool
+    previous_response_id: str | None
+    fields: dict[str, Any]
+    """What the response object echoes (``instructions``, ``metadata``, ``temperature``...),
+    stored with the session as it is."""
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class ResponseView:
+    """What a response object is made of: the session record's fields, and its text."""
+
+    session_id: bytes
+    created_at: int
+    fields: dict[str, Any]
+    text: str
+    input_tokens: int
+    cached_tokens: int
+    output_tokens: int
+    end: EndReason | None
+    """None while it is generated (or waits to be)."""
+    queued: bool = False
+    """It waits in line for a slot."""
+
+    @classmethod
+    def of(cls, record: SessionRecord, text: str, *, queued: bool = False) -> ResponseView:
+        return cls(
+            session_id=record.session_id,
+            created_at=int(record.created_at_s),
+            fields=_fields_of(record),
+            text=text,
+            input_tokens=len(record.prompt_tokens),
+            cached_tokens=record.cached_tokens,
+            output_tokens=len(record.generated),
+            end=None if record.end is None else record.end.reason,
+            queued=queued,
+        )
+
+
+def is_response(record: SessionRecord) -> bool:
+    """Whether the session was started by ``POST /v1/responses``."""
+    return record.api is not None and record.api.get("kind") == KIND
+
+
+def _fields_of(record: SessionRecord) -> dict[str, Any]:
+    api = record.api or {}
+    fields = api.get("fields")
+    return dict(fields) if isinstance(fields, dict) else {}
+
+
+# --- ids -----------------------------------------------------------------------------------
+
+
+def response_id(session_id: bytes) -> str:
+    return RESPONSE_PREFIX + session_id.hex()
+
+
+def message_id(session_id: bytes) -> str:
+    return MESSAGE_PREFIX + session_id.hex()
+
+
+def from_response_id(text: str, param: str | None = None) -> bytes:
+    """The session a response id names; 404 for anything this server cannot have issued."""
+    session_id = b""
+    if text.startswith(RESPONSE_PREFIX):
+        try:
+            session_id = bytes.fromhex(text[len(RESPONSE_PREFIX) :])
+        except ValueError:
+            session_id = b""
+    if len(session_id) != quicsrv_proto.SESSION_ID_BYTES:
+        raise ApiError(
+            404, f"Response with id '{text[:80]}' not found.", code="not_found", param=param
+        )
+    return session_id
+
+
+def delta_sequence(index: int) -> int:
+    """The sequence number of token ``index``'s delta event."""
+    return FIRST_DELTA + index
+
+
+def first_token_after(starting_after: int) -> int:
+    """The first token whose delta comes after event ``starting_after``."""
+    return max(0, starting_after + 1 - FIRST_DELTA)
+
+
+# --- objects -------------------------------------------------------------------------------
+
+
+def status_of(view: ResponseView) -> str:
+    if view.end is None:
+        return "queued" if view.queued else "in_progress"
+    if view.end is EndReason.CANCELLED:
+        return "cancelled"
+    if view.end is EndReason.LENGTH:
+        return "incomplete"
+    return "completed"
+
+
+def message_item(view: ResponseView, text: str | None) -> dict[str, Any]:
+    """The assistant message (``text`` None: as first announced, with no content yet)."""
+    status = status_of(view)
+    item_status = "completed" if status == "completed" else "in_progress"
+    if status in ("incomplete", "cancelled"):
+        item_status = "incomplete"
+    return {
+        "id": message_id(view.session_id),
+        "type": "message",
+        "role": "assistant",
+        "status": item_status if text is not None else "in_progress",
+        "content": [] if text is None else [_text_part(text)],
+    }
+
+
+def _text_part(text: str) -> dict[str, Any]:
+    return {"type": "output_text", "text": text, "annotations": [], "logprobs": []}
+
+
+def response_object(view: ResponseView, *, announced: bool = False) -> dict[str, Any]:
+    """The ``response`` object (``announced``: as at its start, before any output)."""
+    fields = view.fields
+    status = "in_progress" if announced else status_of(view)
+    body: dict[str, Any] = {
+        "id": response_id(view.session_id),
+        "object": "response",
+        "created_at": view.created_at,
+        "status": status,
+        "background": fields.get("background", False),
+        "error": None,
+        "incomplete_details": None,
+        "instructions": fields.get("instructions"),
+        "max_output_tokens": fields.get("max_output_tokens"),
+        "metadata": fields.get("metadata", {}),
+        "model": fields.get("model", ""),
+        "output": [],
+        "parallel_tool_calls": False,
+        "previous_response_id": fields.get("previous_response_id"),
+        "store": fields.get("store", True),
+        "temperature": fields.get("temperature"),
+        "top_p": fields.get("top_p"),
+        "text": {"format": {"type": "text"}},
+        "tool_choice": "none",
+        "tools": [],
+        "truncation": fields.get("truncation", "disabled"),
+        "usage": None,
+    }
+    if announced:
+        return body
+    if view.output_tokens or view.end is not None:
+        body["output"] = [message_item(view, view.text)]
+    if status == "incomplete":
+        body["incomplete_details"] = {"reason": "max_output_tokens"}
+    if view.end is not None:
+        body["usage"] = usage(view)
+    return body
+
+
+def usage(view: ResponseView) -> dict[str, Any]:
+    return {
+        "input_tokens": view.input_tokens,
+        "input_tokens_details": {"cached_tokens": view.cached_tokens},
+        "output_tokens": view.output_tokens,
+        "output_tokens_details": {"reasoning_tokens": 0},
+        "total_tokens": view.input_tokens + view.output_tokens,
+    }
+
+
+def deleted_body(session_id: bytes) -> dict[str, Any]:
+    return {"id": response_id(session_id), "object": "response.deleted", "deleted": True}
+
+
+# --- events --------------------------------------------------------------------------------
+
+
+def opening_events(view: ResponseView) -> list[dict[str, Any]]:
+    """Events 0 to 3: before the first token."""
+    announced = response_object(view, announced=True)
+    item_id = message_id(view.session_id)
+    return [
+        {"type": "response.created", "sequence_number": 0, "response": announced},
+        {"type": "response.in_progress", "sequence_number": 1, "response": announced},
+        {
+            "type": "response.output_item.added",
+            "sequence_number": 2,
+            "output_index": 0,
+            "item": message_item(view, None),
+        },
+        {
+            "type": "response.content_part.added",
+            "sequence_number": 3,
+            "item_id": item_id,
+            "output_index": 0,
+            "content_index": 0,
+            "part": _text_part(""),
+        },
+    ]
+
+
+def delta_event(session_id: bytes, sequence: int, delta: str) -> dict[str, Any]:
+    return {
+        "type": "response.output_text.delta",
+        "sequence_number": sequence,
+        "item_id": message_id(session_id),
+        "output_index": 0,
+        "content_index": 0,
+        "delta": delta,
+        "logprobs": [],
+    }
+
+
+def closing_events(view: ResponseView, tail: str) -> list[dict[str, Any]]:
+    """The events after the last token's delta (``view.text`` includes ``tail``, the text the
+    end released)."""
+    assert view.end is not None
+    sequence = delta_sequence(view.output_tokens)
+    events: list[dict[str, Any]] = []
+    if tail:
+        events.append(delta_event(view.session_id, sequence, tail))
+        sequence += 1
+    item_id = message_id(view.session_id)
+    status = status_of(view)
+    final = "response.completed" if status == "completed" else "response.incomplete"
+    for kind, body in (
+        ("response.output_text.done", {"text": view.text, "logprobs": []}),
+        ("response.content_part.done", {"part": _text_part(view.text)}),
+        ("response.output_item.done", {"item": message_item(view, view.text)}),
+        (final, {"response": response_object(view)}),
+    ):
+        event: dict[str, Any] = {"type": kind, "sequence_number": sequence}
+        if kind != final:
+            if kind != "response.output_item.done":
+                event["item_id"] = item_id
+                event["content_index"] = 0
+            event["output_index"] = 0
+        events.append(event | body)
+        sequence += 1
+    return events
+
+
+def error_event(sequence: int, code: str, message: str) -> dict[str, Any]:
+    return {
+        "type": "error",
+        "sequence_number": sequence,
+        "code": code,
+        "message": message,
+        "param": None,
+    }
+
+
+# --- requests ------------------------------------------------------------------------------
+
+
+def parse_create(body: bytes, *, model_id: str) -> CreateRequest:
+    """Check a ``POST /v1/responses`` body; raises :class:`ApiError` (400, 404 for a model this
+    server does not serve)."""
+    request = openai_api.json_object(body)
+    unknown = sorted(set(request) - _FIELDS)
+    if unknown:
+        raise _invalid(
+            f"Unrecognized request argument supplied: {unknown[0]}", unknown[0], "unknown_parameter"
+        )
+    openai_api.check_model(request, model_id)
+    openai_api.refuse_unless_neutral(request, _NEUTRAL)
+    for name in ("user", "safety_identifier"):
+        if request.get(name) is not None and not isinstance(request[name], str):
+            raise _invalid(f"{name} must be a string", name)
+    stream = openai_api.optional(request, "stream", bool, False)
+    background = openai_api.optional(request, "background", bool, False)
+    store = openai_api.optional(request, "store", bool, True)
+    if background and not store:
+        raise _invalid("background responses must be stored: store cannot be false", "store")
+    instructions = request.get("instructions")
+    if instructions is not None and (
+        not isinstance(instructions, str) or len(instructions) > MAX_PROMPT_CHARS
+    ):
+        raise _invalid(
+            f"instructions must be a string of at most {MAX_PROMPT_CHARS} characters",
+            "instructions",
+        )
+    previous = request.get("previous_response_id")
+    if previous is not None and not isinstance(previous, str):
+        raise _invalid("previous_response_id must be a string", "previous_response_id")
+    items = _input(request.get("input"))
+    max_output_tokens = openai_api.optional(request, "max_output_tokens", int, None)
+    if max_output_tokens is not None and max_output_tokens < 1:
+        raise _invalid("max_output_tokens must be at least 1", "max_output_tokens")
+    truncation = openai_api.optional(request, "truncation", str, "disabled")
+    if truncation not in ("auto", "disabled"):
+        raise _invalid("truncation must be 'auto' or 'disabled'", "truncation")
+    metadata = _metadata(request.get("metadata"))
+    sampling = openai_api.sampling_payload(request)
+    system = () if instructions is None else (ChatMessage(role="system", content=instructions),)
+    payload: dict[str, Any] = {
+        "max_tokens": max_output_tokens or openai_api.DEFAULT_MAX_TOKENS,
+        "messages": [{"role": m.role, "content": m.content} for m in (*system, *items)],
+        "truncation": truncation,
+        **sampling,
+    }
+    try:
+        generate = quicsrv_proto.Generate.from_payload(payload)
+    except quicsrv_proto.ProtocolError as exc:  # the wire format's own bounds
+        raise _invalid(exc.message, None) from None
+    fields = {
+        "model": model_id,
+        "instructions": instructions,
+        "max_output_tokens": max_output_tokens,
+        "metadata": metadata,
+        "temperature": sampling["temperature"],
+        "top_p": sampling["top_p"],
+        "truncation": truncation,
+        "background": background,
+        "store": store,
+        "previous_response_id": previous,
+    }
+    return CreateRequest(
+        generate=generate,
+        instructions=instructions,
+        input=items,
+        stream=stream,
+        background=background,
+        store=store,
+        previous_response_id=previous,
+        fields=fields,
+    )
+
+
+def _invalid(message: str, param: str | None, code: str = "invalid_value") -> ApiError:
+    return ApiError(400, message, code=code, param=param)
+
+
+def _input(value: object) -> tuple[ChatMessage, ...]:
+    if isinstance(value, str):
+        return (ChatMessage(role="user", content=value),)
+    if not isinstance(value, list) or not value:
+        raise _invalid(
+            "input must be a string or a non-empty array of messages",
+            "input",
+            "missing_required_parameter",
+        )
+    if len(value) > MAX_MESSAGES:
+        raise _invalid(f"input takes at most {MAX_MESSAGES} items", "input")
+    return tuple(_input_message(item, f"input[{i}]") for i, item in enumerate(value))
+
+
+def _input_message(item: object, param: str) -> ChatMessage:
+    if not isinstance(item, dict):
+        raise _invalid(f"{param} must be a message object", param)
+    kind = item.get("type", "message")
+    if kind != "message":
+        raise _invalid(
+            f"{param}: items of type {str(kind)[:40]!r} are not supported (messages only)",
+            param,
+            "unsupported_value",
+        )
+    if set(item) - {"type", "role", "content", "id", "status"}:
+        raise _invalid(f"{param} must be an object with role and content", param)
+    role = _INPUT_ROLES.get(item.get("role"))  # type: ignore[arg-type]
+    if role is None:
+        raise _invalid(
+            f"{param}.role must be one of user, assistant, system, developer",
+            f"{param}.role",
+            "unsupported_value",
+        )
+    content = item.get("content")
+    if isinstance(content, str):
+        return ChatMessage(role=role, content=content)
+    if not isinstance(content, list):
+        raise _invalid(
+            f"{param}.content must be a string or an array of text parts", f"{param}.content"
+        )
+    parts = []
+    for part in content:
+        if not isinstance(part, dict) or part.get("type") not in _TEXT_PARTS:
+            raise _invalid(
+                f"{param}.content: only text parts are supported",
+                f"{param}.content",
+                "unsupported_value",
+            )
+        text = part.get("text")
+        if not isinstance(text, str):
+            raise _invalid(f"{param}.content: a text part needs text", f"{param}.content")
+        parts.append(text)
+    return ChatMessage(role=role, content="".join(parts))
+
+
+def _metadata(value: object) -> dict[str, str]:
+    if value is None:
+        return {}
+    if not isinstance(value, dict) or len(value) > MAX_METADATA_PAIRS:
+        raise _invalid(
+            f"metadata must be an object of at most {MAX_METADATA_PAIRS} pairs", "metadata"
+        )
+    for key, text in value.items():
+        if len(key) > MAX_METADATA_KEY_CHARS:
+            raise _invalid(
+                f"metadata keys are at most {MAX_METADATA_KEY_CHARS} characters", "metadata"
+            )
+        if not isinstance(text, str) or len(text) > MAX_METADATA_VALUE_CHARS:
+            raise _invalid(
+                f"metadata values are strings of at most {MAX_METADATA_VALUE_CHARS} characters",
+                "metadata",
+            )
+    return dict(value)
+
+
+def compact(body: dict[str, Any]) -> bytes:
+    return json.dumps(body, separators=(",", ":"), ensure_ascii=False).encode()

@@ -1,0 +1,110 @@
+"""A session's frames as the Responses API's SSE events (see :mod:`.responses_api` for the
+numbering).
+
+Each event is written as ``id: <sequence number>``, ``event: <type>`` and ``data: <json>``: the
+``id`` lets a browser's EventSource come back with ``Last-Event-ID``, which
+``GET /v1/responses/{id}?stream=true`` reads like ``starting_after``. A stream made with
+``after`` = N skips every event numbered N or less, so the events after N are exactly those an
+uninterrupted stream had after N. Unlike chat completions there is no ``[DONE]``: the final
+``response.*`` event ends the stream.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from collections.abc import Sequence
+from typing import Any
+
+import quicsrv_proto
+from quicsrv_proto import EndReason
+
+from . import responses_api
+from .errors import from_code
+from .responses_api import ResponseView
+from .sse import RESTART_RETRY_S
+
+__all__ = ["ResponseEncoder"]
+
+
+class ResponseEncoder:
+    """Turns one stream's frames into Responses API events; see the module docstring."""
+
+    def __init__(self, view: ResponseView, *, text_before: str, after: int = -1) -> None:
+        self._view = view
+        self._text = text_before  # what the tokens before the first one sent here say
+        self._after = after
+        self._next = after + 1  # the number the next event would take
+        self.finished = False
+
+    def encode_all(self, frames: Sequence[quicsrv_proto.Frame]) -> bytes:
+        return b"".join([self.encode(frame) for frame in frames])
+
+    def encode(self, frame: quicsrv_proto.Frame) -> bytes:
+        if isinstance(frame, quicsrv_proto.Token):
+            self._text += frame.text
+            sequence = responses_api.delta_sequence(frame.index)
+            return self._write(
+                responses_api.delta_event(self._view.session_id, sequence, frame.text)
+            )
+        if isinstance(frame, quicsrv_proto.Checkpoint):
+            if frame.index != -1:
+                return b""
+            return b"".join(self._write(e) for e in responses_api.opening_events(self._view))
+        if isinstance(frame, quicsrv_proto.End):
+            return self._end(frame)
+        if isinstance(frame, quicsrv_proto.Error):
+            error = from_code(frame.code, frame.message, frame.retry_after_s)
+            return self._error(error.code, error.message, error.retry_after_s)
+        return b""
+
+    def _end(self, end: quicsrv_proto.End) -> bytes:
+        if end.reason is EndReason.SHUTDOWN:
+            code = quicsrv_proto.ErrorCode.SHUTTING_DOWN
+            message = (
+                "the server is restarting; resume with GET /v1/responses/{id}?stream=true"
+                "&starting_after=<the last sequence_number received>"
+            )
+            return self._error(code.slug, message, RESTART_RETRY_S)
+        if end.reason is EndReason.SUPERSEDED:
+            return self._error("superseded", "another request resumed this response", None)
+        view = dataclasses.replace(
+            self._view,
+            text=self._text + end.text,
+            input_tokens=end.prompt_tokens,
+            cached_tokens=end.cached_tokens,
+            output_tokens=end.completion_tokens,
+            end=end.reason,
+        )
+        out = b"".join(self._write(e) for e in responses_api.closing_events(view, end.text))
+        self.finished = True
+        return out
+
+    def _error(self, code: str, message: str, retry_after_s: float | None) -> bytes:
+        self.finished = True
+        # Numbered like the event that would have come next: it is no part of the response,
+        # and a resume from the last number received goes on from there.
+        event = responses_api.error_event(self._next, code, message)
+        retry = b""
+        if retry_after_s is not None:
+            retry = b"retry: " + str(round(retry_after_s * 1000)).encode() + b"\n"
+        return retry + b"event: error\ndata: " + _compact(event) + b"\n\n"
+
+    def _write(self, event: dict[str, Any]) -> bytes:
+        sequence = int(event["sequence_number"])
+        if sequence <= self._after:
+            return b""  # the client had this event before it reconnected
+        self._next = sequence + 1
+        return (
+            b"id: "
+            + str(sequence).encode()
+            + b"\nevent: "
+            + str(event["type"]).encode()
+            + b"\ndata: "
+            + _compact(event)
+            + b"\n\n"
+        )
+
+
+def _compact(body: dict[str, Any]) -> bytes:
+    return json.dumps(body, separators=(",", ":"), ensure_ascii=False).encode()
