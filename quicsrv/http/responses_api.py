@@ -104,6 +104,7 @@ _FIELDS = frozenset(
         "top_k",
         "min_p",
         "repeat_penalty",
+        "ignore_eos",
         "deadline_ms",
     }
 )
@@ -199,12 +200,11 @@ def message_id(session_id: bytes) -> str:
 
 def from_response_id(text: str, param: str | None = None) -> bytes:
     """The session a response id names; 404 for anything this server cannot have issued."""
-    session_id = b""
-    if text.startswith(RESPONSE_PREFIX):
-        try:
-            session_id = bytes.fromhex(text[len(RESPONSE_PREFIX) :])
-        except ValueError:
-            session_id = b""
+    digits = text.removeprefix(RESPONSE_PREFIX)
+    try:
+        session_id = bytes.fromhex(digits) if digits != text else b""
+    except ValueError:
+        session_id = b""
     if len(session_id) != quicsrv_proto.SESSION_ID_BYTES:
         raise ApiError(
             404, f"Response with id '{text[:80]}' not found.", code="not_found", param=param
@@ -432,6 +432,7 @@ def parse_create(body: bytes, *, model_id: str) -> CreateRequest:
         "max_tokens": max_output_tokens or openai_api.DEFAULT_MAX_TOKENS,
         "messages": [{"role": m.role, "content": m.content} for m in (*system, *items)],
         "truncation": truncation,
+        "ignore_eos": openai_api.optional(request, "ignore_eos", bool, False),
         **sampling,
     }
     try:

@@ -384,10 +384,10 @@ class SessionManager:
         )
         session = self._session(record)
         begin(session)  # an engine refusal goes to the caller as it is
-        if unattended:
-            session.run_unattended()
         self.store.add(record)
         self._live[record.session_id] = session
+        if unattended:
+            session.run_unattended()
         return session
 
     async def persisted(self) -> None:
