@@ -195,8 +195,9 @@ class Session:
         self.sequence_released = asyncio.Event()
         self.sequence_released.set()
         self._shutting_down = False  # no restart from now on: the server is going
-        self.unattended = False
-        """It runs to its end whether or not a stream reads it (:meth:`run_unattended`)."""
+        self.unattended = record.unattended
+        """It runs to its end whether or not a stream reads it: a reader that leaves hands it
+        to a stand-in (:meth:`run_unattended` starts one at once)."""
 
     @property
     def session_id(self) -> bytes:
@@ -285,7 +286,7 @@ class Session:
         """Run to the end with nobody reading (a background response): counted against its
         client's slots like any generation, stopped only by a cancel, a shutdown (the next
         process picks it up again) or its end."""
-        self.unattended = True
+        self.unattended = self.record.unattended = True
         if self._attachment is None and not self.finished and not self.handed_over:
             self.attach(_Unattended(), len(self.record.generated))
 

@@ -270,3 +270,63 @@ async def test_an_sse_stream_cut_on_one_process_resumes_on_another(certs, tmp_pa
     assert after[-1].data == "[DONE]"
     assert stopped.status_code == 200, stopped.text
     assert stopped.json()["status"] == "finished"
+
+
+async def test_a_background_response_is_resumed_read_chained_and_deleted_on_any_process(
+    certs, tmp_path, redis_url
+):
+    """The Responses API over the shared store, with the official SDK: a background response
+    started on A and cut is read on B from ``starting_after`` (B takes it over), its stored
+    object is read on A from Redis, A continues the conversation with
+    ``previous_response_id``, and a deletion on B is seen on A."""
+    import openai
+
+    from tests.http.helpers import tls_context
+
+    params = dict(
+        model="SmolLM2-135M-Instruct.Q4_1",
+        input="Name three rivers.",
+        max_output_tokens=32,
+        temperature=0,
+    )
+
+    def sdk(port: int) -> openai.AsyncOpenAI:
+        return openai.AsyncOpenAI(
+            base_url=f"https://localhost:{port}/v1",
+            api_key="unused",
+            http_client=openai.DefaultAsyncHttpxClient(verify=tls_context(certs)),
+            max_retries=0,
+            timeout=WAIT_S,
+        )
+
+    async with _servers(certs, tmp_path, redis_url) as [(_a, port_a), (_b, port_b)]:
+        async with sdk(port_a) as on_a, sdk(port_b) as on_b:
+            whole = await on_a.responses.create(**params)
+            stream = await on_a.responses.create(**params, background=True, stream=True)
+            before = []
+            async for event in stream:
+                before.append(event)
+                if len(before) == 9:
+                    break
+            await stream.close()
+            response_id = before[0].response.id
+            after = [
+                event
+                async for event in await on_b.responses.retrieve(
+                    response_id, stream=True, starting_after=before[-1].sequence_number
+                )
+            ]
+            stored = await on_a.responses.retrieve(response_id)
+            follow_up = await on_a.responses.create(
+                **{**params, "input": "And three seas?"}, previous_response_id=response_id
+            )
+            await on_b.responses.delete(response_id)
+            with pytest.raises(openai.NotFoundError):
+                await on_a.responses.retrieve(response_id)
+    events = before + after
+    assert [e.sequence_number for e in events] == list(range(len(events)))
+    text = "".join(e.delta for e in events if e.type == "response.output_text.delta")
+    assert text == whole.output_text == stored.output_text
+    assert stored.status == whole.status
+    assert follow_up.previous_response_id == response_id
+    assert follow_up.usage.input_tokens > stored.usage.input_tokens + stored.usage.output_tokens
