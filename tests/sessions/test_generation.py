@@ -328,3 +328,33 @@ async def test_a_resume_the_engine_can_never_run_fails_its_reader_at_once(tmp_pa
     await asyncio.wait_for(again.ended.wait(), 10)  # not a retry every second, for ever
     (error,) = [f for f in again.frames if isinstance(f, quicsrv_proto.Error)]
     assert error.code == code
+
+
+@pytest.mark.asyncio
+async def test_an_unattended_session_runs_on_whoever_reads_it_and_leaves(tmp_path):
+    """A background response: nobody reading never pauses it, a reader that stops reading
+    only loses its stream, and one that leaves hands it back to the stand-in."""
+    engine = FakeEngine()
+    manager = _manager(tmp_path, engine, max_tokens_ahead=4)
+    frame = quicsrv_proto.Generate(prompt="hi", max_tokens=32)
+    session = manager.start(frame, slot=await _slot(manager), unattended=True)
+    handle = engine.handles[-1]
+    assert session.unattended and session.record.unattended and not session.attached
+    engine.emit([b"a"] * 12)
+    await _drain_callbacks()
+    assert not handle.pause_requested and handle.allowed >= 12 + 4  # no reader holds it back
+    reader = FakePort()  # one that never acknowledges
+    session.attach(reader, 12)
+    assert session.attached
+    session.detach(reader)
+    assert not handle.pause_requested and not session.attached
+    engine.emit([b"b"] * 8, start=12)
+    await _drain_callbacks()
+    assert not handle.pause_requested and handle.allowed >= 20 + 4
+    session.abandon()  # a stream that went before it learned the id: nothing to stop here
+    assert not handle.pause_requested
+    engine.emit([b"c"] * 4, FinishReason.EOS, start=20)
+    await session.idle.wait()
+    assert session.record.end is not None and len(session.record.generated) == 24
+    stored = manager.store.get(session.session_id)
+    assert stored is not None and stored.unattended
