@@ -457,13 +457,15 @@ class Router:
         return dataclasses.replace(create.generate, messages=messages), prior
 
     async def _stored_response(
-        self, session_id: bytes, who: ClientId, param: str | None = None
+        self, session_id: bytes, who: ClientId, param: str | None = None, *, stored: bool = True
     ) -> SessionRecord:
-        """A response's record, if it was stored and this key made it (404 otherwise, as for
-        an id that never existed)."""
+        """A response's record, if this key made it and (``stored``) it was stored: 404
+        otherwise, as for an id that never existed."""
         record = await self._sessions.lookup(session_id, key_id=who.key_id)
         api = record.api or {}
-        if not responses_api.is_response(record) or not api.get("fields", {}).get("store", True):
+        if not responses_api.is_response(record) or (
+            stored and not api.get("fields", {}).get("store", True)
+        ):
             raise ApiError(
                 404,
                 f"Response with id '{responses_api.response_id(session_id)}' not found.",
@@ -503,14 +505,14 @@ class Router:
         )
 
     async def _cancel_response(self, who: ClientId, session_id: bytes) -> FullResponse:
-        await self._stored_response(session_id, who)
+        await self._stored_response(session_id, who, stored=False)
         await self._sessions.cancel_anywhere(session_id, key_id=who.key_id)
         record = await self._sessions.lookup(session_id, key_id=who.key_id)
         view = ResponseView.of(record, self._sessions.text_of(record))
         return _json(200, responses_api.response_object(view))
 
     async def _delete_response(self, who: ClientId, session_id: bytes) -> FullResponse:
-        await self._stored_response(session_id, who)
+        await self._stored_response(session_id, who, stored=False)
         await self._sessions.delete_anywhere(session_id, key_id=who.key_id)
         return _json(200, responses_api.deleted_body(session_id))
 

@@ -335,6 +335,9 @@ class SessionManager:
                 unattended=unattended,
             )
         timeout_s = self.queue_wait_s(frame.deadline_ms, arrived_at)
+        if unattended and frame.deadline_ms is None:
+            # Nobody waits on a background response: it waits its turn as long as it lives.
+            timeout_s = self.settings.ttl_s
         return self._record(
             frame,
             request,
