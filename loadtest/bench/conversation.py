@@ -1,6 +1,8 @@
 """A chat conversation whose client resends the whole history every turn: time to first token
 per turn for quicsrv, llama.cpp's own ``llama-server`` (prompt cache on) and raw llama.cpp in
-this machine's Python with a perfect prefix cache by hand (issue 30, part 5).
+this machine's Python with a perfect prefix cache by hand (issue 30, part 5). And the same
+conversation through quicsrv's Responses API, where the client sends only its new message and
+``previous_response_id`` (the server builds the prompt from the stored turns; issue 31).
 
 Each turn adds ~``--user-tokens`` tokens of user text; the history sent is every earlier user
 message and the answer that system itself gave (greedy, ``max_tokens`` fixed, end-of-generation
@@ -40,6 +42,7 @@ from loadtest.bench.conversation_report import (
     LLAMA_SERVER,
     NO_BUILD,
     QUICSRV,
+    QUICSRV_RESPONSES,
     RAW_INCREMENTAL,
     TurnResult,
     render,
@@ -92,6 +95,41 @@ def _reused(reply: _Reply) -> int | None:
     return int(cache_n) if isinstance(cache_n, int) else None
 
 
+async def _ask_responses(http: httpx.AsyncClient, body: dict[str, Any]) -> tuple[_Reply, str]:
+    """One streamed ``POST /v1/responses``: the reply (usage in chat completions' names) and
+    the response id."""
+    first = float("nan")
+    text: list[str] = []
+    usage: dict[str, Any] = {}
+    response_id = ""
+    sent = time.perf_counter()
+    async with http.stream("POST", "/v1/responses", json=body) as response:
+        if response.status_code != 200:
+            detail = (await response.aread()).decode("utf-8", "replace")
+            raise RuntimeError(f"HTTP {response.status_code}: {detail[:500]}")
+        async for line in response.aiter_lines():
+            if not line.startswith("data: "):
+                continue
+            event = json.loads(line[len("data: ") :])
+            kind = event.get("type", "")
+            if kind == "response.created":
+                response_id = event["response"]["id"]
+            elif kind == "response.output_text.delta" and event["delta"]:
+                if not text:
+                    first = time.perf_counter() - sent
+                text.append(event["delta"])
+            elif kind in ("response.completed", "response.incomplete"):
+                got = event["response"]["usage"]
+                usage = {
+                    "prompt_tokens": got["input_tokens"],
+                    "completion_tokens": got["output_tokens"],
+                    "prompt_tokens_details": got["input_tokens_details"],
+                }
+            elif kind == "error":
+                raise RuntimeError(f"error event: {event}")
+    return _Reply(ttft_s=first, text="".join(text), usage=usage, timings={}), response_id
+
+
 async def _ask(http: httpx.AsyncClient, body: dict[str, Any]) -> _Reply:
     """One streamed chat completion: seconds to the first content, the text, usage, timings."""
     first = float("nan")
@@ -133,9 +171,16 @@ def _body(messages: list[dict[str, str]], max_tokens: int, extra: dict[str, Any]
 
 
 async def _converse_http(
-    endpoint: _Endpoint, system: str, users: Sequence[str], max_tokens: int, repeat: int
+    endpoint: _Endpoint,
+    system: str,
+    users: Sequence[str],
+    max_tokens: int,
+    repeat: int,
+    *,
+    responses: bool = False,
 ) -> list[TurnResult]:
-    """The conversation over one keep-alive HTTP/1.1 connection, after a short warm-up."""
+    """The conversation over one keep-alive HTTP/1.1 connection, after a short warm-up
+    (``responses``: through ``/v1/responses``, each turn naming the previous one)."""
     results: list[TurnResult] = []
     limits = httpx.Limits(max_keepalive_connections=None if endpoint.keep_alive else 0)
     async with httpx.AsyncClient(
@@ -147,9 +192,15 @@ async def _converse_http(
         warm_up = [{"role": "user", "content": "Say hello."}]
         await _ask(http, _body(warm_up, 8, endpoint.extra))
         answers: list[str] = []
+        previous = None
         for turn in range(len(users)):
-            body = _body(history(users, answers, turn), max_tokens, endpoint.extra)
-            reply = await _ask(http, body)
+            if responses:
+                reply, previous = await _ask_responses(
+                    http, _responses_body(users[turn], previous, max_tokens)
+                )
+            else:
+                body = _body(history(users, answers, turn), max_tokens, endpoint.extra)
+                reply = await _ask(http, body)
             answers.append(reply.text)
             results.append(
                 TurnResult(
@@ -170,19 +221,43 @@ async def _converse_http(
     return results
 
 
+def _responses_body(user: str, previous: str | None, max_tokens: int) -> dict[str, Any]:
+    body: dict[str, Any] = {
+        "model": MODEL_NAME,
+        "input": user,
+        "max_output_tokens": max_tokens,
+        "temperature": 0.0,
+        "ignore_eos": True,
+        "stream": True,
+    }
+    if previous is not None:
+        body["previous_response_id"] = previous
+    return body
+
+
 async def _quicsrv(
-    settings: ServerSettings, users: Sequence[str], args: argparse.Namespace, logs: Path, r: int
+    settings: ServerSettings,
+    users: Sequence[str],
+    args: argparse.Namespace,
+    logs: Path,
+    r: int,
+    *,
+    responses: bool = False,
 ) -> list[TurnResult]:
     certs = ensure_dev_certs(logs / "certs")
     env = {"QUICSRV_MODEL_NAME": MODEL_NAME}
+    system = QUICSRV_RESPONSES if responses else QUICSRV
+    log_name = f"quicsrv-{'responses-' if responses else ''}{r}.log"
     async with quicsrv_server(
-        settings, certs.server_cert, certs.server_key, logs / f"quicsrv-{r}.log", env=env
+        settings, certs.server_cert, certs.server_key, logs / log_name, env=env
     ) as child:
         endpoint = _Endpoint(
             base_url=f"https://localhost:{child.port}", verify=str(certs.ca_cert), extra={}
         )
         meter = CpuMeter([child.pid])
-        results = await _converse_http(endpoint, QUICSRV, users, args.max_tokens, r)
+        results = await _converse_http(
+            endpoint, system, users, args.max_tokens, r, responses=responses
+        )
         others = meter.stop()
     return [replace(result, others_cpu_share=others) for result in results]
 
@@ -240,6 +315,8 @@ def _measure(
         vocabulary.close()
     quiet = Quiet(args.quiet_below, args.quiet_patience_s)
     systems = [RAW_INCREMENTAL, QUICSRV] + ([LLAMA_SERVER] if binary is not None else [])
+    if args.responses:
+        systems.append(QUICSRV_RESPONSES)
     results: list[TurnResult] = []
     for r in range(args.repeats):
         # Rotate the order each repeat: a drifting machine then hits every system alike.
@@ -254,8 +331,9 @@ def _measure(
                         f"prompt {run.prompt_tokens}, reused {run.reused_tokens}",
                         flush=True,
                     )
-            elif system == QUICSRV:
-                runs = asyncio.run(_quicsrv(settings, users, args, logs, r))
+            elif system in (QUICSRV, QUICSRV_RESPONSES):
+                responses = system == QUICSRV_RESPONSES
+                runs = asyncio.run(_quicsrv(settings, users, args, logs, r, responses=responses))
             else:
                 assert binary is not None
                 runs = asyncio.run(_llama_server(binary, settings, users, args, logs, r))
@@ -284,6 +362,12 @@ def _parser() -> argparse.ArgumentParser:
         action=argparse.BooleanOptionalAction,
         default=ServerConfig().flash_attn,
         help="flash attention everywhere (default: quicsrv's default)",
+    )
+    parser.add_argument(
+        "--responses",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="also the conversation through /v1/responses with previous_response_id",
     )
     parser.add_argument("--model", type=Path, help="GGUF (default: the project's default)")
     parser.add_argument("--quiet-below", type=float, default=0.15)

@@ -24,8 +24,9 @@ __all__ = [
 RAW_INCREMENTAL = "raw incremental"
 RAW_COLD = "raw cold"
 QUICSRV = "quicsrv"
+QUICSRV_RESPONSES = "quicsrv responses"
 LLAMA_SERVER = "llama-server"
-SYSTEMS = (RAW_INCREMENTAL, RAW_COLD, QUICSRV, LLAMA_SERVER)
+SYSTEMS = (RAW_INCREMENTAL, RAW_COLD, QUICSRV, LLAMA_SERVER, QUICSRV_RESPONSES)
 
 NO_BUILD = "skipped: no build (python -m loadtest.bench.llama_server_build)"
 
@@ -95,8 +96,9 @@ def _turn_table(results: Sequence[TurnResult], turns: int, llama_server_note: st
     lines = [
         "| turn | prompt tokens | reusable prefix | raw incremental TTFT ms | raw prefilled "
         "| raw cold TTFT ms | quicsrv TTFT ms | quicsrv reused / prompt "
-        "| llama-server TTFT ms | llama-server reused / prompt |",
-        "|---:|---:|---:|---:|---:|---:|---:|---|---:|---|",
+        "| llama-server TTFT ms | llama-server reused / prompt "
+        "| quicsrv responses TTFT ms | responses reused / prompt |",
+        "|---:|---:|---:|---:|---:|---:|---:|---|---:|---|---:|---|",
     ]
     skipped = "skipped" if llama_server_note else "–"
     for turn in range(1, turns + 1):
@@ -104,6 +106,7 @@ def _turn_table(results: Sequence[TurnResult], turns: int, llama_server_note: st
         cold = _median(results, RAW_COLD, turn)
         quicsrv = _median(results, QUICSRV, turn)
         llama = _median(results, LLAMA_SERVER, turn)
+        chained = _median(results, QUICSRV_RESPONSES, turn)
         prefilled = (
             "–"
             if raw is None or raw.prompt_tokens is None or raw.reused_tokens is None
@@ -113,7 +116,8 @@ def _turn_table(results: Sequence[TurnResult], turns: int, llama_server_note: st
             f"| {turn} | {_count(raw.prompt_tokens if raw else None)} "
             f"| {_count(raw.reusable_tokens if raw else None)} | {_ms(raw, '–')} | {prefilled} "
             f"| {_ms(cold, '–')} | {_ms(quicsrv, '–')} | {_reuse(quicsrv, '–')} "
-            f"| {_ms(llama, skipped)} | {_reuse(llama, skipped)} |"
+            f"| {_ms(llama, skipped)} | {_reuse(llama, skipped)} "
+            f"| {_ms(chained, '–')} | {_reuse(chained, '–')} |"
         )
     return lines
 
@@ -150,6 +154,14 @@ def _targets(results: Sequence[TurnResult], turns: int, llama_server_note: str) 
             _median(results, LLAMA_SERVER, turns),
             TARGET_VS_LLAMA_SERVER,
             llama_server_note,
+        ),
+        _ratio_row(
+            f"turn-{turns} TTFT quicsrv responses (previous_response_id) ≤ {TARGET_VS_RAW}× raw "
+            "incremental",
+            _median(results, QUICSRV_RESPONSES, turns),
+            _median(results, RAW_INCREMENTAL, turns),
+            TARGET_VS_RAW,
+            "not measured (--no-responses)",
         ),
         f"| quicsrv reports reused prompt tokens | "
         f"{'in ' + str(len(set(reported))) + ' turns' if reported else 'not reported'} "

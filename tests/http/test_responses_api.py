@@ -159,7 +159,9 @@ def _check_whole(data: bytes, texts: list[str], reason: EndReason, tail: str) ->
     tail=st.text(max_size=3),
     data=st.data(),
 )
-def test_a_resumed_stream_is_exactly_the_tail_of_the_uninterrupted_one(texts, reason, tail, data):
+def test_a_resumed_stream_is_exactly_the_tail_of_the_uninterrupted_one(
+    texts: list[str], reason: EndReason, tail: str, data: st.DataObject
+) -> None:
     """Events are numbered by token index, so ``starting_after`` = N on any process gives the
     events after N, byte for byte, whatever the tokens said."""
     whole = _whole(texts, reason, tail)
@@ -175,7 +177,7 @@ def test_a_resumed_stream_is_exactly_the_tail_of_the_uninterrupted_one(texts, re
 
 
 @pytest.mark.parametrize("reason", FINISHING)
-def test_every_starting_after_of_one_stream(reason):
+def test_every_starting_after_of_one_stream(reason: EndReason) -> None:
     """Each cut of one stream with an empty token, non-ASCII and a held-back tail."""
     texts = ["Gr", "", "üß", "e\n", "日本", "\u2028🙂"]
     whole = _whole(texts, reason, "!")
@@ -185,7 +187,7 @@ def test_every_starting_after_of_one_stream(reason):
         assert _resumed(texts, reason, "!", after) == b"".join(blocks[after + 1 :]), after
 
 
-def test_no_tokens_and_no_tail():
+def test_no_tokens_and_no_tail() -> None:
     """An empty answer still opens, and closes with empty text."""
     events = _events(_whole([], EndReason.EOS, ""))
     assert [kind for _, kind, _ in events] == [
@@ -232,8 +234,13 @@ _INTERRUPTIONS = [
     ],
 )
 def test_an_interruption_is_one_error_event_numbered_like_the_next(
-    frame, code, retry_ms, after, before, number
-):
+    frame: quicsrv_proto.Frame,
+    code: str,
+    retry_ms: int | None,
+    after: int,
+    before: list[quicsrv_proto.Frame],
+    number: int,
+) -> None:
     """The error is no part of the response: it has no ``id:`` (a client's Last-Event-ID stays
     on the last real event) and takes the number a resume's first event will have."""
     encoder = ResponseEncoder(_view(), text_before="", after=after)
@@ -249,7 +256,7 @@ def test_an_interruption_is_one_error_event_numbered_like_the_next(
     assert (error["code"], error["sequence_number"]) == (code, number)
 
 
-def test_after_a_restart_the_resume_starts_with_the_errors_number():
+def test_after_a_restart_the_resume_starts_with_the_errors_number() -> None:
     """The SHUTDOWN error says where to resume from, and resuming there loses nothing."""
     texts = ["a", "b", "c"]
     cut = ResponseEncoder(_view(), text_before="")
@@ -279,7 +286,7 @@ def _messages(request: Any) -> list[tuple[str, str]]:
     return [(m.role, m.content) for m in messages]
 
 
-def test_a_string_input_is_one_user_message_with_openais_defaults():
+def test_a_string_input_is_one_user_message_with_openais_defaults() -> None:
     request = _create()
     assert request.input == (ChatMessage(role="user", content="hi"),)
     assert _messages(request) == [("user", "hi")]
@@ -300,7 +307,7 @@ def test_a_string_input_is_one_user_message_with_openais_defaults():
     }
 
 
-def test_message_items_roles_parts_and_instructions():
+def test_message_items_roles_parts_and_instructions() -> None:
     """Instructions come first as a system message; developer is system; parts are joined."""
     request = _create(
         instructions="sys",
@@ -329,7 +336,7 @@ def test_message_items_roles_parts_and_instructions():
     assert [m.role for m in request.input] == ["system", "user", "assistant", "system"]
 
 
-def test_the_fields_echo_what_was_asked():
+def test_the_fields_echo_what_was_asked() -> None:
     previous = response_id(SESSION)
     request = _create(
         metadata={"k": "v"},
@@ -356,7 +363,7 @@ def test_the_fields_echo_what_was_asked():
     assert fields["previous_response_id"] == previous
 
 
-def test_neutral_values_and_metadata_at_its_bounds_are_accepted():
+def test_neutral_values_and_metadata_at_its_bounds_are_accepted() -> None:
     request = _create(
         tools=[],
         tool_choice="auto",
@@ -417,7 +424,7 @@ def test_neutral_values_and_metadata_at_its_bounds_are_accepted():
         ({"previous_response_id": 5}, "previous_response_id", "invalid_value"),
     ],
 )
-def test_a_bad_field_gets_400_naming_it(fields, param, code):
+def test_a_bad_field_gets_400_naming_it(fields: dict[str, Any], param: str, code: str) -> None:
     with pytest.raises(ApiError) as caught:
         _create(**fields)
     assert (caught.value.status, caught.value.param, caught.value.code) == (400, param, code)
@@ -432,7 +439,9 @@ def test_a_bad_field_gets_400_naming_it(fields, param, code):
         ({"role": "user", "content": [{"type": ["input_text"], "text": "x"}]}, "input[0].content"),
     ],
 )
-def test_an_unhashable_role_or_part_type_gets_400_not_a_crash(item, param):
+def test_an_unhashable_role_or_part_type_gets_400_not_a_crash(
+    item: dict[str, Any], param: str
+) -> None:
     """JSON can hold an array or object where a string belongs: a 400, never a TypeError that
     the router answers with 500 internal_error (as /v1/chat/completions already does)."""
     with pytest.raises(ApiError) as caught:
@@ -440,7 +449,7 @@ def test_an_unhashable_role_or_part_type_gets_400_not_a_crash(item, param):
     assert (caught.value.status, caught.value.param) == (400, param)
 
 
-def test_another_model_is_404():
+def test_another_model_is_404() -> None:
     with pytest.raises(ApiError) as caught:
         _create(model="gpt-4o")
     assert (caught.value.status, caught.value.code, caught.value.param) == (
@@ -454,7 +463,7 @@ def test_another_model_is_404():
 
 
 @given(session=st.binary(min_size=16, max_size=16))
-def test_a_response_id_round_trips(session):
+def test_a_response_id_round_trips(session: bytes) -> None:
     text = response_id(session)
     assert text.startswith("resp_")
     assert from_response_id(text) == session
@@ -474,7 +483,7 @@ def test_a_response_id_round_trips(session):
         "",
     ],
 )
-def test_an_id_this_server_cannot_have_issued_is_404(text):
+def test_an_id_this_server_cannot_have_issued_is_404(text: str) -> None:
     with pytest.raises(ApiError) as caught:
         from_response_id(text, "previous_response_id")
     error = caught.value
