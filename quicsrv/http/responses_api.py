@@ -205,6 +205,8 @@ def from_response_id(text: str, param: str | None = None) -> bytes:
         session_id = bytes.fromhex(digits) if digits != text else b""
     except ValueError:
         session_id = b""
+    if session_id.hex() != digits:  # fromhex also reads upper case and spaces: not ours
+        session_id = b""
     if len(session_id) != quicsrv_proto.SESSION_ID_BYTES:
         raise ApiError(
             404, f"Response with id '{text[:80]}' not found.", code="not_found", param=param
@@ -493,7 +495,8 @@ def _input_message(item: object, param: str) -> ChatMessage:
         )
     if set(item) - {"type", "role", "content", "id", "status"}:
         raise _invalid(f"{param} must be an object with role and content", param)
-    role = _INPUT_ROLES.get(item.get("role"))  # type: ignore[arg-type]
+    given = item.get("role")
+    role = _INPUT_ROLES.get(given) if isinstance(given, str) else None
     if role is None:
         raise _invalid(
             f"{param}.role must be one of user, assistant, system, developer",
@@ -509,7 +512,8 @@ def _input_message(item: object, param: str) -> ChatMessage:
         )
     parts = []
     for part in content:
-        if not isinstance(part, dict) or part.get("type") not in _TEXT_PARTS:
+        kind = part.get("type") if isinstance(part, dict) else None
+        if not isinstance(kind, str) or kind not in _TEXT_PARTS:
             raise _invalid(
                 f"{param}.content: only text parts are supported",
                 f"{param}.content",
