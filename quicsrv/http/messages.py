@@ -11,11 +11,13 @@ of the same session's frames.
 from __future__ import annotations
 
 import asyncio
+import json
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Protocol
+from typing import Any, Protocol
 
 import quicsrv_proto
+from quicsrv_proto.http3 import SESSION_HEADER
 
 from ..sessions.session import Session
 
@@ -29,6 +31,8 @@ __all__ = [
     "Response",
     "SessionPort",
     "SessionStream",
+    "event_stream",
+    "json_response",
 ]
 
 JSON = "application/json"
@@ -194,3 +198,34 @@ class SessionStream:
 
 
 Response = FullResponse | SessionStream
+
+
+def json_response(
+    status: int, body: dict[str, Any], headers: tuple[tuple[bytes, bytes], ...] = ()
+) -> FullResponse:
+    return FullResponse(status=status, body=json.dumps(body).encode(), headers=headers)
+
+
+def event_stream(
+    session: Session,
+    from_index: int,
+    encode: FrameEncoder,
+    *,
+    client: str,
+    fresh: bool,
+    keepalive: KeepAlive | None,
+) -> SessionStream:
+    """A session stream of SSE events (``text/event-stream``), kept alive while quiet."""
+    return SessionStream(
+        session=session,
+        from_index=from_index,
+        encode=encode,
+        content_type="text/event-stream",
+        headers=(
+            (SESSION_HEADER, session.session_id.hex().encode()),
+            (b"cache-control", b"no-cache"),
+        ),
+        client=client,
+        fresh=fresh,
+        keepalive=keepalive,
+    )

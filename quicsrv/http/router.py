@@ -32,27 +32,22 @@ what exists is harmless twice. Every refusal goes through the one error table
 from __future__ import annotations
 
 import asyncio
-import dataclasses
-import json
 import logging
 import time
 import urllib.parse
 from collections import Counter
 from collections.abc import Callable, Mapping
-from typing import Any, Protocol
+from typing import Protocol
 
 import quicsrv_proto
-from quicsrv_proto import ChatMessage, EndReason, ErrorCode, http3
-from quicsrv_proto.frames import MAX_MESSAGES
+from quicsrv_proto import ErrorCode, http3
 from quicsrv_proto.http3 import EARLY_DATA_HEADER, RESUME_PATH_HEADER, SESSION_HEADER
 
 from ..apikeys import ApiKeys, ClientId
 from ..metrics import ServerMetrics
-from ..sessions.generation import PreparedRequest, PriorTurn, RequestRejected
-from ..sessions.lifecycle import SessionState
+from ..sessions.generation import RequestRejected
 from ..sessions.manager import SessionManager
 from ..sessions.session import Session
-from ..sessions.store import SessionRecord
 from . import native, openai_api, responses_api
 from .cursor import InvalidCursor, decode_cursor
 from .errors import ApiError, Refusal, from_code, refusal_for
@@ -63,10 +58,11 @@ from .messages import (
     KeepAlive,
     Response,
     SessionStream,
+    event_stream,
+    json_response,
 )
-from .responses_api import ResponseView
-from .responses_stream import ResponseEncoder
-from .sse import KEEPALIVE_COMMENT, CollectedAnswer, CollectingPort, SseEncoder, StreamShape
+from .responses_endpoints import ResponsesEndpoints
+from .sse import KEEPALIVE_COMMENT, SseEncoder, StreamShape, collect_answer
 
 __all__ = ["STARTS_COMPUTE", "PlainHandler", "Router", "request_too_large"]
 
@@ -122,6 +118,9 @@ class Router:
             KeepAlive(KEEPALIVE_COMMENT, sse_keepalive_s) if sse_keepalive_s > 0 else None
         )
         self._created = int(time.time())
+        self._responses = ResponsesEndpoints(
+            sessions=sessions, model_id=model_id, accepting=accepting, keepalive=self._sse_keepalive
+        )
         self.refusals: Counter[ErrorCode] = Counter()
         """Requests refused with a wire code, per code (401, 429, 503, 504, ...)."""
         self.early_resumes = 0
@@ -257,25 +256,25 @@ class Router:
             raise request_too_large(self.max_body_bytes)
         if path == _MODELS_PATH:
             _allow(request, "GET")
-            return _json(200, openai_api.models_body(self.model_id, self._created))
+            return json_response(200, openai_api.models_body(self.model_id, self._created))
         if path in (_CHAT_PATH, _TEXT_PATH):
             _allow(request, "POST")
             return await self._complete(request, who, chat=path == _CHAT_PATH)
         if path == _RESPONSES_PATH:
             _allow(request, "POST")
-            return await self._create_response(request, who)
+            return await self._responses.create(request, who)
         if path.startswith(_RESPONSES_PREFIX):
             name, _, action = path[len(_RESPONSES_PREFIX) :].partition("/")
             session_id = responses_api.from_response_id(name)
             if action == "cancel":
                 _allow(request, "POST")
-                return await self._cancel_response(who, session_id)
+                return await self._responses.cancel(who, session_id)
             if action:
                 raise ApiError(404, f"no such endpoint: {path}", code="not_found")
             if request.method == "DELETE":
-                return await self._delete_response(who, session_id)
+                return await self._responses.delete(who, session_id)
             _allow(request, "GET", "DELETE")
-            return await self._get_response(request, who, session_id, query)
+            return await self._responses.retrieve(request, who, session_id, query)
         if path.startswith(_STREAMS_PREFIX):
             session_id = _session_id(path[len(_STREAMS_PREFIX) :])
             if request.method == "DELETE":
@@ -304,7 +303,7 @@ class Router:
         if completion.stream:
             encoder = SseEncoder(shape, mac_key=self._sessions.keys.current)
             return self._event_stream(session, 0, encoder.encode_all, client=who.name, fresh=True)
-        answer = await _collect(session, who.name)
+        answer = await collect_answer(session, who.name)
         body = openai_api.completion_body(
             session_id=shape.session_id,
             chat=chat,
@@ -313,7 +312,7 @@ class Router:
             text=answer.text,
             end=answer.end,
         )
-        return _json(200, body, ((SESSION_HEADER, session.session_id.hex().encode()),))
+        return json_response(200, body, ((SESSION_HEADER, session.session_id.hex().encode()),))
 
     async def _resume(
         self, request: HttpRequest, who: ClientId, session_id: bytes, query: str
@@ -369,152 +368,7 @@ class Router:
             "finish_reason": openai_api.finish_reason(end.reason),
             "completion_tokens": end.completion_tokens,
         }
-        return _json(200, body)
-
-    # --- the Responses API --------------------------------------------------------------
-
-    async def _create_response(self, request: HttpRequest, who: ClientId) -> Response:
-        create = responses_api.parse_create(request.body, model_id=self.model_id)
-        if not self._accepting():
-            raise from_code(ErrorCode.SHUTTING_DOWN, "the server is shutting down")
-        generate, prior = create.generate, None
-        if create.previous_response_id is not None:
-            generate, prior = await self._continue(create, who)
-        conversation_from = 0 if create.instructions is None else 1
-
-        def api(prepared: PreparedRequest) -> dict[str, Any]:
-            kept = prepared.messages if create.store and prepared.messages else ()
-            return {
-                "kind": responses_api.KIND,
-                "fields": create.fields,
-                "messages": [[m.role, m.content] for m in kept],
-                "from": conversation_from,
-            }
-
-        session = await self._sessions.open_generation(
-            generate,
-            client=who.name,
-            owner=who.key_id or "",
-            arrived_at=request.arrived_at,
-            prior=prior,
-            api=api,
-            unattended=create.background,
-        )
-        headers = ((SESSION_HEADER, session.session_id.hex().encode()),)
-        if create.stream:
-            encoder = ResponseEncoder(ResponseView.of(session.record, ""), text_before="")
-            return self._event_stream(session, 0, encoder.encode_all, client=who.name, fresh=True)
-        if create.background:
-            view = ResponseView.of(session.record, "", queued=session.state is SessionState.QUEUED)
-            return _json(200, responses_api.response_object(view), headers)
-        answer = await _collect(session, who.name)
-        view = ResponseView.of(session.record, answer.text)
-        return _json(200, responses_api.response_object(view), headers)
-
-    async def _continue(
-        self, create: responses_api.CreateRequest, who: ClientId
-    ) -> tuple[quicsrv_proto.Generate, PriorTurn]:
-        """The GENERATE of a request that continues ``previous_response_id``: its
-        instructions, the previous response's conversation and answer, then its input."""
-        assert create.previous_response_id is not None
-        param = "previous_response_id"
-        previous = await self._stored_response(
-            responses_api.from_response_id(create.previous_response_id, param), who, param
-        )
-        if previous.end is None:
-            raise ApiError(
-                400,
-                f"Previous response with id '{create.previous_response_id}' is still in "
-                "progress: wait for it to end, or cancel it",
-                code="previous_response_in_progress",
-                param=param,
-            )
-        api = previous.api or {}
-        stored = tuple(ChatMessage(role=r, content=c) for r, c in api.get("messages", ()))
-        answer = self._sessions.text_of(previous)
-        given = create.generate.messages or ()
-        messages = (
-            *given[: len(given) - len(create.input)],  # the instructions, if any
-            *stored[int(api.get("from", 0)) :],
-            ChatMessage(role="assistant", content=answer),
-            *create.input,
-        )
-        if len(messages) > MAX_MESSAGES:
-            raise ApiError(
-                400,
-                f"the conversation has {len(messages)} messages, more than {MAX_MESSAGES}: "
-                "start a new one from a summary",
-                code="invalid_value",
-                param=param,
-            )
-        prior = PriorTurn(
-            messages=stored,
-            prompt_tokens=previous.prompt_tokens,
-            generated=tuple(previous.generated),
-            answer=answer,
-            exact=previous.end.reason is not EndReason.STOP,
-        )
-        return dataclasses.replace(create.generate, messages=messages), prior
-
-    async def _stored_response(
-        self, session_id: bytes, who: ClientId, param: str | None = None, *, stored: bool = True
-    ) -> SessionRecord:
-        """A response's record, if this key made it and (``stored``) it was stored: 404
-        otherwise, as for an id that never existed."""
-        record = await self._sessions.lookup(session_id, key_id=who.key_id)
-        api = record.api or {}
-        if not responses_api.is_response(record) or (
-            stored and not api.get("fields", {}).get("store", True)
-        ):
-            raise ApiError(
-                404,
-                f"Response with id '{responses_api.response_id(session_id)}' not found.",
-                code="not_found",
-                param=param,
-            )
-        return record
-
-    async def _get_response(
-        self, request: HttpRequest, who: ClientId, session_id: bytes, query: str
-    ) -> Response:
-        params = urllib.parse.parse_qs(query)
-        stream = _flag(params, "stream")
-        if not stream:
-            record = await self._stored_response(session_id, who)
-            live = self._sessions.live(session_id)
-            queued = live is not None and live.state is SessionState.QUEUED
-            view = ResponseView.of(record, self._sessions.text_of(record), queued=queued)
-            return _json(200, responses_api.response_object(view))
-        after = _starting_after(params, request.headers.get(b"last-event-id"))
-        if not self._accepting():
-            raise from_code(ErrorCode.SHUTTING_DOWN, "the server is shutting down")
-        from_index = responses_api.first_token_after(after)
-        session = await self._sessions.reattach_anywhere(session_id, from_index, key_id=who.key_id)
-        record = session.record
-        if not responses_api.is_response(record):
-            raise ApiError(404, "no such response", code="not_found")
-        # Past the last token (the closing events): only the END is left to send.
-        from_index = min(from_index, len(record.generated))
-        encoder = ResponseEncoder(
-            ResponseView.of(record, ""),
-            text_before=self._sessions.text_of(record, upto=from_index),
-            after=after,
-        )
-        return self._event_stream(
-            session, from_index, encoder.encode_all, client=who.name, fresh=False
-        )
-
-    async def _cancel_response(self, who: ClientId, session_id: bytes) -> FullResponse:
-        await self._stored_response(session_id, who, stored=False)
-        await self._sessions.cancel_anywhere(session_id, key_id=who.key_id)
-        record = await self._sessions.lookup(session_id, key_id=who.key_id)
-        view = ResponseView.of(record, self._sessions.text_of(record))
-        return _json(200, responses_api.response_object(view))
-
-    async def _delete_response(self, who: ClientId, session_id: bytes) -> FullResponse:
-        await self._stored_response(session_id, who, stored=False)
-        await self._sessions.delete_anywhere(session_id, key_id=who.key_id)
-        return _json(200, responses_api.deleted_body(session_id))
+        return json_response(200, body)
 
     def _event_stream(
         self,
@@ -525,19 +379,8 @@ class Router:
         client: str,
         fresh: bool,
     ) -> SessionStream:
-        """A session stream of SSE events (``text/event-stream``), kept alive while quiet."""
-        return SessionStream(
-            session=session,
-            from_index=from_index,
-            encode=encode,
-            content_type="text/event-stream",
-            headers=(
-                (SESSION_HEADER, session.session_id.hex().encode()),
-                (b"cache-control", b"no-cache"),
-            ),
-            client=client,
-            fresh=fresh,
-            keepalive=self._sse_keepalive,
+        return event_stream(
+            session, from_index, encode, client=client, fresh=fresh, keepalive=self._sse_keepalive
         )
 
     def _refused(
@@ -596,52 +439,6 @@ def _session_id(text: str) -> bytes:
     return session_id
 
 
-async def _collect(session: Session, client: str) -> CollectedAnswer:
-    """The whole answer of a request that is not streamed."""
-    port = CollectingPort()
-    session.attach(port, 0, client)
-    try:
-        return await port.answer
-    except asyncio.CancelledError:
-        # Nobody can resume a non-streamed answer: its peer never learned the session.
-        session.cancel()
-        raise
-    finally:
-        session.detach(port)
-
-
-def _flag(params: dict[str, list[str]], name: str) -> bool:
-    values = params.get(name, [])
-    if not values or values[0] in ("false", "0", ""):
-        return False
-    if values[0] in ("true", "1"):
-        return True
-    raise ApiError(400, f"{name} must be true or false", code="invalid_value", param=name)
-
-
-def _starting_after(params: dict[str, list[str]], last_event_id: bytes | None) -> int:
-    """The ``starting_after`` of a streamed GET (or the ``Last-Event-ID`` an EventSource sends,
-    which names the same number); -1: from the first event."""
-    values = params.get("starting_after", [])
-    text = values[0] if values else (last_event_id or b"").decode("latin-1").strip()
-    if not text:
-        return -1
-    if not text.isdigit() or len(text) > 10:
-        raise ApiError(
-            400,
-            "starting_after must be a sequence number (an integer, 0 or more)",
-            code="invalid_value",
-            param="starting_after",
-        )
-    return int(text)
-
-
 def _query_value(query: str) -> str:
     values = urllib.parse.parse_qs(query).get("last_event_id", [])
     return values[0].strip() if values else ""
-
-
-def _json(
-    status: int, body: dict[str, Any], headers: tuple[tuple[bytes, bytes], ...] = ()
-) -> FullResponse:
-    return FullResponse(status=status, body=json.dumps(body).encode(), headers=headers)

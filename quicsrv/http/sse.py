@@ -32,6 +32,7 @@ from typing import Any
 import quicsrv_proto
 from quicsrv_proto import EndReason
 
+from ..sessions.session import Session
 from . import openai_api
 from .cursor import FLAG_CHAT, FLAG_USAGE, encode_cursor
 from .errors import ApiError, from_code
@@ -42,6 +43,7 @@ __all__ = [
     "CollectingPort",
     "SseEncoder",
     "StreamShape",
+    "collect_answer",
 ]
 
 DONE = b"data: [DONE]\n\n"
@@ -216,3 +218,17 @@ class CollectingPort:
 
     def acked_offset(self) -> int:
         return self._sent
+
+
+async def collect_answer(session: Session, client: str) -> CollectedAnswer:
+    """The whole answer of a request that is not streamed, read by ``client``."""
+    port = CollectingPort()
+    session.attach(port, 0, client)
+    try:
+        return await port.answer
+    except asyncio.CancelledError:
+        # Nobody can resume a non-streamed answer: its peer never learned the session.
+        session.cancel()
+        raise
+    finally:
+        session.detach(port)

@@ -1,0 +1,245 @@
+"""The Responses API's endpoints: what ``POST /v1/responses`` and ``/v1/responses/{id}`` do,
+on the sessions (the router dispatches here; :mod:`.responses_api` shapes the bodies and the
+events, :mod:`.responses_stream` encodes a stream).
+
+A response is a session whose record keeps, in ``SessionRecord.api``, the request's fields and
+(unless ``store: false``) the conversation its prompt was rendered from, so that
+``previous_response_id`` can continue it on any process. Reading, continuing, cancelling and
+deleting go through the session manager's checks: the record exists and has not expired, and
+the API key that made it is the one asking.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import urllib.parse
+from collections.abc import Callable
+from typing import Any
+
+import quicsrv_proto
+from quicsrv_proto import ChatMessage, EndReason, ErrorCode
+from quicsrv_proto.frames import MAX_MESSAGES
+from quicsrv_proto.http3 import SESSION_HEADER
+
+from ..apikeys import ClientId
+from ..sessions.generation import PreparedRequest, PriorTurn
+from ..sessions.lifecycle import SessionState
+from ..sessions.manager import SessionManager
+from ..sessions.store import SessionRecord
+from . import responses_api
+from .errors import ApiError, from_code
+from .messages import (
+    FullResponse,
+    HttpRequest,
+    KeepAlive,
+    Response,
+    event_stream,
+    json_response,
+)
+from .responses_api import ResponseView
+from .responses_stream import ResponseEncoder
+from .sse import collect_answer
+
+__all__ = ["ResponsesEndpoints"]
+
+
+class ResponsesEndpoints:
+    """See the module docstring."""
+
+    def __init__(
+        self,
+        *,
+        sessions: SessionManager,
+        model_id: str,
+        accepting: Callable[[], bool],
+        keepalive: KeepAlive | None,
+    ) -> None:
+        self._sessions = sessions
+        self._model_id = model_id
+        self._accepting = accepting
+        self._keepalive = keepalive
+
+    async def create(self, request: HttpRequest, who: ClientId) -> Response:
+        """``POST /v1/responses``."""
+        create = responses_api.parse_create(request.body, model_id=self._model_id)
+        if not self._accepting():
+            raise from_code(ErrorCode.SHUTTING_DOWN, "the server is shutting down")
+        generate, prior = create.generate, None
+        if create.previous_response_id is not None:
+            generate, prior = await self._continue(create, who)
+        conversation_from = 0 if create.instructions is None else 1
+
+        def api(prepared: PreparedRequest) -> dict[str, Any]:
+            kept = prepared.messages if create.store and prepared.messages else ()
+            return {
+                "kind": responses_api.KIND,
+                "fields": create.fields,
+                "messages": [[m.role, m.content] for m in kept],
+                "from": conversation_from,
+            }
+
+        session = await self._sessions.open_generation(
+            generate,
+            client=who.name,
+            owner=who.key_id or "",
+            arrived_at=request.arrived_at,
+            prior=prior,
+            api=api,
+            unattended=create.background,
+        )
+        headers = ((SESSION_HEADER, session.session_id.hex().encode()),)
+        if create.stream:
+            encoder = ResponseEncoder(ResponseView.of(session.record, ""), text_before="")
+            return event_stream(
+                session,
+                0,
+                encoder.encode_all,
+                client=who.name,
+                fresh=True,
+                keepalive=self._keepalive,
+            )
+        if create.background:
+            view = ResponseView.of(session.record, "", queued=session.state is SessionState.QUEUED)
+            return json_response(200, responses_api.response_object(view), headers)
+        answer = await collect_answer(session, who.name)
+        view = ResponseView.of(session.record, answer.text)
+        return json_response(200, responses_api.response_object(view), headers)
+
+    async def _continue(
+        self, create: responses_api.CreateRequest, who: ClientId
+    ) -> tuple[quicsrv_proto.Generate, PriorTurn]:
+        """The GENERATE of a request that continues ``previous_response_id``: its
+        instructions, the previous response's conversation and answer, then its input."""
+        assert create.previous_response_id is not None
+        param = "previous_response_id"
+        previous = await self._stored_response(
+            responses_api.from_response_id(create.previous_response_id, param), who, param
+        )
+        if previous.end is None:
+            raise ApiError(
+                400,
+                f"Previous response with id '{create.previous_response_id}' is still in "
+                "progress: wait for it to end, or cancel it",
+                code="previous_response_in_progress",
+                param=param,
+            )
+        api = previous.api or {}
+        stored = tuple(ChatMessage(role=r, content=c) for r, c in api.get("messages", ()))
+        answer = self._sessions.text_of(previous)
+        given = create.generate.messages or ()
+        messages = (
+            *given[: len(given) - len(create.input)],  # the instructions, if any
+            *stored[int(api.get("from", 0)) :],
+            ChatMessage(role="assistant", content=answer),
+            *create.input,
+        )
+        if len(messages) > MAX_MESSAGES:
+            raise ApiError(
+                400,
+                f"the conversation has {len(messages)} messages, more than {MAX_MESSAGES}: "
+                "start a new one from a summary",
+                code="invalid_value",
+                param=param,
+            )
+        prior = PriorTurn(
+            messages=stored,
+            prompt_tokens=previous.prompt_tokens,
+            generated=tuple(previous.generated),
+            answer=answer,
+            exact=previous.end.reason is not EndReason.STOP,
+        )
+        return dataclasses.replace(create.generate, messages=messages), prior
+
+    async def _stored_response(
+        self, session_id: bytes, who: ClientId, param: str | None = None, *, stored: bool = True
+    ) -> SessionRecord:
+        """A response's record, if this key made it and (``stored``) it was stored: 404
+        otherwise, as for an id that never existed."""
+        record = await self._sessions.lookup(session_id, key_id=who.key_id)
+        api = record.api or {}
+        if not responses_api.is_response(record) or (
+            stored and not api.get("fields", {}).get("store", True)
+        ):
+            raise ApiError(
+                404,
+                f"Response with id '{responses_api.response_id(session_id)}' not found.",
+                code="not_found",
+                param=param,
+            )
+        return record
+
+    async def retrieve(
+        self, request: HttpRequest, who: ClientId, session_id: bytes, query: str
+    ) -> Response:
+        """``GET /v1/responses/{id}``, with ``?stream=true``: its events after a number."""
+        params = urllib.parse.parse_qs(query)
+        stream = _flag(params, "stream")
+        if not stream:
+            record = await self._stored_response(session_id, who)
+            live = self._sessions.live(session_id)
+            queued = live is not None and live.state is SessionState.QUEUED
+            view = ResponseView.of(record, self._sessions.text_of(record), queued=queued)
+            return json_response(200, responses_api.response_object(view))
+        after = _starting_after(params, request.headers.get(b"last-event-id"))
+        if not self._accepting():
+            raise from_code(ErrorCode.SHUTTING_DOWN, "the server is shutting down")
+        from_index = responses_api.first_token_after(after)
+        session = await self._sessions.reattach_anywhere(session_id, from_index, key_id=who.key_id)
+        record = session.record
+        if not responses_api.is_response(record):
+            raise ApiError(404, "no such response", code="not_found")
+        # Past the last token (the closing events): only the END is left to send.
+        from_index = min(from_index, len(record.generated))
+        encoder = ResponseEncoder(
+            ResponseView.of(record, ""),
+            text_before=self._sessions.text_of(record, upto=from_index),
+            after=after,
+        )
+        return event_stream(
+            session,
+            from_index,
+            encoder.encode_all,
+            client=who.name,
+            fresh=False,
+            keepalive=self._keepalive,
+        )
+
+    async def cancel(self, who: ClientId, session_id: bytes) -> FullResponse:
+        """``POST /v1/responses/{id}/cancel``: the final object, with usage."""
+        await self._stored_response(session_id, who, stored=False)
+        await self._sessions.cancel_anywhere(session_id, key_id=who.key_id)
+        record = await self._sessions.lookup(session_id, key_id=who.key_id)
+        view = ResponseView.of(record, self._sessions.text_of(record))
+        return json_response(200, responses_api.response_object(view))
+
+    async def delete(self, who: ClientId, session_id: bytes) -> FullResponse:
+        """``DELETE /v1/responses/{id}``."""
+        await self._stored_response(session_id, who, stored=False)
+        await self._sessions.delete_anywhere(session_id, key_id=who.key_id)
+        return json_response(200, responses_api.deleted_body(session_id))
+
+
+def _flag(params: dict[str, list[str]], name: str) -> bool:
+    values = params.get(name, [])
+    if not values or values[0] in ("false", "0", ""):
+        return False
+    if values[0] in ("true", "1"):
+        return True
+    raise ApiError(400, f"{name} must be true or false", code="invalid_value", param=name)
+
+
+def _starting_after(params: dict[str, list[str]], last_event_id: bytes | None) -> int:
+    """The ``starting_after`` of a streamed GET (or the ``Last-Event-ID`` an EventSource sends,
+    which names the same number); -1: from the first event."""
+    values = params.get("starting_after", [])
+    text = values[0] if values else (last_event_id or b"").decode("latin-1").strip()
+    if not text:
+        return -1
+    if not text.isdigit() or len(text) > 10:
+        raise ApiError(
+            400,
+            "starting_after must be a sequence number (an integer, 0 or more)",
+            code="invalid_value",
+            param="starting_after",
+        )
+    return int(text)
