@@ -36,11 +36,11 @@ bench: certs
 # test), from Debian's packages. Needs root; skipped when both are already there. A failed install
 # only warns here (those tests then skip); .ci/run checks and fails instead.
 system-deps:
-	@if ! command -v redis-server >/dev/null || ! command -v ip >/dev/null; then \
+	@if ! command -v redis-server >/dev/null || ! command -v ip >/dev/null || ! command -v chromium >/dev/null; then \
 	  if [ "$$(id -u)" = 0 ]; then \
-	    { apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq redis-server iproute2; } \
-	      || echo "system-deps: could not install redis-server/iproute2: their tests will skip" >&2; \
-	  else echo "system-deps: not root; install redis-server and iproute2 yourself" >&2; fi; \
+	    { apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq redis-server iproute2 chromium; } \
+	      || echo "system-deps: could not install redis-server/iproute2/chromium: their tests will skip" >&2; \
+	  else echo "system-deps: not root; install redis-server, iproute2 and chromium yourself" >&2; fi; \
 	fi
 
 test: certs system-deps

@@ -17,6 +17,7 @@ __all__ = [
     "H3_NO_ERROR",
     "H3_REQUEST_CANCELLED",
     "NATIVE_PATHS",
+    "PROTOCOL_HEADER",
     "RESUME_PATH",
     "RESUME_PATH_HEADER",
     "SESSION_HEADER",
@@ -37,6 +38,8 @@ SESSION_HEADER = b"quicsrv-session"
 RESUME_PATH_HEADER = b"quicsrv-resume-path"
 #: On a response to a request that arrived whole in 0-RTT data: ``1``.
 EARLY_DATA_HEADER = b"quicsrv-early-data"
+#: On every response: what carried the request, as ALPN names it (``h3``, ``h2``, ``http/1.1``).
+PROTOCOL_HEADER = b"quicsrv-protocol"
 AUTHORIZATION_HEADER = b"authorization"
 
 #: The client abandoned the request on purpose (RFC 9114 §8.1): no KV snapshot is worth keeping.

@@ -16,6 +16,7 @@ development only: the CA key sits unencrypted next to the certificates it signs.
 
 from __future__ import annotations
 
+import base64
 import contextlib
 import datetime as dt
 import ipaddress
@@ -120,8 +121,23 @@ def describe(paths: DevCertPaths) -> str:
             f"server key:         {paths.server_key}",
             f"  names:            {', '.join(names)}",
             f"  valid until:      {server.not_valid_after_utc:%Y-%m-%d}",
+            f"  SPKI SHA-256:     {spki_hash(paths.server_cert)}  (Chrome over HTTP/3: "
+            "--ignore-certificate-errors-spki-list=<this>)",
         ]
     )
+
+
+def spki_hash(cert_path: Path) -> str:
+    """Base64 of the SHA-256 of the certificate's public key (its DER SubjectPublicKeyInfo):
+    what Chromium's ``--ignore-certificate-errors-spki-list`` takes. Chromium speaks QUIC to a
+    server whose certificate chains to a locally installed root only when told this."""
+    cert = x509.load_pem_x509_certificate(cert_path.read_bytes())
+    spki = cert.public_key().public_bytes(
+        serialization.Encoding.DER, serialization.PublicFormat.SubjectPublicKeyInfo
+    )
+    digest = hashes.Hash(hashes.SHA256())
+    digest.update(spki)
+    return base64.b64encode(digest.finalize()).decode("ascii")
 
 
 # --- issuing ------------------------------------------------------------------------------

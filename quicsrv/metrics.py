@@ -74,6 +74,14 @@ class ServerMetrics:
             ["endpoint", "code"],
             registry=registry,
         )
+        self.requests_by_protocol = Counter(
+            "quicsrv_requests_by_protocol",
+            "Requests answered by the router, by what carried them (h3, h2, http/1.1)",
+            ["protocol"],
+            registry=registry,
+        )
+        for protocol in ("h3", "h2", "http/1.1"):
+            self.requests_by_protocol.labels(protocol=protocol)
         self.ttft = Histogram(
             "quicsrv_time_to_first_token_seconds",
             "From a GENERATE's arrival to its first token",

@@ -57,8 +57,13 @@ class HttpRequest:
     """When the request arrived, on the event loop's clock."""
     early_data: bool = False
     """It arrived in TLS 1.3 early data (0-RTT) and could be a replay."""
-    http3: bool = False
-    """It came over HTTP/3, where the native frame API is served too."""
+    protocol: str = "http/1.1"
+    """What carried it, as ALPN names it: ``h3``, ``h2`` or ``http/1.1``."""
+
+    @property
+    def http3(self) -> bool:
+        """It came over HTTP/3, where the native frame API is served too."""
+        return self.protocol == "h3"
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -84,6 +89,10 @@ class ByteSink(Protocol):
     def acked_offset(self) -> int:
         """Body bytes the transport has handed on to the peer (a flow-control signal)."""
 
+    def abort(self) -> None:
+        """Drop the connection under the stream, as a network that goes away would (a test
+        fault: :class:`~.faults.StreamFaults`)."""
+
 
 @dataclass(frozen=True, slots=True)
 class KeepAlive:
@@ -100,11 +109,17 @@ class SessionPort:
     ``sessions.session.StreamPort``), and its keep-alive while nothing else is written."""
 
     def __init__(
-        self, encode: FrameEncoder, sink: ByteSink, keepalive: KeepAlive | None = None
+        self,
+        encode: FrameEncoder,
+        sink: ByteSink,
+        keepalive: KeepAlive | None = None,
+        *,
+        cut_after_writes: int | None = None,
     ) -> None:
         self._encode = encode
         self._sink = sink
         self._keepalive = keepalive
+        self._writes_left = cut_after_writes  # None: no test fault armed
         self._timer: asyncio.TimerHandle | None = None
         self._loop = asyncio.get_running_loop()
         self._last_write = self._loop.time()
@@ -134,6 +149,15 @@ class SessionPort:
             timer.cancel()
 
     def _write(self, data: bytes, end_stream: bool) -> None:
+        if self._writes_left is not None:
+            if self._writes_left <= 0:
+                return  # cut: the transport tells the session once the connection is gone
+            self._writes_left -= 1
+            if self._writes_left == 0:
+                self._sink.write(data, False)
+                self.stop()
+                self._sink.abort()
+                return
         self._sink.write(data, end_stream)
         if end_stream:
             self.stop()
@@ -180,15 +204,25 @@ class SessionStream:
         self._client = client
         self._fresh = fresh
         self._keepalive = keepalive
+        self.cut_after_writes: int | None = None
+        """A test fault: the connection drops after this many writes (None: never)."""
+        self.cancel_keeps_cells = False
+        """A cancelled request is a cut like any other (the JSON API's SSE streams: a browser
+        cancels its fetch when the page reloads or navigates; stopping is an explicit request
+        there), so the paused sequence's KV cells are kept for the resume."""
 
     def open(self, sink: ByteSink) -> SessionPort:
-        port = SessionPort(self._encode, sink, self._keepalive)
+        port = SessionPort(
+            self._encode, sink, self._keepalive, cut_after_writes=self.cut_after_writes
+        )
         self.session.attach(port, self._from_index, self._client)
         return port
 
     def close(self, port: SessionPort, *, capture_kv: bool = True) -> None:
+        """The peer went away (``capture_kv`` False: it cancelled the request, so the paused
+        sequence's cells are not worth saving, unless :attr:`cancel_keeps_cells`)."""
         port.stop()
-        self.session.detach(port, capture_kv=capture_kv)
+        self.session.detach(port, capture_kv=capture_kv or self.cancel_keeps_cells)
 
     def abandon(self) -> None:
         """The peer left before the stream was opened: a new generation stops spending compute
@@ -215,8 +249,9 @@ def event_stream(
     fresh: bool,
     keepalive: KeepAlive | None,
 ) -> SessionStream:
-    """A session stream of SSE events (``text/event-stream``), kept alive while quiet."""
-    return SessionStream(
+    """A session stream of SSE events (``text/event-stream``), kept alive while quiet; a
+    cancelled request only cuts it (see :attr:`SessionStream.cancel_keeps_cells`)."""
+    stream = SessionStream(
         session=session,
         from_index=from_index,
         encode=encode,
@@ -229,3 +264,5 @@ def event_stream(
         fresh=fresh,
         keepalive=keepalive,
     )
+    stream.cancel_keeps_cells = True
+    return stream

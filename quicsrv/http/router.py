@@ -17,6 +17,7 @@ Routes:
 - ``GET /v1/models``;
 - ``GET /v1/streams/{session}`` with ``Last-Event-ID`` (header, or ``?last_event_id=``): the
   stream's events after that cursor; ``DELETE /v1/streams/{session}``: stop the generation;
+- ``GET /`` and ``/ui/...``: the chat page (:mod:`.webui`), no key needed;
 - ``GET /metrics``, ``/healthz``, ``/readyz``: handed to the operator endpoints
   (``quicsrv.transport.routes.PlainRoutes``, given as ``plain``), with their own access rules.
 
@@ -32,6 +33,7 @@ what exists is harmless twice. Every refusal goes through the one error table
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 import time
 import urllib.parse
@@ -41,16 +43,22 @@ from typing import Protocol
 
 import quicsrv_proto
 from quicsrv_proto import ErrorCode, http3
-from quicsrv_proto.http3 import EARLY_DATA_HEADER, RESUME_PATH_HEADER, SESSION_HEADER
+from quicsrv_proto.http3 import (
+    EARLY_DATA_HEADER,
+    PROTOCOL_HEADER,
+    RESUME_PATH_HEADER,
+    SESSION_HEADER,
+)
 
 from ..apikeys import ApiKeys, ClientId
 from ..metrics import ServerMetrics
 from ..sessions.generation import RequestRejected
 from ..sessions.manager import SessionManager
 from ..sessions.session import Session
-from . import native, openai_api, responses_api
+from . import native, openai_api, responses_api, webui
 from .cursor import InvalidCursor, decode_cursor
 from .errors import ApiError, Refusal, from_code, refusal_for
+from .faults import StreamFaults
 from .messages import (
     FrameEncoder,
     FullResponse,
@@ -127,6 +135,8 @@ class Router:
         """Native resumes answered from 0-RTT data."""
         self.early_starts_refused = 0
         """Requests that would start compute, refused ``too_early`` in 0-RTT data."""
+        self.faults = StreamFaults()
+        """Test faults: streams whose connection drops on demand."""
 
     @property
     def body_limit_bytes(self) -> int:
@@ -144,12 +154,26 @@ class Router:
         return FullResponse(status=error.status, body=error.body(), headers=error.headers)
 
     async def handle(self, request: HttpRequest) -> Response:
-        """Answer ``request``; never raises for a peer's mistake (that is an error answer)."""
+        """Answer ``request``; never raises for a peer's mistake (that is an error answer).
+        Every answer says what carried it (``quicsrv-protocol``: a streaming ``fetch`` cannot
+        tell a page otherwise)."""
+        response = await self._answer(request)
+        self._metrics.requests_by_protocol.labels(protocol=request.protocol).inc()
+        protocol = (PROTOCOL_HEADER, request.protocol.encode())
+        if isinstance(response, SessionStream):
+            response.headers += (protocol,)
+            response.cut_after_writes = self.faults.take()
+            return response
+        return dataclasses.replace(response, headers=(*response.headers, protocol))
+
+    async def _answer(self, request: HttpRequest) -> Response:
         bare, _, query = request.path.partition("?")
         if bare.encode("latin-1") in self._plain_paths:
             return self._plain.handle(
                 request.method.encode(), bare.encode("latin-1"), request.headers
             )
+        if bare in webui.PAGES and request.method == "GET":
+            return webui.page(bare)
         endpoint = _endpoint(bare)
         is_native = self._is_native(request)
         try:

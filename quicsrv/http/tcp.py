@@ -129,6 +129,7 @@ class _BufferSink:
     def __init__(self) -> None:
         self.chunks: deque[bytes] = deque()
         self.ended = False
+        self.aborted = False
         self.ready = asyncio.Event()
         self._sent = 0
         self.acked = 0
@@ -146,6 +147,14 @@ class _BufferSink:
 
     def acked_offset(self) -> int:
         return self.acked
+
+    def abort(self) -> None:
+        self.aborted = True
+        self.ready.set()
+
+
+class _ConnectionCut(Exception):
+    """A test fault: hypercorn drops the connection when the application raises mid-answer."""
 
 
 class AsgiAdapter:
@@ -186,6 +195,7 @@ class AsgiAdapter:
             body=bytes(body),
             connection=f"tcp:{client[0]}:{client[1]}",
             arrived_at=arrived_at,
+            protocol="h2" if scope.get("http_version") == "2" else "http/1.1",
         )
         # The peer may leave while a completion is being started or generated.
         disconnected = asyncio.ensure_future(_until_disconnect(receive))
@@ -228,6 +238,10 @@ async def _stream(stream: SessionStream, send: Send, disconnected: asyncio.Futur
             with contextlib.suppress(asyncio.CancelledError):
                 await writer
         stream.close(port)  # a no-op once the stream has ended
+    if writer.done() and not writer.cancelled():
+        cut = writer.exception()
+        if isinstance(cut, _ConnectionCut):
+            raise cut  # hypercorn drops the connection
 
 
 async def _write(sink: _BufferSink, send: Send, stream: SessionStream) -> None:
@@ -244,6 +258,8 @@ async def _write(sink: _BufferSink, send: Send, stream: SessionStream) -> None:
                 return
             # The reader has taken more: the session may let the engine run further.
             stream.session.on_transport_progress()
+        if sink.aborted:
+            raise _ConnectionCut("test fault: connection dropped")
 
 
 async def _send_full(send: Send, response: FullResponse) -> None:

@@ -190,6 +190,11 @@ class _H3ServerProtocol(QuicConnectionProtocol):
         except Exception as exc:  # the stream may already be gone
             log.debug("stream %d: not stopped: %r", stream_id, exc)
 
+    def drop_connection(self) -> None:
+        log.info("test fault: dropping the connection of %s", self.peer)
+        self._quic.close(error_code=H3_NO_ERROR, reason_phrase="test fault: connection dropped")
+        self.transmit()
+
     def transmit_soon(self) -> None:
         # Many frames are often written in one go (a resume replays history): one transmit.
         if not self._transmit_scheduled:

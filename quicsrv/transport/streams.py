@@ -42,6 +42,9 @@ class H3Host(Protocol):
     def stop_stream(self, stream_id: int) -> None:
         """Ask the peer to stop sending on ``stream_id`` (its body is not needed)."""
 
+    def drop_connection(self) -> None:
+        """Close the connection at once (a test fault: a network that goes away)."""
+
     def transmit_soon(self) -> None: ...
 
     @property
@@ -76,6 +79,9 @@ class RequestStream:
     def acked_offset(self) -> int:
         offsets = self.owner.host.stream_offsets(self.stream_id)
         return 0 if offsets is None else offsets[1]
+
+    def abort(self) -> None:
+        self.owner.host.drop_connection()
 
 
 class RequestStreams:
@@ -162,7 +168,7 @@ class RequestStreams:
             arrived_at=stream.arrived_at,
             # Judged once the request is complete: all of it then came in 0-RTT, or not.
             early_data=not self.host.handshake_complete,
-            http3=True,
+            protocol="h3",
         )
 
     def _answer(self, stream: RequestStream) -> None:

@@ -68,7 +68,7 @@ def _request(
         connection="conn:1",
         arrived_at=asyncio.get_running_loop().time(),
         early_data=early_data,
-        http3=http3,
+        protocol="h3" if http3 else "http/1.1",
     )
 
 
