@@ -176,6 +176,9 @@ class SequenceRequest:
     is recomputed the same way. None: a cold plan, or whatever the prefix cache offers."""
     cache_scope: str = ""
     """Whose prefix-cache entries this sequence may reuse, and leaves its own cells to."""
+    grammar: str | None = None
+    """GBNF (root rule ``root``) that every generated token must fit (structured output); a
+    resume's tokens are checked against it and replayed into it. None: unconstrained."""
 
 
 class TokenSink(Protocol):

@@ -41,7 +41,7 @@ from ._api import (
     TokenSink,
 )
 from .prefix_cache import Hit, PrefixCache, PrefixShelf, PrefixStats, cut, extend, rest
-from .sampling import SequenceSampler
+from .sampling import GrammarState, GrammarViolation, SequenceSampler
 from .vocab import Vocabulary, file_digest
 
 __all__ = [
@@ -305,17 +305,36 @@ class LlamaEngine(ModelFacts):
     def model_path(self) -> Path:
         return self.settings.model_path
 
+    def _sampler_for(self, request: SequenceRequest) -> SequenceSampler:
+        """A new sequence's sampler, its grammar (if any) advanced over a resume's tokens."""
+        grammar = None
+        if request.grammar is not None:
+            grammar = GrammarState(self.vocabulary.handle, request.grammar)
+        sampler = SequenceSampler(request.sampling, self._n_vocab, grammar)
+        if request.resume is not None and request.resume.generated:
+            try:
+                sampler.catch_up(request.resume.generated)  # the server checked them already
+            except GrammarViolation as exc:
+                sampler.close()
+                raise CannotReplay(f"the recorded tokens do not fit the grammar: {exc}") from None
+        return sampler
+
     def submit(self, request: SequenceRequest, sink: TokenSink) -> _Sequence:
         """Queue a sequence; raises PromptTooLong or Overloaded instead of waiting unboundedly."""
         chunk = check_request(self.settings, request)
-        with self._admission_lock:
-            if self._failed:
-                raise EngineUnavailable("the engine failed; see the server log")
-            if self._closing:
-                raise EngineError("the engine is shutting down")
-            check_admission(self.settings, self._admitted)
-            self._admitted += 1
         resume = request.resume
+        sampler = self._sampler_for(request)
+        try:
+            with self._admission_lock:
+                if self._failed:
+                    raise EngineUnavailable("the engine failed; see the server log")
+                if self._closing:
+                    raise EngineError("the engine is shutting down")
+                check_admission(self.settings, self._admitted)
+                self._admitted += 1
+        except BaseException:
+            sampler.close()
+            raise
         plan = request.prefill_plan
         if plan is None and resume is not None and resume.generated:
             # Tokens were sent from a run without a recorded plan: one that fed the prompt in
@@ -324,7 +343,7 @@ class LlamaEngine(ModelFacts):
         sequence = _Sequence(
             request=request,
             sink=sink,
-            sampler=SequenceSampler(request.sampling, self._n_vocab),
+            sampler=sampler,
             pending_prompt=deque(request.prompt_tokens),
             plan=plan.segments if plan is not None else (),
             fixed=plan is not None,
@@ -702,8 +721,16 @@ class LlamaEngine(ModelFacts):
         logits = self._logits(position)
         index = sequence.generated
         replayed = bool(sequence.forced)
-        token = sequence.forced.popleft() if replayed else sequence.sampler.sample(logits, index)
-        sequence.sampler.accept(token)
+        try:
+            if replayed:
+                token = sequence.forced.popleft()
+            else:
+                token = sequence.sampler.sample(logits, index)
+            sequence.sampler.accept(token)
+        except GrammarViolation as exc:  # a dead end of the grammar: this sequence only
+            log.error("sequence %d stopped: %s", sequence.order, exc)
+            self._finish(sequence, FinishReason.FAILED)
+            return
         sequence.generated += 1
         sequence.history.append(token)
         sequence.last_token = token
@@ -713,7 +740,8 @@ class LlamaEngine(ModelFacts):
             return  # the client already has it; replay only rebuilds the KV cells
         self.tokens_generated_total += 1
         is_eog = self.vocabulary.is_end_of_generation(token)
-        if is_eog and not sequence.request.ignore_eos:
+        # A grammar allows an end token only once its text is complete: nothing may follow.
+        if is_eog and (not sequence.request.ignore_eos or sequence.sampler.constrained):
             self._finish(sequence, FinishReason.EOS)
             return
         piece = b"" if is_eog else self.vocabulary.piece(token)

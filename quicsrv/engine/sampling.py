@@ -3,11 +3,22 @@
 llama.cpp's ``dist`` sampler keeps an RNG whose state cannot be saved. Here the uniform number
 for token ``i`` is derived from ``(seed, i)`` with keyed BLAKE3, so a sequence's whole sampler
 state is (parameters, seed, tokens so far): reproducible and restorable by construction.
+
+A grammar (structured output: a JSON schema made GBNF) constrains the pick *sample, then
+check* (:data:`CONSTRAINED_SAMPLING`): the token drawn from the unconstrained distribution is
+kept when the grammar allows it; otherwise the grammar masks every candidate (3.7-10.8 ms a
+token on these machines, against ~9 ms for a decode step) and the same uniform number draws
+again among the allowed ones. Greedy decoding gets the allowed argmax either way; sampled
+decoding gets a distribution slightly different from masking first, as llama-server's does,
+for a fraction of the cost. The grammar's state is the tokens it accepted: a resume replays
+them into a fresh grammar (:class:`GrammarState`), each checked first, since llama.cpp aborts
+the whole process on a token its grammar forbids.
 """
 
 from __future__ import annotations
 
 import ctypes
+from collections.abc import Sequence
 
 import blake3
 import llama_cpp
@@ -18,6 +29,82 @@ from ._api import SamplingParams
 
 _TOKEN_DATA = np.dtype([("id", np.int32), ("logit", np.float32), ("p", np.float32)], align=True)
 _PENALTY_WINDOW = 64
+
+CONSTRAINED_SAMPLING = "sample-then-check/1"
+"""How a grammar constrains the pick (see the module docstring): part of what makes a
+constrained generation reproducible, so it is named in every constrained session's MAC."""
+
+
+class GrammarViolation(ValueError):
+    """A token the grammar forbids: a record that does not fit its grammar (or a grammar that
+    changed under it). Raised before llama.cpp would abort the process on it."""
+
+
+class GrammarState:
+    """A llama.cpp grammar sampler and the tokens it has accepted."""
+
+    def __init__(self, vocab: llama_cpp.llama_vocab_p, gbnf: str) -> None:
+        sampler = llama_cpp.llama_sampler_init_grammar(vocab, gbnf.encode(), b"root")
+        if not sampler:
+            raise GrammarViolation("the grammar does not parse")
+        self._sampler: llama_cpp.llama_sampler_p | None = sampler
+        self._one = np.zeros(1, dtype=_TOKEN_DATA)
+        self.accepted = 0
+
+    def allows(self, token_id: int) -> bool:
+        """Whether the grammar, as it stands, lets ``token_id`` come next."""
+        one = self._one
+        one["id"] = token_id
+        one["logit"] = 0.0
+        self._apply(one)
+        return bool(np.isfinite(one["logit"][0]))
+
+    def mask(
+        self, logits: npt.NDArray[np.float32], ids: npt.NDArray[np.int32]
+    ) -> npt.NDArray[np.float32]:
+        """``logits`` with every token the grammar forbids now at -inf (a copy)."""
+        candidates = np.zeros(len(ids), dtype=_TOKEN_DATA)
+        candidates["id"] = ids
+        candidates["logit"] = logits
+        self._apply(candidates)
+        masked = np.full(len(ids), -np.inf, dtype=np.float32)
+        masked[candidates["id"]] = candidates["logit"]
+        return masked
+
+    def accept(self, token_id: int, *, checked: bool = False) -> None:
+        """Advance over ``token_id``, checked first unless :meth:`allows` just said yes
+        (``checked``); raises GrammarViolation."""
+        if not checked and not self.allows(token_id):
+            raise GrammarViolation(
+                f"token {token_id} at position {self.accepted} is not allowed by the grammar"
+            )
+        llama_cpp.llama_sampler_accept(self._sampler, token_id)
+        self.accepted += 1
+
+    def close(self) -> None:
+        if self._sampler is not None:
+            llama_cpp.llama_sampler_free(self._sampler)
+            self._sampler = None
+
+    def _apply(self, candidates: npt.NDArray[np.void]) -> None:
+        array = llama_cpp.llama_token_data_array(
+            data=candidates.ctypes.data_as(llama_cpp.llama_token_data_p),
+            size=len(candidates),
+            selected=-1,
+            sorted=False,
+        )
+        llama_cpp.llama_sampler_apply(self._sampler, ctypes.byref(array))
+
+
+def check_replay(vocab: llama_cpp.llama_vocab_p, gbnf: str, tokens: Sequence[int]) -> None:
+    """Raise GrammarViolation unless ``tokens`` are a sequence the grammar allows (before a
+    resume sends them to the engine, whose process a forbidden token would abort)."""
+    grammar = GrammarState(vocab, gbnf)
+    try:
+        for token in tokens:
+            grammar.accept(token)
+    finally:
+        grammar.close()
 
 
 def counter_uniform(seed: int, index: int) -> float:
@@ -30,9 +117,14 @@ def counter_uniform(seed: int, index: int) -> float:
 class SequenceSampler:
     """One sequence's sampler: a native filter chain plus the counter-based draw."""
 
-    def __init__(self, params: SamplingParams, n_vocab: int) -> None:
+    def __init__(
+        self, params: SamplingParams, n_vocab: int, grammar: GrammarState | None = None
+    ) -> None:
         self._params = params
         self._n_vocab = n_vocab
+        self._grammar = grammar
+        self._accepted = 0
+        self._checked = -1  # the token the grammar allowed at this step (no second check)
         self._chain: llama_cpp.llama_sampler_p | None = None
         if not params.greedy:
             chain = llama_cpp.llama_sampler_chain_init(
@@ -62,15 +154,45 @@ class SequenceSampler:
             )
             self._chain = chain
             self._candidates = np.zeros(n_vocab, dtype=_TOKEN_DATA)
-            self._ids = np.arange(n_vocab, dtype=np.int32)
+        self._ids = np.arange(n_vocab, dtype=np.int32)
+
+    @property
+    def constrained(self) -> bool:
+        return self._grammar is not None
+
+    def catch_up(self, tokens: Sequence[int]) -> None:
+        """Advance the grammar over tokens generated before a resume, checked one by one
+        (raises GrammarViolation); :meth:`accept` then skips them for the grammar."""
+        if self._grammar is not None:
+            for token in tokens[self._grammar.accepted :]:
+                self._grammar.accept(token)
 
     def accept(self, token_id: int) -> None:
-        """Record a token (the penalties sampler keeps a window of recent tokens)."""
+        """Record a token (the penalties sampler keeps a window of recent tokens, the grammar
+        its parse state); raises GrammarViolation for a token the grammar forbids."""
+        grammar = self._grammar
+        self._accepted += 1
+        if grammar is not None and grammar.accepted < self._accepted:
+            grammar.accept(token_id, checked=token_id == self._checked)
+        self._checked = -1
         if self._chain is not None:
             llama_cpp.llama_sampler_accept(self._chain, token_id)
 
     def sample(self, logits: npt.NDArray[np.float32], index: int) -> int:
         """Pick the token at generation position ``index`` from its logits."""
+        token = self._draw(logits, index)
+        grammar = self._grammar
+        if grammar is None:
+            return token
+        if not grammar.allows(token):
+            masked = grammar.mask(logits, self._ids)
+            if not np.isfinite(masked).any():
+                raise GrammarViolation("the grammar allows no token here")
+            token = self._draw(masked, index)
+        self._checked = token
+        return token
+
+    def _draw(self, logits: npt.NDArray[np.float32], index: int) -> int:
         if self._chain is None:
             return int(np.argmax(logits))
         candidates = self._candidates
@@ -93,6 +215,8 @@ class SequenceSampler:
         kept_logits = kept["logit"][order].astype(np.float64)
         finite = np.isfinite(kept_logits)
         ids = kept["id"][order][finite]
+        if not len(ids):
+            raise GrammarViolation("the grammar allows no token here")
         weights = np.exp(kept_logits[finite] - kept_logits[finite].max())
         cumulative = np.cumsum(weights)
         target = counter_uniform(self._params.seed, index) * cumulative[-1]
@@ -103,3 +227,5 @@ class SequenceSampler:
         if self._chain is not None:
             llama_cpp.llama_sampler_free(self._chain)
             self._chain = None
+        if self._grammar is not None:
+            self._grammar.close()

@@ -59,6 +59,7 @@ from pathlib import Path
 
 from ..logs import current_log_format
 from ._api import (
+    CannotReplay,
     CpuExtraBuffers,
     EngineError,
     EngineUnavailable,
@@ -88,6 +89,7 @@ from .llama import EngineSettings, ModelFacts, check_admission, check_request
 from .prefix_cache import PrefixStats
 from .process import WorkerEnd, WorkerProcess
 from .restarts import Action, Breaker, RestartPolicy
+from .sampling import GrammarViolation, check_replay
 from .spool import Spool, take
 from .suspects import PoisonWatch
 from .vocab import Vocabulary
@@ -229,6 +231,12 @@ class WorkerEngine(ModelFacts):
         EngineUnavailable at once. While a worker restarts, it waits in the outbox."""
         check_request(self.settings, request)
         resume = request.resume
+        if request.grammar is not None and resume is not None and resume.generated:
+            # Here, not in the worker: llama.cpp aborts the process on a forbidden token.
+            try:
+                check_replay(self.vocabulary.handle, request.grammar, resume.generated)
+            except GrammarViolation as exc:
+                raise CannotReplay(f"the recorded tokens do not fit the grammar: {exc}") from None
         who = id(sink)
         with self._lock:
             self._refuse_if_down()

@@ -46,6 +46,12 @@ class Vocabulary:
         return vocabulary
 
     @property
+    def handle(self) -> llama_cpp.llama_vocab_p:
+        """llama.cpp's vocabulary, for what takes one (a grammar sampler)."""
+        vocab: llama_cpp.llama_vocab_p = self._model.vocab
+        return vocab
+
+    @property
     def n_vocab(self) -> int:
         return int(self._model.n_vocab())
 
