@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
+import json
 import ssl
 import warnings
 from collections.abc import AsyncIterator, Callable, Mapping, Sequence
@@ -379,6 +381,7 @@ class Client:
         sampling: SamplingOptions | None = None,
         deadline_ms: int | None = None,
         truncation: quicsrv_proto.Truncation = quicsrv_proto.Truncation.DISABLED,
+        json_schema: Mapping[str, Any] | None = None,
         **options: Unpack[SamplingSettings],
     ) -> Generation:
         """One generation's events; the last one is :class:`GenerationEnded`.
@@ -392,7 +395,9 @@ class Client:
         happens, :attr:`Generation.position` says where :meth:`resume_from` can continue.
         ``deadline_ms``: the server gives up (``deadline_exceeded``) unless generation starts
         within that long. ``truncation=Truncation.AUTO``: a chat over the context budget loses
-        its oldest turns instead of being refused (``prompt_too_long``).
+        its oldest turns instead of being refused (``prompt_too_long``). ``json_schema``: the
+        output follows it (every token is sampled under its grammar; a resume continues the
+        same constrained generation); ``{"type": "object"}`` asks for any JSON object.
         """
         if (prompt is None) == (messages is None):
             raise ValueError("pass exactly one of prompt and messages")
@@ -405,6 +410,10 @@ class Client:
             deadline_ms=deadline_ms,
             truncation=truncation,
         )
+        if json_schema is not None:
+            frame = dataclasses.replace(
+                frame, json_schema=json.dumps(json_schema, separators=(",", ":"))
+            )
         return Generation(self, GENERATE_PATH, frame, session_id=None, last_index=-1)
 
     generate = stream  # ``async for event in client.generate(...)`` reads well without a block
@@ -461,6 +470,7 @@ class Client:
         sampling: SamplingOptions | None = None,
         deadline_ms: int | None = None,
         truncation: quicsrv_proto.Truncation = quicsrv_proto.Truncation.DISABLED,
+        json_schema: Mapping[str, Any] | None = None,
         **options: Unpack[SamplingSettings],
     ) -> GenerationResult:
         """Run a whole generation (as :meth:`stream`) and return its text, token ids and END."""
@@ -471,6 +481,7 @@ class Client:
                 sampling=sampling,
                 deadline_ms=deadline_ms,
                 truncation=truncation,
+                json_schema=json_schema,
                 **options,
             )
         )

@@ -34,6 +34,7 @@ __all__ = [
 MAX_MAX_TOKENS = 1 << 16
 MAX_PROMPT_CHARS = 1 << 18
 MAX_MESSAGES = 256
+MAX_SCHEMA_CHARS = 1 << 16
 MAX_STOP_SEQUENCES = 8
 MAX_STOP_CHARS = 128
 MAX_TOKEN_TEXT_CHARS = 4096
@@ -44,7 +45,7 @@ MAX_TOKEN_ID = (1 << 31) - 1
 MAX_TOKEN_INDEX = (1 << 31) - 1
 SESSION_ID_BYTES = 16
 SNAPSHOT_HASH_BYTES = 32
-CHAT_ROLES = frozenset({"system", "user", "assistant"})
+CHAT_ROLES = frozenset({"system", "user", "assistant", "tool"})
 
 
 class FrameType(IntEnum):
@@ -144,6 +145,10 @@ class Generate(Frame):
     of the request's arrival; None: the server's own queue-wait bound."""
     truncation: Truncation = Truncation.DISABLED
     """A chat (``messages``) over the context budget: refused, or its oldest turns dropped."""
+    json_schema: str | None = None
+    """A JSON schema (as JSON text) the output must follow: it constrains every token sampled,
+    and a resume continues the same constrained generation. ``{"type": "object"}``: any JSON
+    object."""
 
     def to_payload(self) -> dict[str, Any]:
         payload: dict[str, Any] = {"max_tokens": self.max_tokens}
@@ -164,6 +169,8 @@ class Generate(Frame):
             payload["deadline_ms"] = self.deadline_ms
         if self.truncation is not Truncation.DISABLED:
             payload["truncation"] = self.truncation.value
+        if self.json_schema is not None:
+            payload["json_schema"] = self.json_schema
         return payload
 
     @classmethod
@@ -204,6 +211,7 @@ class Generate(Frame):
             ignore_eos=r.flag("ignore_eos", default=False),
             deadline_ms=r.optional_integer("deadline_ms", lo=1, hi=MAX_DEADLINE_MS),
             truncation=truncation,
+            json_schema=r.optional_text("json_schema", max_chars=MAX_SCHEMA_CHARS),
         )
         r.finish()
         if frame.top_p <= 0.0:

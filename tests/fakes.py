@@ -3,9 +3,19 @@
 from __future__ import annotations
 
 import asyncio
+import json
 from dataclasses import dataclass, field
 
-from quicsrv.engine import FinishReason, PausedState, SequenceRequest, TokenSink
+import blake3
+
+from quicsrv.engine import (
+    FinishReason,
+    Grammar,
+    InvalidSchema,
+    PausedState,
+    SequenceRequest,
+    TokenSink,
+)
 
 
 @dataclass
@@ -49,6 +59,14 @@ class FakeEngine:
 
     def piece(self, token_id: int) -> bytes:
         return self.pieces[token_id]
+
+    def grammar_for(self, schema: str) -> Grammar:
+        """Any schema that parses as JSON: its text stands for the grammar (no llama.cpp)."""
+        try:
+            json.loads(schema)
+        except ValueError:
+            raise InvalidSchema("the schema is not valid JSON") from None
+        return Grammar(gbnf=f"fake <- {schema}", digest=blake3.blake3(schema.encode()).digest())
 
     def submit(self, request: SequenceRequest, sink: TokenSink) -> FakeHandle:
         self.sinks.append(sink)

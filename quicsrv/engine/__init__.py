@@ -1,12 +1,15 @@
 """The generation engine: llama.cpp behind a small interface. Knows nothing of QUIC."""
 
 from ._api import (
+    CONSTRAINED_SAMPLING,
     CannotReplay,
     CpuExtraBuffers,
     Engine,
     EngineError,
     EngineUnavailable,
     FinishReason,
+    Grammar,
+    InvalidSchema,
     Overloaded,
     PausedState,
     PrefillPlan,
@@ -22,12 +25,15 @@ from ._api import (
 from .model import default_model_path
 
 __all__ = [
+    "CONSTRAINED_SAMPLING",
     "CannotReplay",
     "CpuExtraBuffers",
     "Engine",
     "EngineError",
     "EngineUnavailable",
     "FinishReason",
+    "Grammar",
+    "InvalidSchema",
     "Overloaded",
     "PausedState",
     "PrefillPlan",

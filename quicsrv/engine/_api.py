@@ -79,6 +79,29 @@ class PromptTooLong(EngineError):
     """The prompt plus max_tokens does not fit in one sequence's context."""
 
 
+class InvalidSchema(EngineError):
+    """A JSON schema that cannot constrain sampling here (a keyword refused, a bound passed, a
+    grammar that does not parse); ``path`` names the part, e.g. ``properties.name.maxLength``."""
+
+    def __init__(self, message: str, path: str = "") -> None:
+        super().__init__(message)
+        self.path = path
+
+
+CONSTRAINED_SAMPLING = "sample-then-check/1"
+"""How a grammar constrains the pick (see :mod:`.sampling`): part of what makes a constrained
+generation reproducible, so it is named in every constrained session's MAC."""
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Grammar:
+    """What constrains a generation's tokens: llama.cpp GBNF (root rule ``root``)."""
+
+    gbnf: str
+    digest: bytes
+    """Names the GBNF and the converter that made it: a record keeps it, snapshots MAC it."""
+
+
 class CannotReplay(EngineError):
     """This engine can never continue the sequence as it was computed (its prefill settings
     changed since the recorded plan): a replay would not be exact, so there is none."""
@@ -232,6 +255,11 @@ class Engine(Protocol):
     def render_chat(self, messages: list[dict[str, str]]) -> str: ...
 
     def piece(self, token_id: int) -> bytes: ...
+
+    def grammar_for(self, schema: str) -> Grammar:
+        """The grammar of a JSON schema (JSON text), checked to compile with this model's
+        vocabulary (cached); raises InvalidSchema."""
+        ...
 
     @property
     def model_digest(self) -> bytes: ...

@@ -31,6 +31,7 @@ from ._api import (
     EngineError,
     EngineUnavailable,
     FinishReason,
+    Grammar,
     Overloaded,
     PausedState,
     PrefillPlan,
@@ -269,6 +270,9 @@ class ModelFacts:
 
     def render_chat(self, messages: list[dict[str, str]]) -> str:
         return self.vocabulary.render_chat(messages)
+
+    def grammar_for(self, schema: str) -> Grammar:
+        return self.vocabulary.grammar_for(schema)
 
     def piece(self, token_id: int) -> bytes:
         return self.vocabulary.piece(token_id)

@@ -5,7 +5,7 @@ for token ``i`` is derived from ``(seed, i)`` with keyed BLAKE3, so a sequence's
 state is (parameters, seed, tokens so far): reproducible and restorable by construction.
 
 A grammar (structured output: a JSON schema made GBNF) constrains the pick *sample, then
-check* (:data:`CONSTRAINED_SAMPLING`): the token drawn from the unconstrained distribution is
+check* (:data:`~._api.CONSTRAINED_SAMPLING`): the token drawn from the unconstrained distribution is
 kept when the grammar allows it; otherwise the grammar masks every candidate (3.7-10.8 ms a
 token on these machines, against ~9 ms for a decode step) and the same uniform number draws
 again among the allowed ones. Greedy decoding gets the allowed argmax either way; sampled
@@ -29,10 +29,6 @@ from ._api import SamplingParams
 
 _TOKEN_DATA = np.dtype([("id", np.int32), ("logit", np.float32), ("p", np.float32)], align=True)
 _PENALTY_WINDOW = 64
-
-CONSTRAINED_SAMPLING = "sample-then-check/1"
-"""How a grammar constrains the pick (see the module docstring): part of what makes a
-constrained generation reproducible, so it is named in every constrained session's MAC."""
 
 
 class GrammarViolation(ValueError):

@@ -8,6 +8,8 @@ cannot take the server down). llama.cpp loads a GGUF ``vocab_only`` in milliseco
 from __future__ import annotations
 
 import ctypes
+import json
+from collections import OrderedDict
 from pathlib import Path
 
 import blake3
@@ -16,7 +18,12 @@ from llama_cpp import _logger as llama_cpp_logger
 from llama_cpp._internals import LlamaModel
 from llama_cpp.llama_chat_format import Jinja2ChatFormatter
 
+from ._api import Grammar, InvalidSchema
+from .grammar import SchemaRejected, check_compiles, grammar_for_schema
+
 __all__ = ["Vocabulary", "file_digest"]
+
+_GRAMMARS_KEPT = 256
 
 
 class Vocabulary:
@@ -32,6 +39,7 @@ class Vocabulary:
         n_vocab = int(model.n_vocab())
         self._pieces: list[bytes | None] = [None] * n_vocab
         self._end_of_generation = bytearray(n_vocab)  # 0: not looked up, 1: no, 2: yes
+        self._grammars: OrderedDict[str, Grammar] = OrderedDict()
 
     @classmethod
     def load(cls, model_path: Path) -> Vocabulary:
@@ -44,6 +52,29 @@ class Vocabulary:
         vocabulary = cls(model, file_digest(model_path))
         vocabulary._owned = True
         return vocabulary
+
+    def grammar_for(self, schema: str) -> Grammar:
+        """The grammar of a JSON schema (JSON text), checked to compile against this
+        vocabulary, so that a bad one is refused here and never reaches the engine worker;
+        raises InvalidSchema. The last few hundred are kept: clients resend the same schema."""
+        found = self._grammars.get(schema)
+        if found is not None:
+            self._grammars.move_to_end(schema)
+            return found
+        try:
+            value = json.loads(schema)
+        except (ValueError, RecursionError):  # RecursionError: absurdly deep nesting
+            raise InvalidSchema("the schema is not valid JSON") from None
+        try:
+            converted = grammar_for_schema(value)
+            check_compiles(converted, self.handle)
+        except SchemaRejected as exc:
+            raise InvalidSchema(exc.message, exc.path) from None
+        made = Grammar(gbnf=converted.gbnf, digest=converted.digest)
+        self._grammars[schema] = made
+        while len(self._grammars) > _GRAMMARS_KEPT:
+            self._grammars.popitem(last=False)
+        return made
 
     @property
     def handle(self) -> llama_cpp.llama_vocab_p:

@@ -25,6 +25,7 @@ from quicsrv_proto import EndReason
 from quicsrv_proto.frames import CHAT_ROLES, MAX_SEED
 
 from .errors import ApiError
+from .tool_calls import CallText, ToolChoice, call_id, parse_tool_choice
 
 __all__ = [
     "CompletionRequest",
@@ -97,6 +98,8 @@ class CompletionRequest:
     """Answer with SSE chunks (True) or one JSON body."""
     include_usage: bool
     """``stream_options.include_usage``: a last chunk with the token counts."""
+    tools: ToolChoice | None = None
+    """The functions it must call one of (``tool_choice`` required or named)."""
 
 
 def parse_completion(body: bytes, *, chat: bool, model_id: str) -> CompletionRequest:
@@ -131,7 +134,22 @@ def parse_completion(body: bytes, *, chat: bool, model_id: str) -> CompletionReq
     if stop:
         payload["stop"] = stop
     payload["ignore_eos"] = optional(request, "ignore_eos", bool, False)
+    tools = None
     if chat:
+        schema = json_schema_of(request.get("response_format"), "response_format")
+        tools = parse_tool_choice(request.get("tools"), request.get("tool_choice"))
+        if tools is not None:
+            if schema is not None:
+                raise _invalid(
+                    "a tool call and a response_format cannot both shape the output",
+                    "response_format",
+                )
+            schema = tools.schema
+        parallel = request.get("parallel_tool_calls")
+        if parallel is not None and not isinstance(parallel, bool):
+            raise _invalid("parallel_tool_calls must be a boolean", "parallel_tool_calls")
+        if schema is not None:
+            payload["json_schema"] = schema
         truncation = optional(request, _TRUNCATION, str, "disabled")
         if truncation not in ("auto", "disabled"):
             raise _invalid("truncation must be 'auto' or 'disabled'", _TRUNCATION)
@@ -141,7 +159,7 @@ def parse_completion(body: bytes, *, chat: bool, model_id: str) -> CompletionReq
     except quicsrv_proto.ProtocolError as exc:  # the wire format's own bounds (lengths, ranges)
         raise _invalid(exc.message, None) from None
     return CompletionRequest(
-        generate=generate, chat=chat, stream=stream, include_usage=include_usage
+        generate=generate, chat=chat, stream=stream, include_usage=include_usage, tools=tools
     )
 
 
@@ -153,14 +171,28 @@ def completion_id(session_id: bytes, *, chat: bool) -> str:
     return ("chatcmpl-" if chat else "cmpl-") + session_id.hex()
 
 
-def finish_reason(reason: EndReason) -> str:
+def finish_reason(reason: EndReason, *, tool_call: bool = False) -> str:
     """OpenAI's ``finish_reason``; a generation stopped by ``DELETE /v1/streams/...`` says
-    ``cancelled`` (OpenAI has no word for it)."""
+    ``cancelled`` (OpenAI has no word for it); a whole tool call, ``tool_calls``."""
     if reason is EndReason.LENGTH:
         return "length"
     if reason is EndReason.CANCELLED:
         return "cancelled"
-    return "stop"
+    return "tool_calls" if tool_call else "stop"
+
+
+def tool_call_delta(
+    session_id: bytes, name: str | None, arguments: str, *, announce: bool
+) -> dict[str, Any]:
+    """A streamed chunk's ``tool_calls`` entry: the first says the call's id and name."""
+    entry: dict[str, Any] = {"index": 0}
+    if announce:
+        entry |= {"id": call_id(session_id), "type": "function"}
+    function: dict[str, Any] = {"arguments": arguments}
+    if announce:
+        function = {"name": name, **function}
+    entry["function"] = function
+    return entry
 
 
 def usage(end: quicsrv_proto.End) -> dict[str, Any]:
@@ -184,9 +216,11 @@ def chunk(
     finish: str | None = None,
     include_usage: bool = False,
     usage_counts: dict[str, int] | None = None,
+    tool_call: dict[str, Any] | None = None,
 ) -> dict[str, Any]:
     """One streamed chunk. ``text`` None with ``usage_counts``: the last, choice-less chunk
-    that carries the usage (OpenAI's ``stream_options.include_usage``)."""
+    that carries the usage (OpenAI's ``stream_options.include_usage``). ``tool_call``: a
+    ``tool_calls`` delta instead of content."""
     body: dict[str, Any] = {
         "id": completion_id(session_id, chat=chat),
         "object": "chat.completion.chunk" if chat else "text_completion",
@@ -199,7 +233,9 @@ def chunk(
         delta: dict[str, Any] = {}
         if role:
             delta["role"] = "assistant"
-        if text is not None:
+        if tool_call is not None:
+            delta["tool_calls"] = [tool_call]
+        elif text is not None:
             delta["content"] = text
         body["choices"] = [{"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish}]
     else:
@@ -219,14 +255,24 @@ def completion_body(
     created: int,
     text: str,
     end: quicsrv_proto.End,
+    tools: ToolChoice | None = None,
 ) -> dict[str, Any]:
-    """The whole answer of a ``stream: false`` request."""
+    """The whole answer of a ``stream: false`` request (``tools``: it is a call of one)."""
     choice: dict[str, Any] = {
         "index": 0,
         "logprobs": None,
-        "finish_reason": finish_reason(end.reason),
+        "finish_reason": finish_reason(end.reason, tool_call=tools is not None),
     }
-    if chat:
+    if chat and tools is not None:
+        call = CallText(tools)
+        call.finish(text)
+        function = {"name": call.name or "", "arguments": call.arguments()}
+        choice["message"] = {
+            "role": "assistant",
+            "content": None,
+            "tool_calls": [{"id": call_id(session_id), "type": "function", "function": function}],
+        }
+    elif chat:
         choice["message"] = {"role": "assistant", "content": text}
     else:
         choice["text"] = text
@@ -249,6 +295,48 @@ def models_body(model_id: str, created: int) -> dict[str, Any]:
 
 
 # --- field checks (shared with the Responses API) ------------------------------------------
+
+
+#: OpenAI's ``json_object`` mode: any JSON object.
+JSON_OBJECT_SCHEMA = '{"type":"object"}'
+
+
+def json_schema_of(value: object, param: str) -> str | None:
+    """The JSON schema (as JSON text) an OpenAI output format asks for: chat completions'
+    ``response_format`` and the Responses API's ``text.format`` (whose ``json_schema`` fields
+    sit beside ``type`` instead of under ``json_schema``). None for plain text."""
+    if value is None:
+        return None
+    if not isinstance(value, dict):
+        raise _invalid(f"{param} must be an object with a type", param)
+    kind = value.get("type")
+    if kind == "text" and set(value) == {"type"}:
+        return None
+    if kind == "json_object" and set(value) == {"type"}:
+        return JSON_OBJECT_SCHEMA
+    if kind != "json_schema":
+        raise _invalid(f"{param}.type must be text, json_object or json_schema", f"{param}.type")
+    spec = value.get("json_schema", value) if "json_schema" in value else value
+    where = f"{param}.json_schema" if "json_schema" in value else param
+    if not isinstance(spec, dict) or set(spec) - {
+        "type",
+        "name",
+        "description",
+        "schema",
+        "strict",
+    }:
+        raise _invalid(f"{where} takes name, description, schema and strict", where)
+    name = spec.get("name")
+    if not isinstance(name, str) or not name or len(name) > 64:
+        raise _invalid(f"{where}.name must be a string of 1 to 64 characters", f"{where}.name")
+    strict = spec.get("strict")
+    if strict is not None and not isinstance(strict, bool):
+        raise _invalid(f"{where}.strict must be a boolean", f"{where}.strict")
+    schema = spec.get("schema")
+    if not isinstance(schema, dict):
+        raise _invalid(f"{where}.schema must be a JSON schema object", f"{where}.schema")
+    # Enforced either way: every token is sampled under the schema's grammar, strict or not.
+    return json.dumps(schema, separators=(",", ":"))
 
 
 def check_model(request: dict[str, Any], model_id: str) -> None:
@@ -320,10 +408,6 @@ def _refuse_unsupported(request: dict[str, Any], chat: bool) -> None:
     if chat:
         neutral |= {
             "top_logprobs": (None,),
-            "response_format": (None, {"type": "text"}),
-            "tools": (None, []),
-            "tool_choice": (None, "none"),
-            "parallel_tool_calls": (None,),
             "functions": (None, []),
             "function_call": (None, "none"),
             "store": (None, False),
@@ -407,19 +491,46 @@ def _messages(value: object) -> list[dict[str, str]]:
     messages = []
     for i, message in enumerate(value):
         param = f"messages[{i}]"
-        if not isinstance(message, dict) or set(message) - {"role", "content", "name"}:
+        allowed = {"role", "content", "name", "tool_calls", "tool_call_id", "refusal"}
+        if not isinstance(message, dict) or set(message) - allowed:
             raise _invalid(f"{param} must be an object with role and content", param)
         role = message.get("role")
         role = _ROLE_ALIASES.get(role, role) if isinstance(role, str) else role
         if role not in CHAT_ROLES:
             raise _invalid(
-                f"{param}.role must be one of system, developer, user, assistant",
+                f"{param}.role must be one of system, developer, user, assistant, tool",
                 f"{param}.role",
                 "unsupported_value",
             )
         assert isinstance(role, str)
-        messages.append({"role": role, "content": _content(message.get("content"), param)})
+        content = message.get("content")
+        text = "" if content is None and role == "assistant" else _content(content, param)
+        calls = message.get("tool_calls")
+        if calls is not None:
+            if role != "assistant":
+                raise _invalid(f"{param}: only an assistant message has tool_calls", param)
+            text += _calls_text(calls, f"{param}.tool_calls")
+        messages.append({"role": role, "content": text})
     return messages
+
+
+def _calls_text(calls: object, param: str) -> str:
+    """An assistant's earlier tool calls, as the text a template without tools shows the model
+    (what it generated for them: the call as JSON)."""
+    if not isinstance(calls, list):
+        raise _invalid(f"{param} must be an array", param)
+    texts = []
+    for i, call in enumerate(calls):
+        function = call.get("function") if isinstance(call, dict) else None
+        if not isinstance(function, dict) or not isinstance(function.get("name"), str):
+            raise _invalid(f"{param}[{i}] must be a function call with a name", f"{param}[{i}]")
+        arguments = function.get("arguments", "")
+        if not isinstance(arguments, str):
+            raise _invalid(f"{param}[{i}].function.arguments must be a string", f"{param}[{i}]")
+        texts.append(
+            f'{{"name": {json.dumps(function["name"])}, "arguments": {arguments or "{}"}}}'
+        )
+    return "\n".join(texts)
 
 
 def _content(value: object, param: str) -> str:

@@ -25,6 +25,14 @@ rendered again, on any node, after any restart. Sequence numbers are fixed by th
                       with the response's ``status: cancelled``)
 ====================  ==========================================================
 
+A response that calls a function (``tools`` with ``tool_choice`` naming one, or ``required``
+with one function) has a ``function_call`` item instead of a message: ``0`` created, ``1``
+in_progress, ``2`` ``response.output_item.added`` (the call, its name known), **``3 + i``**
+``response.function_call_arguments.delta`` of token ``i``, then a tail delta if any,
+``response.function_call_arguments.done``, ``response.output_item.done`` and the final event.
+Several functions to choose from are refused here (name one): the item's name is announced
+before its arguments.
+
 A stream that cannot go on (the server restarts, another reader took the response over, the
 engine is down) ends with an ``error`` event numbered with the next event's number: it is not
 part of the response, and a resume with ``starting_after`` = the last number received
@@ -44,6 +52,7 @@ from quicsrv_proto.frames import MAX_MESSAGES, MAX_PROMPT_CHARS
 from ..sessions.store import SessionRecord
 from . import openai_api
 from .errors import ApiError
+from .tool_calls import call_id, parse_tool_choice
 
 __all__ = [
     "FIRST_DELTA",
@@ -63,6 +72,9 @@ RESPONSE_PREFIX = "resp_"
 MESSAGE_PREFIX = "msg_"
 FIRST_DELTA = 4
 """The sequence number of token 0's delta: four events come before it."""
+FIRST_CALL_DELTA = 3
+"""The same for a function call (no content part)."""
+CALL_PREFIX = "fc_"
 
 #: OpenAI's bounds on ``metadata``.
 MAX_METADATA_PAIRS = 16
@@ -109,10 +121,7 @@ _FIELDS = frozenset(
     }
 )
 _NEUTRAL: dict[str, tuple[object, ...]] = {
-    "tools": (None, []),
-    "tool_choice": (None, "none", "auto"),
     "parallel_tool_calls": (None, True, False),
-    "text": (None, {}, {"format": {"type": "text"}}),
     "reasoning": (None, {}),
     "include": (None, []),
     "top_logprobs": (None, 0),
@@ -160,6 +169,12 @@ class ResponseView:
     """None while it is generated (or waits to be)."""
     queued: bool = False
     """It waits in line for a slot."""
+
+    @property
+    def call(self) -> str | None:
+        """The function it calls (its output is a ``function_call``), or None (a message)."""
+        name = self.fields.get("call")
+        return name if isinstance(name, str) else None
 
     @classmethod
     def of(cls, record: SessionRecord, text: str, *, queued: bool = False) -> ResponseView:
@@ -214,14 +229,30 @@ def from_response_id(text: str, param: str | None = None) -> bytes:
     return session_id
 
 
-def delta_sequence(index: int) -> int:
-    """The sequence number of token ``index``'s delta event."""
-    return FIRST_DELTA + index
+def delta_sequence(index: int, *, call: bool = False) -> int:
+    """The sequence number of token ``index``'s delta event (``call``: of a function call)."""
+    return (FIRST_CALL_DELTA if call else FIRST_DELTA) + index
 
 
-def first_token_after(starting_after: int) -> int:
+def first_token_after(starting_after: int, *, call: bool = False) -> int:
     """The first token whose delta comes after event ``starting_after``."""
-    return max(0, starting_after + 1 - FIRST_DELTA)
+    return max(0, starting_after + 1 - (FIRST_CALL_DELTA if call else FIRST_DELTA))
+
+
+def call_item(view: ResponseView, arguments: str | None) -> dict[str, Any]:
+    """The function call (``arguments`` None: as first announced)."""
+    status = status_of(view)
+    done = arguments is not None and view.end is not None
+    return {
+        "id": CALL_PREFIX + view.session_id.hex(),
+        "type": "function_call",
+        "call_id": call_id(view.session_id),
+        "name": view.call,
+        "arguments": arguments or "",
+        "status": ("completed" if status == "completed" else "incomplete")
+        if done
+        else "in_progress",
+    }
 
 
 # --- objects -------------------------------------------------------------------------------
@@ -278,7 +309,7 @@ def response_object(view: ResponseView, *, announced: bool = False) -> dict[str,
         "store": fields.get("store", True),
         "temperature": fields.get("temperature"),
         "top_p": fields.get("top_p"),
-        "text": {"format": {"type": "text"}},
+        "text": fields.get("text", {"format": {"type": "text"}}),
         "tool_choice": "none",
         "tools": [],
         "truncation": fields.get("truncation", "disabled"),
@@ -286,7 +317,11 @@ def response_object(view: ResponseView, *, announced: bool = False) -> dict[str,
     }
     if announced:
         return body
-    if view.output_tokens or view.end is not None:
+    if view.call is not None:
+        body["output"] = [call_item(view, view.text)]
+        body["tools"] = fields.get("tools", [])
+        body["tool_choice"] = fields.get("tool_choice", "required")
+    elif view.output_tokens or view.end is not None:
         body["output"] = [message_item(view, view.text)]
     if status == "incomplete":
         body["incomplete_details"] = {"reason": "max_output_tokens"}
@@ -313,12 +348,18 @@ def deleted_body(session_id: bytes) -> dict[str, Any]:
 
 
 def opening_events(view: ResponseView) -> list[dict[str, Any]]:
-    """Events 0 to 3: before the first token."""
+    """Events 0 to 3 (a function call: 0 to 2): before the first token."""
     announced = response_object(view, announced=True)
     item_id = message_id(view.session_id)
-    return [
+    opening = [
         {"type": "response.created", "sequence_number": 0, "response": announced},
         {"type": "response.in_progress", "sequence_number": 1, "response": announced},
+    ]
+    if view.call is not None:
+        added = {"type": "response.output_item.added", "sequence_number": 2, "output_index": 0}
+        return [*opening, added | {"item": call_item(view, None)}]
+    return [
+        *opening,
         {
             "type": "response.output_item.added",
             "sequence_number": 2,
@@ -348,10 +389,43 @@ def delta_event(session_id: bytes, sequence: int, delta: str) -> dict[str, Any]:
     }
 
 
+def call_delta_event(session_id: bytes, sequence: int, delta: str) -> dict[str, Any]:
+    return {
+        "type": "response.function_call_arguments.delta",
+        "sequence_number": sequence,
+        "item_id": CALL_PREFIX + session_id.hex(),
+        "output_index": 0,
+        "delta": delta,
+    }
+
+
+def _closing_call_events(view: ResponseView, tail: str) -> list[dict[str, Any]]:
+    sequence = delta_sequence(view.output_tokens, call=True)
+    events: list[dict[str, Any]] = []
+    if tail:
+        events.append(call_delta_event(view.session_id, sequence, tail))
+        sequence += 1
+    final = "response.completed" if status_of(view) == "completed" else "response.incomplete"
+    item_id = CALL_PREFIX + view.session_id.hex()
+    for kind, body in (
+        (
+            "response.function_call_arguments.done",
+            {"item_id": item_id, "output_index": 0, "name": view.call, "arguments": view.text},
+        ),
+        ("response.output_item.done", {"output_index": 0, "item": call_item(view, view.text)}),
+        (final, {"response": response_object(view)}),
+    ):
+        events.append({"type": kind, "sequence_number": sequence} | body)
+        sequence += 1
+    return events
+
+
 def closing_events(view: ResponseView, tail: str) -> list[dict[str, Any]]:
     """The events after the last token's delta (``view.text`` includes ``tail``, the text the
     end released)."""
     assert view.end is not None
+    if view.call is not None:
+        return _closing_call_events(view, tail)
     sequence = delta_sequence(view.output_tokens)
     events: list[dict[str, Any]] = []
     if tail:
@@ -428,6 +502,20 @@ def parse_create(body: bytes, *, model_id: str) -> CreateRequest:
     if truncation not in ("auto", "disabled"):
         raise _invalid("truncation must be 'auto' or 'disabled'", "truncation")
     metadata = _metadata(request.get("metadata"))
+    text_format = _text_format(request.get("text"))
+    schema = openai_api.json_schema_of(text_format, "text.format")
+    tools = parse_tool_choice(request.get("tools"), request.get("tool_choice"), nested=False)
+    if tools is not None:
+        if tools.single is None:
+            raise _invalid(
+                "with several functions, name the one to call in tool_choice (this server "
+                "announces a call's name before its arguments)",
+                "tool_choice",
+                "unsupported_value",
+            )
+        if schema is not None:
+            raise _invalid("a function call and text.format cannot both shape the output", "text")
+        schema = tools.schema
     sampling = openai_api.sampling_payload(request)
     system = () if instructions is None else (ChatMessage(role="system", content=instructions),)
     payload: dict[str, Any] = {
@@ -437,6 +525,8 @@ def parse_create(body: bytes, *, model_id: str) -> CreateRequest:
         "ignore_eos": openai_api.optional(request, "ignore_eos", bool, False),
         **sampling,
     }
+    if schema is not None:
+        payload["json_schema"] = schema
     try:
         generate = quicsrv_proto.Generate.from_payload(payload)
     except quicsrv_proto.ProtocolError as exc:  # the wire format's own bounds
@@ -452,7 +542,14 @@ def parse_create(body: bytes, *, model_id: str) -> CreateRequest:
         "background": background,
         "store": store,
         "previous_response_id": previous,
+        "text": {"format": text_format or {"type": "text"}},
     }
+    if tools is not None:
+        fields |= {
+            "call": tools.single,
+            "tools": request.get("tools"),
+            "tool_choice": request.get("tool_choice"),
+        }
     return CreateRequest(
         generate=generate,
         instructions=instructions,
@@ -487,6 +584,18 @@ def _input_message(item: object, param: str) -> ChatMessage:
     if not isinstance(item, dict):
         raise _invalid(f"{param} must be a message object", param)
     kind = item.get("type", "message")
+    if kind == "function_call_output":
+        output = item.get("output")
+        if not isinstance(output, str) or not isinstance(item.get("call_id"), str):
+            raise _invalid(f"{param}: a function_call_output has a call_id and an output", param)
+        return ChatMessage(role="tool", content=output)
+    if kind == "function_call":
+        name, arguments = item.get("name"), item.get("arguments")
+        if not isinstance(name, str) or not isinstance(arguments, str):
+            raise _invalid(f"{param}: a function_call has a name and arguments", param)
+        # What a template without tools shows the model: the call, as it generated it.
+        text = f'{{"name": {json.dumps(name)}, "arguments": {arguments or "{}"}}}'
+        return ChatMessage(role="assistant", content=text)
     if kind != "message":
         raise _invalid(
             f"{param}: items of type {str(kind)[:40]!r} are not supported (messages only)",
@@ -524,6 +633,25 @@ def _input_message(item: object, param: str) -> ChatMessage:
             raise _invalid(f"{param}.content: a text part needs text", f"{param}.content")
         parts.append(text)
     return ChatMessage(role=role, content="".join(parts))
+
+
+def _text_format(value: object) -> dict[str, Any] | None:
+    """``text.format`` (``text`` may also carry ``verbosity``, which a small model cannot
+    honour: only its neutral value)."""
+    if value is None:
+        return None
+    if not isinstance(value, dict) or set(value) - {"format", "verbosity"}:
+        raise _invalid("text takes format (and verbosity: medium)", "text")
+    if value.get("verbosity") not in (None, "medium"):
+        raise _invalid(
+            "text.verbosity other than medium is not supported",
+            "text.verbosity",
+            "unsupported_value",
+        )
+    text_format = value.get("format")
+    if text_format is not None and not isinstance(text_format, dict):
+        raise _invalid("text.format must be an object with a type", "text.format")
+    return text_format
 
 
 def _metadata(value: object) -> dict[str, str]:

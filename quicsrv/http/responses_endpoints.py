@@ -12,6 +12,7 @@ the API key that made it is the one asking.
 from __future__ import annotations
 
 import dataclasses
+import json
 import urllib.parse
 from collections.abc import Callable
 from typing import Any
@@ -126,6 +127,9 @@ class ResponsesEndpoints:
         api = previous.api or {}
         stored = tuple(ChatMessage(role=r, content=c) for r, c in api.get("messages", ()))
         answer = self._sessions.text_of(previous)
+        call = ResponseView.of(previous, "").call
+        if call is not None:  # the conversation shows the call, as a template without tools can
+            answer = f'{{"name": {json.dumps(call)}, "arguments": {answer or "{}"}}}'
         given = create.generate.messages or ()
         messages = (
             *given[: len(given) - len(create.input)],  # the instructions, if any
@@ -146,7 +150,8 @@ class ResponsesEndpoints:
             prompt_tokens=previous.prompt_tokens,
             generated=tuple(previous.generated),
             answer=answer,
-            exact=previous.end.reason is not EndReason.STOP,
+            # A call's stored tokens are its arguments only: rendered afresh.
+            exact=previous.end.reason is not EndReason.STOP and call is None,
         )
         return dataclasses.replace(create.generate, messages=messages), prior
 
@@ -183,7 +188,9 @@ class ResponsesEndpoints:
         after = _starting_after(params, request.headers.get(b"last-event-id"))
         if not self._accepting():
             raise from_code(ErrorCode.SHUTTING_DOWN, "the server is shutting down")
-        from_index = responses_api.first_token_after(after)
+        known = await self._sessions.lookup(session_id, key_id=who.key_id)
+        call = ResponseView.of(known, "").call is not None
+        from_index = responses_api.first_token_after(after, call=call)
         session = await self._sessions.reattach_anywhere(session_id, from_index, key_id=who.key_id)
         record = session.record
         if not responses_api.is_response(record):

@@ -43,10 +43,12 @@ class ResponseEncoder:
     def encode(self, frame: quicsrv_proto.Frame) -> bytes:
         if isinstance(frame, quicsrv_proto.Token):
             self._text += frame.text
+            session_id = self._view.session_id
+            if self._view.call is not None:
+                sequence = responses_api.delta_sequence(frame.index, call=True)
+                return self._write(responses_api.call_delta_event(session_id, sequence, frame.text))
             sequence = responses_api.delta_sequence(frame.index)
-            return self._write(
-                responses_api.delta_event(self._view.session_id, sequence, frame.text)
-            )
+            return self._write(responses_api.delta_event(session_id, sequence, frame.text))
         if isinstance(frame, quicsrv_proto.Checkpoint):
             if frame.index != -1:
                 return b""

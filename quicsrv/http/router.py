@@ -71,6 +71,7 @@ from .messages import (
 )
 from .responses_endpoints import ResponsesEndpoints
 from .sse import KEEPALIVE_COMMENT, SseEncoder, StreamShape, collect_answer
+from .tool_calls import ToolChoice
 
 __all__ = ["STARTS_COMPUTE", "PlainHandler", "Router", "request_too_large"]
 
@@ -311,11 +312,14 @@ class Router:
         completion = openai_api.parse_completion(request.body, chat=chat, model_id=self.model_id)
         if not self._accepting():
             raise from_code(ErrorCode.SHUTTING_DOWN, "the server is shutting down")
+        tools = completion.tools
         session = await self._sessions.open_generation(
             completion.generate,
             client=who.name,
             owner=who.key_id or "",
             arrived_at=request.arrived_at,
+            # A resumed stream renders the call the same way: the record says it is one.
+            api=None if tools is None else lambda _: {"kind": "chat", "tools": tools.stored()},
         )
         shape = StreamShape(
             session_id=session.session_id,
@@ -323,6 +327,7 @@ class Router:
             include_usage=completion.include_usage,
             model=self.model_id,
             created=int(session.record.created_at_s),
+            tools=tools,
         )
         if completion.stream:
             encoder = SseEncoder(shape, mac_key=self._sessions.keys.current)
@@ -335,6 +340,7 @@ class Router:
             created=shape.created,
             text=answer.text,
             end=answer.end,
+            tools=tools,
         )
         return json_response(200, body, ((SESSION_HEADER, session.session_id.hex().encode()),))
 
@@ -367,16 +373,24 @@ class Router:
         session = await self._sessions.reattach_anywhere(
             session_id, cursor.index + 1, key_id=who.key_id
         )
+        record = session.record
+        names = (record.api or {}).get("tools")
         shape = StreamShape(
             session_id=session_id,
             chat=cursor.chat,
             include_usage=cursor.include_usage,
             model=self.model_id,
-            created=int(session.record.created_at_s),
+            created=int(record.created_at_s),
+            tools=None if names is None else ToolChoice.from_stored(names),
         )
-        encoder = SseEncoder(shape, mac_key=self._sessions.keys.current, after=cursor.index)
         # Past the last token (the finishing or usage event): only the END is left to send.
-        from_index = min(cursor.index + 1, len(session.record.generated))
+        from_index = min(cursor.index + 1, len(record.generated))
+        encoder = SseEncoder(
+            shape,
+            mac_key=self._sessions.keys.current,
+            after=cursor.index,
+            text_before=self._sessions.text_of(record, upto=from_index) if names else "",
+        )
         return self._event_stream(
             session, from_index, encoder.encode_all, client=who.name, fresh=False
         )

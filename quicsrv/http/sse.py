@@ -36,6 +36,7 @@ from ..sessions.session import Session
 from . import openai_api
 from .cursor import FLAG_CHAT, FLAG_USAGE, encode_cursor
 from .errors import ApiError, from_code
+from .tool_calls import CallText, ToolChoice
 
 __all__ = [
     "KEEPALIVE_COMMENT",
@@ -70,6 +71,8 @@ class StreamShape:
     """The served model's id."""
     created: int
     """When the session was created (Unix seconds): the same on a resumed stream."""
+    tools: ToolChoice | None = None
+    """The answer is a call of one of these functions (``tool_calls`` deltas, not content)."""
 
     @property
     def flags(self) -> int:
@@ -79,8 +82,23 @@ class StreamShape:
 class SseEncoder:
     """Turns one stream's frames into SSE bytes; see the module docstring."""
 
-    def __init__(self, shape: StreamShape, *, mac_key: bytes, after: int | None = None) -> None:
+    def __init__(
+        self,
+        shape: StreamShape,
+        *,
+        mac_key: bytes,
+        after: int | None = None,
+        text_before: str = "",
+    ) -> None:
         self.shape = shape
+        # A tool call's deltas depend on the text before them: a resumed stream starts from
+        # the text of the tokens it skips (``text_before``).
+        self._call = None if shape.tools is None else CallText(shape.tools, text_before)
+        # The call's id and name go with its first event: a resumed stream had them already
+        # if the name was known by then (one function: from the opening event on).
+        self._announced = (
+            after is not None and self._call is not None and self._call.name is not None
+        )
         # One key per stream (read once, not per event): a rotation meanwhile is harmless, the
         # previous key verifies for the ring's grace period.
         self._mac_key = mac_key
@@ -95,9 +113,15 @@ class SseEncoder:
     def encode(self, frame: quicsrv_proto.Frame) -> bytes:
         """The events ``frame`` makes on this stream (often none)."""
         if isinstance(frame, quicsrv_proto.Token):
+            if self._call is not None:
+                return self._tool_event(frame.index, self._call.push(frame.text))
             return self._event(frame.index, text=frame.text) if frame.text else b""
         if isinstance(frame, quicsrv_proto.Checkpoint):
-            return self._event(-1, text="", role=True) if frame.index == -1 else b""
+            if frame.index != -1:
+                return b""
+            if self._call is not None and self._call.name is not None:
+                return self._tool_event(-1, "", role=True)  # one function: named at once
+            return self._event(-1, text="", role=True)
         if isinstance(frame, quicsrv_proto.End):
             return self._end(frame)
         if isinstance(frame, quicsrv_proto.Error):
@@ -125,7 +149,12 @@ class SseEncoder:
             )
             return self._error(error)
         n = end.completion_tokens
-        out = self._event(n, text=end.text or None, finish=openai_api.finish_reason(end.reason))
+        if self._call is not None:
+            finish = openai_api.finish_reason(end.reason, tool_call=True)
+            out = self._tool_event(n, self._call.finish(end.text), finish=finish)
+        else:
+            finish = openai_api.finish_reason(end.reason)
+            out = self._event(n, text=end.text or None, finish=finish)
         if self.shape.include_usage:
             counts = openai_api.usage(end)
             out += self._event(n + 1, text=None, usage_counts=counts)
@@ -141,6 +170,23 @@ class SseEncoder:
             retry = b"retry: " + str(round(error.retry_after_s * 1000)).encode() + b"\n"
         return retry + b"data: " + json.dumps(error.payload()).encode() + b"\n\n"
 
+    def _tool_event(
+        self, index: int, arguments: str, *, role: bool = False, finish: str | None = None
+    ) -> bytes:
+        """A tool call's delta: its id and name with the first one (once the name is known)."""
+        call = self._call
+        assert call is not None
+        announce = not self._announced and call.name is not None
+        if not (arguments or announce or role or finish):
+            return b""  # nothing new: the delta comes with a later token
+        self._announced = self._announced or announce
+        delta = None
+        if arguments or announce:
+            delta = openai_api.tool_call_delta(
+                self.shape.session_id, call.name, arguments, announce=announce
+            )
+        return self._event(index, text=None, role=role, finish=finish, tool_call=delta)
+
     def _event(
         self,
         index: int,
@@ -149,6 +195,7 @@ class SseEncoder:
         role: bool = False,
         finish: str | None = None,
         usage_counts: dict[str, int] | None = None,
+        tool_call: dict[str, Any] | None = None,
     ) -> bytes:
         if self._after is not None and index <= self._after:
             return b""  # the client had this event before it reconnected
@@ -163,6 +210,7 @@ class SseEncoder:
             finish=finish,
             include_usage=shape.include_usage,
             usage_counts=usage_counts,
+            tool_call=tool_call,
         )
         cursor = encode_cursor(self._mac_key, shape.session_id, index, shape.flags)
         return b"id: " + cursor.encode() + b"\ndata: " + _compact(body) + b"\n\n"

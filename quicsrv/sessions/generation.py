@@ -20,7 +20,7 @@ from dataclasses import dataclass
 import quicsrv_proto
 from quicsrv_proto import ChatMessage, ErrorCode, Truncation
 
-from ..engine import Engine, SamplingParams, SequenceRequest
+from ..engine import Engine, Grammar, InvalidSchema, SamplingParams, SequenceRequest
 from .overflow import fit_history
 
 __all__ = [
@@ -74,6 +74,8 @@ class PreparedRequest:
     None for a plain prompt."""
     continued: bool
     """The prompt starts with the prior turn's own tokens (see the module docstring)."""
+    grammar: Grammar | None = None
+    """What constrains the output (a GENERATE's ``json_schema``), compiled and checked."""
 
 
 def prompt_chars(frame: quicsrv_proto.Generate) -> int:
@@ -137,6 +139,15 @@ def build_request(
             f"prompt of {len(tokens)} tokens + max_tokens {frame.max_tokens} does not fit the "
             f"context of {engine.context_per_sequence} tokens{hint}",
         )
+    grammar = None
+    if frame.json_schema is not None:
+        try:
+            grammar = engine.grammar_for(frame.json_schema)
+        except InvalidSchema as exc:
+            where = f" (at {exc.path})" if exc.path else ""
+            raise RequestRejected(
+                ErrorCode.INVALID_FIELD, f"GENERATE.json_schema: {exc}{where}"
+            ) from None
     seed = frame.seed if frame.seed is not None else int.from_bytes(_random_seed(), "little")
     sequence = SequenceRequest(
         prompt_tokens=tuple(tokens),
@@ -150,8 +161,11 @@ def build_request(
             seed=seed,
         ),
         ignore_eos=frame.ignore_eos,
+        grammar=None if grammar is None else grammar.gbnf,
     )
-    return PreparedRequest(sequence=sequence, messages=messages, continued=continued)
+    return PreparedRequest(
+        sequence=sequence, messages=messages, continued=continued, grammar=grammar
+    )
 
 
 def _chat_prompt(

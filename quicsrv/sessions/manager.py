@@ -270,7 +270,7 @@ class SessionManager:
         """:meth:`prepare` on a thread, except for a short prompt: tokenizing one takes tens
         of microseconds, the trip to a thread and back a millisecond or more of the time to
         first token (measured on 2 busy cores). A long one would hold up every other stream."""
-        if prompt_chars(frame) <= INLINE_PROMPT_CHARS and prior is None:
+        if prompt_chars(frame) <= INLINE_PROMPT_CHARS and prior is None and not frame.json_schema:
             return self.prepare(frame)
         return await asyncio.to_thread(self.prepare, frame, prior)
 
@@ -384,6 +384,7 @@ class SessionManager:
             owner=owner,
             api=api,
             unattended=unattended,
+            grammar=prepared.grammar,
         )
         session = self._session(record)
         begin(session)  # an engine refusal goes to the caller as it is

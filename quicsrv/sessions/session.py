@@ -698,6 +698,7 @@ class Session:
             resume=resume,
             prefill_plan=record.prefill_plan,
             cache_scope="" if self._flow.prefix_cache_shared else record.owner,
+            grammar=None if record.grammar is None else record.grammar.gbnf,
         )
         self._handle = self._engine.submit(request, self)
         self._transition(SessionEvent.SUBMITTED)

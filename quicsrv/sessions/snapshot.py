@@ -27,7 +27,7 @@ import blake3
 
 from quicsrv_proto import canonical_cbor
 
-from ..engine import SamplingParams
+from ..engine import CONSTRAINED_SAMPLING, SamplingParams
 
 __all__ = ["MAC_BYTES", "PrefixSigner", "Snapshot", "TokenChain", "digest_tokens"]
 
@@ -87,6 +87,8 @@ class Snapshot:
     generated: tuple[int, ...]
     created_at_s: float
     expires_at_s: float
+    grammar_digest: bytes | None = None
+    """What constrained the tokens (structured output), None if nothing did."""
 
     @property
     def last_index(self) -> int:
@@ -96,7 +98,7 @@ class Snapshot:
     def header(self, version: int = 2) -> dict[str, object]:
         """What every MAC of this session covers besides the index and the tokens."""
         s = self.sampling
-        return {
+        header: dict[str, object] = {
             "v": version,
             "session": self.session_id,
             "model": self.model_digest,
@@ -107,6 +109,10 @@ class Snapshot:
             "ignore_eos": self.ignore_eos,
             "chunk": self.prefill_chunk,
         }
+        if self.grammar_digest is not None:
+            # Only then: the MACs of unconstrained sessions stay what they were.
+            header["grammar"] = [self.grammar_digest, CONSTRAINED_SAMPLING]
+        return header
 
     def mac(self, key: bytes, index: int) -> bytes:
         """The keyed BLAKE3 MAC naming this snapshot's prefix up to ``index``."""

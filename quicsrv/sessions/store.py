@@ -30,7 +30,7 @@ import cbor2
 
 from quicsrv_proto import EndReason, canonical_cbor
 
-from ..engine import PrefillPlan, SamplingParams, Segment
+from ..engine import Grammar, PrefillPlan, SamplingParams, Segment
 from ..files import write_atomically
 from .snapshot import Snapshot
 
@@ -71,6 +71,8 @@ class SessionRecord:
     prefill_plan: PrefillPlan | None = None
     """How the engine computed the prompt's cells when it started from reused ones (None: as
     a cold start): a replay follows it, or it would not be exact."""
+    grammar: Grammar | None = None
+    """What constrains its tokens (structured output); a resume replays them into it."""
     unattended: bool = False
     """It runs to its end whether or not anyone reads it (a background response): a restarted
     server starts it again on its own."""
@@ -98,6 +100,7 @@ class SessionRecord:
             generated=tuple(tokens),
             created_at_s=self.created_at_s,
             expires_at_s=self.expires_at_s,
+            grammar_digest=None if self.grammar is None else self.grammar.digest,
         )
 
     def _meta(self) -> dict[str, object]:
@@ -121,6 +124,8 @@ class SessionRecord:
             meta["owner"] = self.owner
         if self.unattended:
             meta["unattended"] = True
+        if self.grammar is not None:
+            meta["grammar"] = [self.grammar.digest, self.grammar.gbnf]
         if self.api is not None:
             meta["api"] = self.api
         if self.prefill_plan is not None:
@@ -132,6 +137,7 @@ class SessionRecord:
         t, p, k, m, r, seed = meta["sampling"]
         end = meta.get("end")
         plan = meta.get("plan")
+        grammar = meta.get("grammar")
         return cls(
             session_id=bytes(meta["session"]),
             model_digest=bytes(meta["model"]),
@@ -152,6 +158,9 @@ class SessionRecord:
             else PrefillPlan(tuple(Segment(int(e), int(s)) for e, s in plan[1]), int(plan[0])),
             end=None if end is None else SessionEnd(EndReason(end[0]), int(end[1])),
             unattended=bool(meta.get("unattended", False)),
+            grammar=None
+            if grammar is None
+            else Grammar(gbnf=str(grammar[1]), digest=bytes(grammar[0])),
             api=meta.get("api"),
         )
 

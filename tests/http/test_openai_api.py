@@ -72,8 +72,18 @@ def test_content_parts_and_the_developer_role():
         ({"logit_bias": {"50256": -100}}, "logit_bias", "unsupported_parameter"),
         ({"logprobs": True}, "logprobs", "unsupported_parameter"),
         ({"presence_penalty": 0.5}, "presence_penalty", "unsupported_parameter"),
-        ({"tools": [{"type": "function"}]}, "tools", "unsupported_parameter"),
-        ({"response_format": {"type": "json_object"}}, "response_format", "unsupported_parameter"),
+        ({"tools": [{"type": "function"}]}, "tools[0]", "invalid_value"),
+        (
+            {"tools": [{"type": "function", "function": {"name": "f"}}]},
+            "tool_choice",
+            "unsupported_value",
+        ),
+        ({"response_format": {"type": "xml"}}, "response_format.type", "invalid_value"),
+        (
+            {"response_format": {"type": "json_schema", "json_schema": {"name": "x"}}},
+            "response_format.json_schema.schema",
+            "invalid_value",
+        ),
         ({"frobnicate": 1}, "frobnicate", "unknown_parameter"),
         ({"temperature": 3}, "temperature", "invalid_value"),
         ({"temperature": "hot"}, "temperature", "invalid_value"),
@@ -86,7 +96,11 @@ def test_content_parts_and_the_developer_role():
         ({"stop": [""]}, "stop", "invalid_value"),
         ({"stream_options": {"include_usage": True}}, "stream_options", "invalid_value"),
         ({"messages": []}, "messages", "missing_required_parameter"),
-        ({"messages": [{"role": "tool", "content": "x"}]}, "messages[0].role", "unsupported_value"),
+        (
+            {"messages": [{"role": "robot", "content": "x"}]},
+            "messages[0].role",
+            "unsupported_value",
+        ),
         (
             {"messages": [{"role": "user", "content": [{"type": "image_url"}]}]},
             "messages[0].content",

@@ -304,6 +304,7 @@ def test_a_string_input_is_one_user_message_with_openais_defaults() -> None:
         "background": False,
         "store": True,
         "previous_response_id": None,
+        "text": {"format": {"type": "text"}},
     }
 
 
@@ -380,17 +381,20 @@ def test_neutral_values_and_metadata_at_its_bounds_are_accepted() -> None:
     [
         ({"frobnicate": 1}, "frobnicate", "unknown_parameter"),
         ({"messages": [{"role": "user", "content": "x"}]}, "messages", "unknown_parameter"),
-        ({"tools": [{"type": "function", "name": "f"}]}, "tools", "unsupported_parameter"),
-        ({"reasoning": {"effort": "high"}}, "reasoning", "unsupported_parameter"),
-        ({"text": {"format": {"type": "json_object"}}}, "text", "unsupported_parameter"),
-        ({"background": True, "store": False}, "store", "invalid_value"),
+        ({"tools": [{"type": "function", "name": "f"}]}, "tool_choice", "unsupported_value"),
         (
-            {"input": [{"type": "function_call_output", "call_id": "c", "output": "x"}]},
-            "input[0]",
+            {"tools": [{"type": "web_search"}], "tool_choice": "required"},
+            "tools[0]",
             "unsupported_value",
         ),
+        ({"reasoning": {"effort": "high"}}, "reasoning", "unsupported_parameter"),
+        ({"text": {"format": {"type": "xml"}}}, "text.format.type", "invalid_value"),
+        ({"text": {"verbosity": "high"}}, "text.verbosity", "unsupported_value"),
+        ({"background": True, "store": False}, "store", "invalid_value"),
+        ({"input": [{"type": "function_call_output", "output": "x"}]}, "input[0]", "invalid_value"),
+        ({"input": [{"type": "computer_call", "action": {}}]}, "input[0]", "unsupported_value"),
         (
-            {"input": [{"role": "user", "content": "a"}, {"role": "tool", "content": "x"}]},
+            {"input": [{"role": "user", "content": "a"}, {"role": "robot", "content": "x"}]},
             "input[1].role",
             "unsupported_value",
         ),

@@ -303,7 +303,7 @@ REJECTIONS: list[tuple[str, FrameType, Any, tuple[type[ProtocolError], ErrorCode
     (
         "role not allowed",
         G,
-        {"messages": [{"role": "tool", "content": "c"}], "max_tokens": 1},
+        {"messages": [{"role": "robot", "content": "c"}], "max_tokens": 1},
         INVALID,
     ),
     (

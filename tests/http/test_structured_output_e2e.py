@@ -1,0 +1,295 @@
+"""End to end: JSON schemas enforced while sampling, through the real server and model.
+
+The schemas bound every string (``maxLength``) and array (``maxItems``), so a 135M model cannot
+loop inside one. Outputs are parsed and validated (jsonschema), never compared with fixed text;
+a cut stream's joined text is compared with the same request run uninterrupted on this machine.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+from typing import Any, Literal
+
+import jsonschema
+import openai
+import pytest
+from pydantic import BaseModel, Field
+
+from quicsrv_client import Client, GenerationEnded, TokenReceived
+from tests.helpers import running_server
+
+from .helpers import base_url, events_text, openai_client, tcp_client, tcp_stream
+
+pytestmark = [pytest.mark.model, pytest.mark.asyncio]
+
+KEEPER = {
+    "type": "object",
+    "properties": {
+        "name": {"type": "string", "maxLength": 24},
+        "age": {"type": "integer", "minimum": 0},
+        "role": {"enum": ["keeper", "sailor", "cook"]},
+        "skills": {"type": "array", "items": {"type": "string", "maxLength": 16}, "maxItems": 3},
+        "home": {
+            "type": "object",
+            "properties": {
+                "town": {"type": "string", "maxLength": 20},
+                "lat": {"type": "number"},
+            },
+            "required": ["town", "lat"],
+            "additionalProperties": False,
+        },
+    },
+    "required": ["name", "age", "role", "skills", "home"],
+    "additionalProperties": False,
+}
+ASK = [{"role": "user", "content": "Describe the lighthouse keeper of a small island as JSON."}]
+FORMAT = {
+    "type": "json_schema",
+    "json_schema": {"name": "keeper", "schema": KEEPER, "strict": True},
+}
+WEATHER = {
+    "type": "function",
+    "function": {
+        "name": "weather",
+        "description": "The weather in a town",
+        "parameters": {
+            "type": "object",
+            "properties": {
+                "town": {"type": "string", "maxLength": 20},
+                "unit": {"enum": ["celsius", "fahrenheit"]},
+            },
+            "required": ["town", "unit"],
+            "additionalProperties": False,
+        },
+    },
+}
+TIDE = {
+    "type": "function",
+    "function": {
+        "name": "tide",
+        "parameters": {
+            "type": "object",
+            "properties": {"harbour": {"type": "string", "maxLength": 20}},
+            "required": ["harbour"],
+            "additionalProperties": False,
+        },
+    },
+}
+
+
+class Keeper(BaseModel):
+    name: str = Field(max_length=24)
+    age: int = Field(ge=0)
+    role: Literal["keeper", "sailor", "cook"]
+    island: str = Field(max_length=20)
+
+
+async def _model(server) -> str:
+    return server.app.router.model_id
+
+
+def _valid(text: str, schema: dict[str, Any]) -> Any:
+    value = json.loads(text)
+    jsonschema.validate(value, schema)
+    return value
+
+
+@pytest.mark.parametrize(
+    "sampling", [{"temperature": 0}, {"temperature": 0.9, "seed": 5}], ids=["greedy", "seeded"]
+)
+async def test_chat_output_follows_the_schema(engine, certs, sampling):
+    async with running_server(engine, certs) as server, openai_client(server, certs) as client:
+        params = dict(model=await _model(server), messages=ASK, max_tokens=200, **sampling)
+        answer = await client.chat.completions.create(**params, response_format=FORMAT)
+        anything = await client.chat.completions.create(
+            **params, response_format={"type": "json_object"}
+        )
+    assert answer.choices[0].finish_reason == "stop"
+    _valid(answer.choices[0].message.content, KEEPER)
+    # Any object: nothing bounds its strings, so it may run out of tokens mid-JSON (length).
+    text, finish = anything.choices[0].message.content, anything.choices[0].finish_reason
+    assert text.lstrip().startswith("{")
+    assert finish == "length" or isinstance(json.loads(text), dict)
+
+
+async def test_the_sdk_parses_into_a_pydantic_model(engine, certs):
+    async with running_server(engine, certs) as server, openai_client(server, certs) as client:
+        completion = await client.chat.completions.parse(
+            model=await _model(server),
+            messages=ASK,
+            max_tokens=200,
+            temperature=0,
+            response_format=Keeper,
+        )
+    keeper = completion.choices[0].message.parsed
+    assert isinstance(keeper, Keeper) and keeper.role in ("keeper", "sailor", "cook")
+
+
+async def test_a_cut_constrained_sse_stream_resumes_exactly(engine, certs):
+    async with running_server(engine, certs) as server:
+        body = {
+            "model": await _model(server),
+            "messages": ASK,
+            "max_tokens": 200,
+            "temperature": 0,
+            "stream": True,
+            "response_format": FORMAT,
+        }
+        url = base_url(server) + "/v1/chat/completions"
+        async with tcp_client(server, certs) as tcp:
+            _, whole = await tcp_stream(tcp, "POST", url, json=body)
+            cut, before = await tcp_stream(tcp, "POST", url, json=body, stop_after=10)
+            session = cut.headers["quicsrv-session"]
+            last = [e.id for e in before if e.id is not None][-1]
+            _, after = await tcp_stream(
+                tcp, "GET", f"/v1/streams/{session}", headers={"last-event-id": last}
+            )
+    assert events_text(before) + events_text(after) == events_text(whole)
+    _valid(events_text(whole), KEEPER)
+
+
+async def _native(client: Client, *, kill_at: int | None = None, engine=None) -> str:
+    parts: list[str] = []
+    generation = client.stream(
+        messages=ASK, max_tokens=200, temperature=0.8, seed=3, json_schema=KEEPER
+    )
+    async for event in generation:
+        if isinstance(event, TokenReceived):
+            parts.append(event.text)
+            if event.index == kill_at:
+                os.kill(engine.worker_pid, signal.SIGKILL)  # mid-JSON
+        elif isinstance(event, GenerationEnded):
+            parts.append(event.text)
+    return "".join(parts)
+
+
+async def test_native_constrained_generation_survives_a_cut_and_a_worker_kill(engine, certs):
+    async with running_server(engine, certs) as server:
+        async with Client("127.0.0.1", server.port, ca=certs.ca_cert) as client:
+            whole = await _native(client)
+            generation = client.stream(
+                messages=ASK, max_tokens=200, temperature=0.8, seed=3, json_schema=KEEPER
+            )
+            first: list[str] = []
+            async for event in generation:
+                if isinstance(event, TokenReceived):
+                    first.append(event.text)
+                    if event.index == 12:
+                        break
+            rest: list[str] = []
+            async for event in client.resume_from(generation.position):
+                if isinstance(event, TokenReceived):
+                    rest.append(event.text)
+                elif isinstance(event, GenerationEnded):
+                    rest.append(event.text)
+            restarts = engine.restarts
+            killed = await _native(client, kill_at=8, engine=engine)
+    assert "".join(first) + "".join(rest) == whole
+    _valid(whole, KEEPER)
+    assert killed == whole and engine.restarts == restarts + 1
+
+
+async def test_bad_and_oversized_schemas_are_refused_and_the_worker_lives_on(engine, certs):
+    bad = [
+        {"type": "string", "pattern": "(a"},
+        {"type": "string", "maxLength": 100_000},
+        {"type": "array", "items": {"type": "integer"}, "maxItems": 1_000_000},
+        {"type": "object", "properties": {"x": {"$ref": "https://example.com/x.json"}}},
+        {"type": "object", "not": {"type": "string"}},
+        {"type": "object", "properties": {"x": {"type": "string"}}, "patternProperties": {}},
+    ]
+    async with running_server(engine, certs) as server, openai_client(server, certs) as client:
+        restarts = engine.restarts
+        for schema in bad:
+            with pytest.raises(openai.BadRequestError) as refused:
+                await client.chat.completions.create(
+                    model=await _model(server),
+                    messages=ASK,
+                    max_tokens=8,
+                    response_format={
+                        "type": "json_schema",
+                        "json_schema": {"name": "x", "schema": schema},
+                    },
+                )
+            assert "json_schema" in str(refused.value.message), schema
+        still = await client.chat.completions.create(
+            model=await _model(server), messages=ASK, max_tokens=4
+        )
+    assert engine.restarts == restarts and still.choices[0].message.content is not None
+
+
+async def test_a_named_tool_is_called_with_valid_arguments_streamed_or_not(engine, certs):
+    async with running_server(engine, certs) as server, openai_client(server, certs) as client:
+        params = dict(
+            model=await _model(server),
+            messages=[{"role": "user", "content": "What is the weather in Brest?"}],
+            max_tokens=100,
+            temperature=0,
+            tools=[WEATHER, TIDE],
+            tool_choice={"type": "function", "function": {"name": "weather"}},
+        )
+        whole = await client.chat.completions.create(**params)
+        stream = await client.chat.completions.create(**params, stream=True)
+        ids, names, deltas, finish = set(), set(), [], None
+        async for chunk in stream:
+            for call in chunk.choices[0].delta.tool_calls or []:
+                if call.id:
+                    ids.add(call.id)
+                if call.function.name:
+                    names.add(call.function.name)
+                deltas.append(call.function.arguments or "")
+            finish = chunk.choices[0].finish_reason or finish
+        [call] = whole.choices[0].message.tool_calls
+        follow_up = await client.chat.completions.create(
+            model=params["model"],
+            max_tokens=24,
+            temperature=0,
+            messages=[
+                *params["messages"],
+                whole.choices[0].message.model_dump(exclude_none=True),
+                {"role": "tool", "tool_call_id": call.id, "content": '{"sky": "clear"}'},
+            ],
+        )
+    assert whole.choices[0].finish_reason == "tool_calls" == finish
+    assert call.function.name == "weather" and names == {"weather"}
+    _valid(call.function.arguments, WEATHER["function"]["parameters"])
+    assert "".join(deltas) == call.function.arguments
+    # One call per answer, its id named by its session (each request is a session of its own).
+    assert len(ids) == 1 and call.id.startswith("call_") and next(iter(ids)).startswith("call_")
+    assert follow_up.choices[0].message.content
+
+
+async def test_required_picks_one_of_several_tools(engine, certs):
+    async with running_server(engine, certs) as server, openai_client(server, certs) as client:
+        answer = await client.chat.completions.create(
+            model=await _model(server),
+            messages=[{"role": "user", "content": "When is high tide in Brest harbour?"}],
+            max_tokens=100,
+            temperature=0,
+            tools=[WEATHER, TIDE],
+            tool_choice="required",
+        )
+        with pytest.raises(openai.BadRequestError) as auto:
+            await client.chat.completions.create(
+                model=await _model(server), messages=ASK, max_tokens=8, tools=[WEATHER]
+            )
+    [call] = answer.choices[0].message.tool_calls
+    tools = {t["function"]["name"]: t["function"]["parameters"] for t in (WEATHER, TIDE)}
+    assert call.function.name in tools
+    _valid(call.function.arguments, tools[call.function.name])
+    assert auto.value.body["param"] == "tool_choice"
+
+
+async def test_the_responses_api_text_format(engine, certs):
+    async with running_server(engine, certs) as server, openai_client(server, certs) as client:
+        response = await client.responses.create(
+            model=await _model(server),
+            input=ASK[0]["content"],
+            max_output_tokens=200,
+            temperature=0,
+            text={"format": {"type": "json_schema", "name": "keeper", "schema": KEEPER}},
+        )
+    _valid(response.output_text, KEEPER)
+    assert response.text.format.type == "json_schema"
