@@ -293,3 +293,68 @@ async def test_the_responses_api_text_format(engine, certs):
         )
     _valid(response.output_text, KEEPER)
     assert response.text.format.type == "json_schema"
+
+
+async def test_a_cut_tool_call_stream_resumes_with_the_same_deltas(engine, certs):
+    async with running_server(engine, certs) as server:
+        body = {
+            "model": await _model(server),
+            "messages": [{"role": "user", "content": "When is high tide in Brest harbour?"}],
+            "max_tokens": 100,
+            "temperature": 0,
+            "stream": True,
+            "tools": [WEATHER, TIDE],
+            "tool_choice": "required",
+        }
+        url = base_url(server) + "/v1/chat/completions"
+        async with tcp_client(server, certs) as tcp:
+            _, whole = await tcp_stream(tcp, "POST", url, json=body)
+            cut, before = await tcp_stream(tcp, "POST", url, json=body, stop_after=8)
+            session = cut.headers["quicsrv-session"]
+            last = [e.id for e in before if e.id is not None][-1]
+            _, after = await tcp_stream(
+                tcp, "GET", f"/v1/streams/{session}", headers={"last-event-id": last}
+            )
+
+    def calls(events: list[Any]) -> tuple[list[str], str]:
+        names, arguments = [], []
+        for event in events:
+            if event.data == "[DONE]" or not event.json.get("choices"):
+                continue
+            for call in event.json["choices"][0]["delta"].get("tool_calls", []):
+                if "name" in call["function"]:
+                    names.append(call["function"]["name"])
+                arguments.append(call["function"]["arguments"])
+        return names, "".join(arguments)
+
+    names, arguments = calls(whole)
+    cut_names, cut_arguments = calls(before + after)
+    assert (cut_names, cut_arguments) == (names, arguments)
+    assert len(names) == 1 and names[0] in ("weather", "tide")
+    json.loads(arguments)
+
+
+async def test_the_responses_api_calls_a_named_function_and_takes_its_output(engine, certs):
+    flat = {"type": "function", **WEATHER["function"]}
+    async with running_server(engine, certs) as server, openai_client(server, certs) as client:
+        params = dict(model=await _model(server), max_output_tokens=100, temperature=0)
+        stream = await client.responses.create(
+            **params,
+            input="What is the weather in Brest?",
+            tools=[flat],
+            tool_choice={"type": "function", "name": "weather"},
+            stream=True,
+        )
+        events = [event async for event in stream]
+        call = events[-1].response.output[0]
+        answer = await client.responses.create(
+            **params,
+            previous_response_id=events[-1].response.id,
+            input=[{"type": "function_call_output", "call_id": call.call_id, "output": "sunny"}],
+        )
+    assert [e.sequence_number for e in events] == list(range(len(events)))
+    assert call.type == "function_call" and call.name == "weather"
+    deltas = "".join(e.delta for e in events if e.type == "response.function_call_arguments.delta")
+    assert deltas == call.arguments
+    _valid(call.arguments, WEATHER["function"]["parameters"])
+    assert events[-1].type == "response.completed" and answer.output_text
