@@ -25,13 +25,14 @@ rendered again, on any node, after any restart. Sequence numbers are fixed by th
                       with the response's ``status: cancelled``)
 ====================  ==========================================================
 
-A response that calls a function (``tools`` with ``tool_choice`` naming one, or ``required``
-with one function) has a ``function_call`` item instead of a message: ``0`` created, ``1``
-in_progress, ``2`` ``response.output_item.added`` (the call, its name known), **``3 + i``**
-``response.function_call_arguments.delta`` of token ``i``, then a tail delta if any,
-``response.function_call_arguments.done``, ``response.output_item.done`` and the final event.
-Several functions to choose from are refused here (name one): the item's name is announced
-before its arguments.
+A response that calls a function (``tools`` with ``tool_choice`` naming one, or ``required``)
+has a ``function_call`` item instead of a message: ``0`` created, ``1`` in_progress, ``2``
+``response.output_item.added`` (the call; its ``name`` is null there when several functions
+were offered, since the model has not chosen yet), **``3 + i``**
+``response.function_call_arguments.delta`` of token ``i`` (empty while the model writes the
+call's name: :class:`~.tool_calls.CallText`), then a tail delta if any,
+``response.function_call_arguments.done`` (with the name), ``response.output_item.done`` and
+the final event.
 
 A stream that cannot go on (the server restarts, another reader took the response over, the
 engine is down) ends with an ``error`` event numbered with the next event's number: it is not
@@ -52,7 +53,7 @@ from quicsrv_proto.frames import MAX_MESSAGES, MAX_PROMPT_CHARS
 from ..sessions.store import SessionRecord
 from . import openai_api
 from .errors import ApiError
-from .tool_calls import call_id, parse_tool_choice
+from .tool_calls import CallText, ToolChoice, call_id, parse_tool_choice
 
 __all__ = [
     "FIRST_DELTA",
@@ -171,10 +172,20 @@ class ResponseView:
     """It waits in line for a slot."""
 
     @property
-    def call(self) -> str | None:
-        """The function it calls (its output is a ``function_call``), or None (a message)."""
-        name = self.fields.get("call")
-        return name if isinstance(name, str) else None
+    def calls(self) -> tuple[str, ...]:
+        """The functions it calls one of (its output is a ``function_call``); () for a
+        message."""
+        names = self.fields.get("calls")
+        return tuple(str(n) for n in names) if isinstance(names, list) else ()
+
+    def call_parts(self) -> tuple[str | None, str]:
+        """The call's name (None while unknown) and its arguments so far."""
+        call = CallText(ToolChoice.from_stored(self.calls))
+        if self.end is None:
+            call.push(self.text)
+        else:
+            call.finish(self.text)
+        return call.name, call.arguments()
 
     @classmethod
     def of(cls, record: SessionRecord, text: str, *, queued: bool = False) -> ResponseView:
@@ -239,16 +250,20 @@ def first_token_after(starting_after: int, *, call: bool = False) -> int:
     return max(0, starting_after + 1 - (FIRST_CALL_DELTA if call else FIRST_DELTA))
 
 
-def call_item(view: ResponseView, arguments: str | None) -> dict[str, Any]:
-    """The function call (``arguments`` None: as first announced)."""
+def call_item(view: ResponseView, *, announced: bool = False) -> dict[str, Any]:
+    """The function call (``announced``: as at its start, before its arguments)."""
     status = status_of(view)
-    done = arguments is not None and view.end is not None
+    done = not announced and view.end is not None
+    if announced:
+        name, arguments = (view.calls[0] if len(view.calls) == 1 else None), ""
+    else:
+        name, arguments = view.call_parts()
     return {
         "id": CALL_PREFIX + view.session_id.hex(),
         "type": "function_call",
         "call_id": call_id(view.session_id),
-        "name": view.call,
-        "arguments": arguments or "",
+        "name": name,
+        "arguments": arguments,
         "status": ("completed" if status == "completed" else "incomplete")
         if done
         else "in_progress",
@@ -317,8 +332,8 @@ def response_object(view: ResponseView, *, announced: bool = False) -> dict[str,
     }
     if announced:
         return body
-    if view.call is not None:
-        body["output"] = [call_item(view, view.text)]
+    if view.calls:
+        body["output"] = [call_item(view)]
         body["tools"] = fields.get("tools", [])
         body["tool_choice"] = fields.get("tool_choice", "required")
     elif view.output_tokens or view.end is not None:
@@ -355,9 +370,9 @@ def opening_events(view: ResponseView) -> list[dict[str, Any]]:
         {"type": "response.created", "sequence_number": 0, "response": announced},
         {"type": "response.in_progress", "sequence_number": 1, "response": announced},
     ]
-    if view.call is not None:
+    if view.calls:
         added = {"type": "response.output_item.added", "sequence_number": 2, "output_index": 0}
-        return [*opening, added | {"item": call_item(view, None)}]
+        return [*opening, added | {"item": call_item(view, announced=True)}]
     return [
         *opening,
         {
@@ -407,12 +422,13 @@ def _closing_call_events(view: ResponseView, tail: str) -> list[dict[str, Any]]:
         sequence += 1
     final = "response.completed" if status_of(view) == "completed" else "response.incomplete"
     item_id = CALL_PREFIX + view.session_id.hex()
+    name, arguments = view.call_parts()
     for kind, body in (
         (
             "response.function_call_arguments.done",
-            {"item_id": item_id, "output_index": 0, "name": view.call, "arguments": view.text},
+            {"item_id": item_id, "output_index": 0, "name": name, "arguments": arguments},
         ),
-        ("response.output_item.done", {"output_index": 0, "item": call_item(view, view.text)}),
+        ("response.output_item.done", {"output_index": 0, "item": call_item(view)}),
         (final, {"response": response_object(view)}),
     ):
         events.append({"type": kind, "sequence_number": sequence} | body)
@@ -421,10 +437,10 @@ def _closing_call_events(view: ResponseView, tail: str) -> list[dict[str, Any]]:
 
 
 def closing_events(view: ResponseView, tail: str) -> list[dict[str, Any]]:
-    """The events after the last token's delta (``view.text`` includes ``tail``, the text the
-    end released)."""
+    """The events after the last token's delta (``view.text`` includes the text the end
+    released; ``tail``: the delta that text makes, a function call's arguments' for a call)."""
     assert view.end is not None
-    if view.call is not None:
+    if view.calls:
         return _closing_call_events(view, tail)
     sequence = delta_sequence(view.output_tokens)
     events: list[dict[str, Any]] = []
@@ -506,13 +522,6 @@ def parse_create(body: bytes, *, model_id: str) -> CreateRequest:
     schema = openai_api.json_schema_of(text_format, "text.format")
     tools = parse_tool_choice(request.get("tools"), request.get("tool_choice"), nested=False)
     if tools is not None:
-        if tools.single is None:
-            raise _invalid(
-                "with several functions, name the one to call in tool_choice (this server "
-                "announces a call's name before its arguments)",
-                "tool_choice",
-                "unsupported_value",
-            )
         if schema is not None:
             raise _invalid("a function call and text.format cannot both shape the output", "text")
         schema = tools.schema
@@ -546,7 +555,7 @@ def parse_create(body: bytes, *, model_id: str) -> CreateRequest:
     }
     if tools is not None:
         fields |= {
-            "call": tools.single,
+            "calls": list(tools.names),
             "tools": request.get("tools"),
             "tool_choice": request.get("tool_choice"),
         }

@@ -127,9 +127,10 @@ class ResponsesEndpoints:
         api = previous.api or {}
         stored = tuple(ChatMessage(role=r, content=c) for r, c in api.get("messages", ()))
         answer = self._sessions.text_of(previous)
-        call = ResponseView.of(previous, "").call
-        if call is not None:  # the conversation shows the call, as a template without tools can
-            answer = f'{{"name": {json.dumps(call)}, "arguments": {answer or "{}"}}}'
+        calls = ResponseView.of(previous, "").calls
+        single = len(calls) == 1
+        if single:  # the conversation shows the call, as a template without tools can
+            answer = f'{{"name": {json.dumps(calls[0])}, "arguments": {answer or "{}"}}}'
         given = create.generate.messages or ()
         messages = (
             *given[: len(given) - len(create.input)],  # the instructions, if any
@@ -150,8 +151,8 @@ class ResponsesEndpoints:
             prompt_tokens=previous.prompt_tokens,
             generated=tuple(previous.generated),
             answer=answer,
-            # A call's stored tokens are its arguments only: rendered afresh.
-            exact=previous.end.reason is not EndReason.STOP and call is None,
+            # One function's stored tokens are its arguments only: rendered afresh.
+            exact=previous.end.reason is not EndReason.STOP and not single,
         )
         return dataclasses.replace(create.generate, messages=messages), prior
 
@@ -189,7 +190,7 @@ class ResponsesEndpoints:
         if not self._accepting():
             raise from_code(ErrorCode.SHUTTING_DOWN, "the server is shutting down")
         known = await self._sessions.lookup(session_id, key_id=who.key_id)
-        call = ResponseView.of(known, "").call is not None
+        call = bool(ResponseView.of(known, "").calls)
         from_index = responses_api.first_token_after(after, call=call)
         session = await self._sessions.reattach_anywhere(session_id, from_index, key_id=who.key_id)
         record = session.record

@@ -23,6 +23,7 @@ from . import responses_api
 from .errors import from_code
 from .responses_api import ResponseView
 from .sse import RESTART_RETRY_S
+from .tool_calls import CallText, ToolChoice
 
 __all__ = ["ResponseEncoder"]
 
@@ -33,6 +34,10 @@ class ResponseEncoder:
     def __init__(self, view: ResponseView, *, text_before: str, after: int = -1) -> None:
         self._view = view
         self._text = text_before  # what the tokens before the first one sent here say
+        # A function call's argument deltas depend on the text before them.
+        self._call = (
+            CallText(ToolChoice.from_stored(view.calls), text_before) if view.calls else None
+        )
         self._after = after
         self._next = after + 1  # the number the next event would take
         self.finished = False
@@ -44,9 +49,10 @@ class ResponseEncoder:
         if isinstance(frame, quicsrv_proto.Token):
             self._text += frame.text
             session_id = self._view.session_id
-            if self._view.call is not None:
+            if self._call is not None:
                 sequence = responses_api.delta_sequence(frame.index, call=True)
-                return self._write(responses_api.call_delta_event(session_id, sequence, frame.text))
+                delta = self._call.push(frame.text)
+                return self._write(responses_api.call_delta_event(session_id, sequence, delta))
             sequence = responses_api.delta_sequence(frame.index)
             return self._write(responses_api.delta_event(session_id, sequence, frame.text))
         if isinstance(frame, quicsrv_proto.Checkpoint):
@@ -78,7 +84,8 @@ class ResponseEncoder:
             output_tokens=end.completion_tokens,
             end=end.reason,
         )
-        out = b"".join(self._write(e) for e in responses_api.closing_events(view, end.text))
+        tail = end.text if self._call is None else self._call.finish(end.text)
+        out = b"".join(self._write(e) for e in responses_api.closing_events(view, tail))
         self.finished = True
         return out
 

@@ -358,3 +358,28 @@ async def test_the_responses_api_calls_a_named_function_and_takes_its_output(eng
     assert deltas == call.arguments
     _valid(call.arguments, WEATHER["function"]["parameters"])
     assert events[-1].type == "response.completed" and answer.output_text
+
+
+async def test_the_responses_api_lets_the_model_pick_one_of_several_functions(engine, certs):
+    flat = [{"type": "function", **t["function"]} for t in (WEATHER, TIDE)]
+    async with running_server(engine, certs) as server, openai_client(server, certs) as client:
+        stream = await client.responses.create(
+            model=await _model(server),
+            input="When is high tide in Brest harbour?",
+            max_output_tokens=100,
+            temperature=0,
+            tools=flat,
+            tool_choice="required",
+            stream=True,
+        )
+        events = [event async for event in stream]
+        stored = await client.responses.retrieve(events[-1].response.id)
+    added = next(e for e in events if e.type == "response.output_item.added")
+    done = next(e for e in events if e.type == "response.function_call_arguments.done")
+    deltas = "".join(e.delta for e in events if e.type == "response.function_call_arguments.delta")
+    [call] = stored.output
+    schemas = {t["function"]["name"]: t["function"]["parameters"] for t in (WEATHER, TIDE)}
+    assert added.item.name is None and call.name == done.name and call.name in schemas
+    assert deltas == done.arguments == call.arguments
+    _valid(call.arguments, schemas[call.name])
+    assert [e.sequence_number for e in events] == list(range(len(events)))
