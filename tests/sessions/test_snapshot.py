@@ -2,10 +2,11 @@
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import stat
 
-from quicsrv.engine import SamplingParams
+from quicsrv.engine import CONSTRAINED_SAMPLING, SamplingParams
 from quicsrv.sessions.keys import KeyRing
 from quicsrv.sessions.snapshot import Snapshot
 
@@ -102,3 +103,15 @@ def test_checkpoints_issued_in_the_previous_format_still_verify():
     assert v1 != snap.mac(key, 2)
     assert snap.verify([key], 2, v1)
     assert not snap.verify([key], 1, v1)
+
+
+def test_the_grammar_is_part_of_what_a_hash_names_and_only_when_there_is_one():
+    key = b"k" * 32
+    plain = _snapshot()
+    constrained = dataclasses.replace(plain, grammar_digest=b"g" * 32)
+    other = dataclasses.replace(plain, grammar_digest=b"h" * 32)
+    assert "grammar" not in plain.header()  # unconstrained sessions' hashes are unchanged
+    assert constrained.header()["grammar"] == [b"g" * 32, CONSTRAINED_SAMPLING]
+    hash_ = constrained.mac(key, 2)
+    assert constrained.verify([key], 2, hash_)
+    assert not plain.verify([key], 2, hash_) and not other.verify([key], 2, hash_)
