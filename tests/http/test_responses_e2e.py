@@ -243,7 +243,7 @@ async def test_bad_requests_get_clear_errors(engine, certs):
     async with running_server(engine, certs) as server, openai_client(server, certs) as client:
         model = await _model(server)
         cases: list[tuple[dict[str, Any], str]] = [
-            ({"tools": [{"type": "web_search"}]}, "tools"),
+            ({"tools": [{"type": "web_search"}]}, "tools[0]"),
             ({"reasoning": {"effort": "high"}}, "reasoning"),
             ({"background": True, "store": False}, "store"),
             ({"input": [{"type": "function_call_output", "output": "x"}]}, "input[0]"),
