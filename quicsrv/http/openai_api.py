@@ -316,7 +316,7 @@ def json_schema_of(value: object, param: str) -> str | None:
         return JSON_OBJECT_SCHEMA
     if kind != "json_schema":
         raise _invalid(f"{param}.type must be text, json_object or json_schema", f"{param}.type")
-    spec = value.get("json_schema", value) if "json_schema" in value else value
+    spec = value["json_schema"] if "json_schema" in value else value
     where = f"{param}.json_schema" if "json_schema" in value else param
     if not isinstance(spec, dict) or set(spec) - {
         "type",
@@ -504,7 +504,7 @@ def _messages(value: object) -> list[dict[str, str]]:
             )
         assert isinstance(role, str)
         content = message.get("content")
-        text = "" if content is None and role == "assistant" else _content(content, param)
+        text = "" if content is None and role == "assistant" else message_text(content, param)
         calls = message.get("tool_calls")
         if calls is not None:
             if role != "assistant":
@@ -533,15 +533,18 @@ def _calls_text(calls: object, param: str) -> str:
     return "\n".join(texts)
 
 
-def _content(value: object, param: str) -> str:
-    """A message's text: a string, or an array of text parts (joined); images and audio are
-    refused since the model reads text only."""
+def message_text(
+    value: object, param: str, *, part_types: frozenset[str] = frozenset({"text"})
+) -> str:
+    """A message's text: a string, or an array of text parts (of ``part_types``, joined);
+    images and audio are refused since the model reads text only."""
     if isinstance(value, str):
         return value
     if isinstance(value, list):
         parts = []
         for part in value:
-            if not isinstance(part, dict) or part.get("type") != "text":
+            kind = part.get("type") if isinstance(part, dict) else None
+            if not isinstance(kind, str) or kind not in part_types:
                 raise _invalid(
                     f"{param}.content: only text parts are supported",
                     f"{param}.content",

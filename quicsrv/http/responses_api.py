@@ -621,27 +621,8 @@ def _input_message(item: object, param: str) -> ChatMessage:
             f"{param}.role",
             "unsupported_value",
         )
-    content = item.get("content")
-    if isinstance(content, str):
-        return ChatMessage(role=role, content=content)
-    if not isinstance(content, list):
-        raise _invalid(
-            f"{param}.content must be a string or an array of text parts", f"{param}.content"
-        )
-    parts = []
-    for part in content:
-        kind = part.get("type") if isinstance(part, dict) else None
-        if not isinstance(kind, str) or kind not in _TEXT_PARTS:
-            raise _invalid(
-                f"{param}.content: only text parts are supported",
-                f"{param}.content",
-                "unsupported_value",
-            )
-        text = part.get("text")
-        if not isinstance(text, str):
-            raise _invalid(f"{param}.content: a text part needs text", f"{param}.content")
-        parts.append(text)
-    return ChatMessage(role=role, content="".join(parts))
+    text = openai_api.message_text(item.get("content"), param, part_types=_TEXT_PARTS)
+    return ChatMessage(role=role, content=text)
 
 
 def _text_format(value: object) -> dict[str, Any] | None:
