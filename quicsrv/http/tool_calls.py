@@ -43,10 +43,13 @@ class ToolChoice:
         return self.names[0] if len(self.names) == 1 else None
 
     def stored(self) -> list[str]:
+        """What a session record keeps of it (see :meth:`from_stored`)."""
         return list(self.names)
 
     @classmethod
     def from_stored(cls, names: Sequence[str]) -> ToolChoice:
+        """A choice read back from a session record, to render its call: only the names are
+        kept there (its grammar is in the record already)."""
         return cls(tuple(names), "")
 
 
