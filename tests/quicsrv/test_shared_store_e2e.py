@@ -330,3 +330,53 @@ async def test_a_background_response_is_resumed_read_chained_and_deleted_on_any_
     assert stored.status == whole.status
     assert follow_up.previous_response_id == response_id
     assert follow_up.usage.input_tokens > stored.usage.input_tokens + stored.usage.output_tokens
+
+
+async def test_a_constrained_stream_cut_on_one_process_continues_exactly_on_another(
+    certs, tmp_path, redis_url
+):
+    """Structured output over the shared store: the grammar travels with the record, and
+    process B advances it over A's tokens before it goes on."""
+    import json
+
+    import httpx
+
+    from tests.http.helpers import events_text, tcp_stream, tls_context
+
+    schema = {
+        "type": "object",
+        "properties": {
+            "rivers": {"type": "array", "items": {"type": "string", "maxLength": 20}, "maxItems": 3}
+        },
+        "required": ["rivers"],
+        "additionalProperties": False,
+    }
+    body = {
+        "model": "SmolLM2-135M-Instruct.Q4_1",
+        "messages": [{"role": "user", "content": "Name three rivers, as JSON."}],
+        "max_tokens": 128,  # the schema bounds the answer well below
+        "stream": True,
+        "temperature": 0.7,
+        "seed": 4,
+        "response_format": {"type": "json_schema", "json_schema": {"name": "r", "schema": schema}},
+    }
+    async with _servers(certs, tmp_path, redis_url) as [(_a, port_a), (_b, port_b)]:
+
+        def tcp(port: int) -> httpx.AsyncClient:
+            return httpx.AsyncClient(
+                base_url=f"https://localhost:{port}", verify=tls_context(certs), timeout=WAIT_S
+            )
+
+        async with tcp(port_a) as on_a:
+            _, reference = await tcp_stream(on_a, "POST", "/v1/chat/completions", json=body)
+            cut, before = await tcp_stream(
+                on_a, "POST", "/v1/chat/completions", json=body, stop_after=6
+            )
+        session = cut.headers["quicsrv-session"]
+        last_id = [e.id for e in before if e.id is not None][-1]
+        async with tcp(port_b) as on_b:
+            _, after = await tcp_stream(
+                on_b, "GET", f"/v1/streams/{session}", headers={"last-event-id": last_id}
+            )
+    assert events_text(before) + events_text(after) == events_text(reference)
+    assert len(json.loads(events_text(reference))["rivers"]) <= 3
