@@ -150,7 +150,8 @@ class SequenceSampler:
             )
             self._chain = chain
             self._candidates = np.zeros(n_vocab, dtype=_TOKEN_DATA)
-        self._ids = np.arange(n_vocab, dtype=np.int32)
+        if self._chain is not None or grammar is not None:  # a greedy pick needs no ids
+            self._ids = np.arange(n_vocab, dtype=np.int32)
 
     @property
     def constrained(self) -> bool:

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import ctypes
 import json
+import threading
 from collections import OrderedDict
 from pathlib import Path
 
@@ -40,6 +41,7 @@ class Vocabulary:
         self._pieces: list[bytes | None] = [None] * n_vocab
         self._end_of_generation = bytearray(n_vocab)  # 0: not looked up, 1: no, 2: yes
         self._grammars: OrderedDict[str, Grammar] = OrderedDict()
+        self._grammars_lock = threading.Lock()
 
     @classmethod
     def load(cls, model_path: Path) -> Vocabulary:
@@ -57,10 +59,11 @@ class Vocabulary:
         """The grammar of a JSON schema (JSON text), checked to compile against this
         vocabulary, so that a bad one is refused here and never reaches the engine worker;
         raises InvalidSchema. The last few hundred are kept: clients resend the same schema."""
-        found = self._grammars.get(schema)
-        if found is not None:
-            self._grammars.move_to_end(schema)
-            return found
+        with self._grammars_lock:  # requests are prepared on worker threads too
+            found = self._grammars.get(schema)
+            if found is not None:
+                self._grammars.move_to_end(schema)
+                return found
         try:
             value = json.loads(schema)
         except (ValueError, RecursionError):  # RecursionError: absurdly deep nesting
@@ -71,9 +74,10 @@ class Vocabulary:
         except SchemaRejected as exc:
             raise InvalidSchema(exc.message, exc.path) from None
         made = Grammar(gbnf=converted.gbnf, digest=converted.digest)
-        self._grammars[schema] = made
-        while len(self._grammars) > _GRAMMARS_KEPT:
-            self._grammars.popitem(last=False)
+        with self._grammars_lock:
+            self._grammars[schema] = made
+            while len(self._grammars) > _GRAMMARS_KEPT:
+                self._grammars.popitem(last=False)
         return made
 
     @property

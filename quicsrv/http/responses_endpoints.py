@@ -189,15 +189,16 @@ class ResponsesEndpoints:
         after = _starting_after(params, request.headers.get(b"last-event-id"))
         if not self._accepting():
             raise from_code(ErrorCode.SHUTTING_DOWN, "the server is shutting down")
-        known = await self._sessions.lookup(session_id, key_id=who.key_id)
-        call = bool(ResponseView.of(known, "").calls)
-        from_index = responses_api.first_token_after(after, call=call)
-        session = await self._sessions.reattach_anywhere(session_id, from_index, key_id=who.key_id)
+        # Checked as a message's index, the lowest a response's events give: a function call's
+        # (one event fewer before its deltas) is only known from the record.
+        lowest = responses_api.first_token_after(after)
+        session = await self._sessions.reattach_anywhere(session_id, lowest, key_id=who.key_id)
         record = session.record
         if not responses_api.is_response(record):
             raise ApiError(404, "no such response", code="not_found")
+        call = bool(ResponseView.of(record, "").calls)
         # Past the last token (the closing events): only the END is left to send.
-        from_index = min(from_index, len(record.generated))
+        from_index = min(responses_api.first_token_after(after, call=call), len(record.generated))
         encoder = ResponseEncoder(
             ResponseView.of(record, ""),
             text_before=self._sessions.text_of(record, upto=from_index),
