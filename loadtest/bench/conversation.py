@@ -28,7 +28,7 @@ import json
 import multiprocessing
 import sys
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import AsyncIterator, Callable, Sequence
 from concurrent.futures import ProcessPoolExecutor
 from dataclasses import asdict, dataclass, replace
 from datetime import UTC, datetime
@@ -95,6 +95,19 @@ def _reused(reply: _Reply) -> int | None:
     return int(cache_n) if isinstance(cache_n, int) else None
 
 
+async def _events(
+    http: httpx.AsyncClient, path: str, body: dict[str, Any]
+) -> AsyncIterator[dict[str, Any]]:
+    """The JSON events of one streamed POST (SSE ``data:`` lines, ``[DONE]`` left out)."""
+    async with http.stream("POST", path, json=body) as response:
+        if response.status_code != 200:
+            detail = (await response.aread()).decode("utf-8", "replace")
+            raise RuntimeError(f"HTTP {response.status_code}: {detail[:500]}")
+        async for line in response.aiter_lines():
+            if line.startswith("data: ") and line != "data: [DONE]":
+                yield json.loads(line[len("data: ") :])
+
+
 async def _ask_responses(http: httpx.AsyncClient, body: dict[str, Any]) -> tuple[_Reply, str]:
     """One streamed ``POST /v1/responses``: the reply (usage in chat completions' names) and
     the response id."""
@@ -103,30 +116,23 @@ async def _ask_responses(http: httpx.AsyncClient, body: dict[str, Any]) -> tuple
     usage: dict[str, Any] = {}
     response_id = ""
     sent = time.perf_counter()
-    async with http.stream("POST", "/v1/responses", json=body) as response:
-        if response.status_code != 200:
-            detail = (await response.aread()).decode("utf-8", "replace")
-            raise RuntimeError(f"HTTP {response.status_code}: {detail[:500]}")
-        async for line in response.aiter_lines():
-            if not line.startswith("data: "):
-                continue
-            event = json.loads(line[len("data: ") :])
-            kind = event.get("type", "")
-            if kind == "response.created":
-                response_id = event["response"]["id"]
-            elif kind == "response.output_text.delta" and event["delta"]:
-                if not text:
-                    first = time.perf_counter() - sent
-                text.append(event["delta"])
-            elif kind in ("response.completed", "response.incomplete"):
-                got = event["response"]["usage"]
-                usage = {
-                    "prompt_tokens": got["input_tokens"],
-                    "completion_tokens": got["output_tokens"],
-                    "prompt_tokens_details": got["input_tokens_details"],
-                }
-            elif kind == "error":
-                raise RuntimeError(f"error event: {event}")
+    async for event in _events(http, "/v1/responses", body):
+        kind = event.get("type", "")
+        if kind == "response.created":
+            response_id = event["response"]["id"]
+        elif kind == "response.output_text.delta" and event["delta"]:
+            if not text:
+                first = time.perf_counter() - sent
+            text.append(event["delta"])
+        elif kind in ("response.completed", "response.incomplete"):
+            got = event["response"]["usage"]
+            usage = {
+                "prompt_tokens": got["input_tokens"],
+                "completion_tokens": got["output_tokens"],
+                "prompt_tokens_details": got["input_tokens_details"],
+            }
+        elif kind == "error":
+            raise RuntimeError(f"error event: {event}")
     return _Reply(ttft_s=first, text="".join(text), usage=usage, timings={}), response_id
 
 
@@ -137,22 +143,15 @@ async def _ask(http: httpx.AsyncClient, body: dict[str, Any]) -> _Reply:
     usage: dict[str, Any] = {}
     timings: dict[str, Any] = {}
     sent = time.perf_counter()
-    async with http.stream("POST", "/v1/chat/completions", json=body) as response:
-        if response.status_code != 200:
-            detail = (await response.aread()).decode("utf-8", "replace")
-            raise RuntimeError(f"HTTP {response.status_code}: {detail[:500]}")
-        async for line in response.aiter_lines():
-            if not line.startswith("data: ") or line == "data: [DONE]":
-                continue
-            event = json.loads(line[len("data: ") :])
-            for choice in event.get("choices") or []:
-                content = (choice.get("delta") or {}).get("content") or ""
-                if content and not text:
-                    first = time.perf_counter() - sent
-                if content:
-                    text.append(content)
-            usage = event.get("usage") or usage
-            timings = event.get("timings") or timings
+    async for event in _events(http, "/v1/chat/completions", body):
+        for choice in event.get("choices") or []:
+            content = (choice.get("delta") or {}).get("content") or ""
+            if content and not text:
+                first = time.perf_counter() - sent
+            if content:
+                text.append(content)
+        usage = event.get("usage") or usage
+        timings = event.get("timings") or timings
     return _Reply(ttft_s=first, text="".join(text), usage=usage, timings=timings)
 
 

@@ -5,20 +5,17 @@ constrained generation even with ``ignore_eos``."""
 from __future__ import annotations
 
 import json
-import threading
 
 import pytest
 
 from quicsrv.engine import (
     CannotReplay,
     FinishReason,
-    PausedState,
-    PrefillPlan,
-    ResumePath,
     ResumePoint,
     SamplingParams,
     SequenceRequest,
 )
+from tests.engine.sinks import RecordingSink
 
 pytestmark = pytest.mark.model
 
@@ -30,31 +27,6 @@ SCHEMA = json.dumps(
         "additionalProperties": False,
     }
 )
-
-
-class _Sink:
-    def __init__(self) -> None:
-        self.tokens: list[int] = []
-        self.pieces: list[bytes] = []
-        self.finished: tuple[FinishReason, int] | None = None
-        self.done = threading.Event()
-
-    def token_generated(self, index: int, token_id: int, piece: bytes) -> None:
-        self.tokens.append(token_id)
-        self.pieces.append(piece)
-
-    def sequence_finished(self, reason: FinishReason, completion_tokens: int) -> None:
-        self.finished = (reason, completion_tokens)
-        self.done.set()
-
-    def sequence_paused(self, state: PausedState) -> None:
-        self.done.set()
-
-    def sequence_resumed(self, path: ResumePath) -> None:
-        pass
-
-    def sequence_planned(self, plan: PrefillPlan) -> None:
-        pass
 
 
 def _request(engine, **changes) -> SequenceRequest:
@@ -69,20 +41,20 @@ def _request(engine, **changes) -> SequenceRequest:
 
 
 def test_an_end_token_ends_a_constrained_generation_even_with_ignore_eos(engine):
-    sink = _Sink()
+    sink = RecordingSink()
     engine.submit(_request(engine, ignore_eos=True), sink)
     assert sink.done.wait(120)
-    assert sink.finished is not None and sink.finished[0] is FinishReason.EOS
+    assert sink.reason is FinishReason.EOS
     assert json.loads(b"".join(sink.pieces)) in ({"answer": "yes"}, {"answer": "no"})
-    assert sink.finished[1] < 64
+    assert sink.completion_tokens is not None and sink.completion_tokens < 64
 
 
 def test_a_resume_whose_tokens_break_the_grammar_is_refused_and_the_worker_lives_on(engine):
     restarts = engine.restarts
     forbidden = tuple(engine.tokenize("hello there", add_special=False))  # not JSON
     with pytest.raises(CannotReplay, match="grammar"):
-        engine.submit(_request(engine, resume=ResumePoint(generated=forbidden)), _Sink())
-    sink = _Sink()  # the engine still runs, and so do constrained generations
+        engine.submit(_request(engine, resume=ResumePoint(generated=forbidden)), RecordingSink())
+    sink = RecordingSink()  # the engine still runs, and so do constrained generations
     engine.submit(_request(engine), sink)
-    assert sink.done.wait(120) and sink.finished is not None
+    assert sink.done.wait(120) and sink.reason is not None
     assert engine.restarts == restarts

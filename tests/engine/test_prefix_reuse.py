@@ -4,7 +4,6 @@ generation that started from them is replayed exactly by following its plan."""
 from __future__ import annotations
 
 import dataclasses
-import threading
 from pathlib import Path
 
 import pytest
@@ -12,14 +11,13 @@ import pytest
 from quicsrv.config import engine_settings_for
 from quicsrv.engine import (
     FinishReason,
-    PausedState,
-    PrefillPlan,
     ResumePath,
     ResumePoint,
     SamplingParams,
     SequenceRequest,
 )
 from quicsrv.engine.llama import LlamaEngine
+from tests.engine.sinks import RecordingSink
 
 pytestmark = pytest.mark.model
 
@@ -31,35 +29,8 @@ _NOTES = (
 )
 
 
-class Turn:
-    """A sink that keeps one sequence's tokens and its plan."""
-
-    def __init__(self) -> None:
-        self.tokens: list[int] = []
-        self.plans: list[PrefillPlan] = []
-        self.paths: list[ResumePath] = []
-        self.done = threading.Event()
-        self.reason: FinishReason | None = None
-
-    def token_generated(self, index: int, token_id: int, piece: bytes) -> None:
-        self.tokens.append(token_id)
-
-    def sequence_finished(self, reason: FinishReason, completion_tokens: int) -> None:
-        self.reason = reason
-        self.done.set()
-
-    def sequence_paused(self, state: PausedState) -> None:
-        self.done.set()
-
-    def sequence_resumed(self, path: ResumePath) -> None:
-        self.paths.append(path)
-
-    def sequence_planned(self, plan: PrefillPlan) -> None:
-        self.plans.append(plan)
-
-
-def _run(engine: LlamaEngine, request: SequenceRequest) -> Turn:
-    turn = Turn()
+def _run(engine: LlamaEngine, request: SequenceRequest) -> RecordingSink:
+    turn = RecordingSink()
     engine.submit(request, turn)
     assert turn.done.wait(300)
     assert turn.reason is FinishReason.LENGTH

@@ -139,6 +139,41 @@ async def h3_stream(
     return response, parse_sse([*text, ""])
 
 
+@dataclass(frozen=True)
+class CutStream:
+    """An SSE request run whole, then again and cut, then resumed by its Last-Event-ID."""
+
+    whole: list[SseEvent]
+    before: list[SseEvent]
+    """The events the cut stream delivered."""
+    after: list[SseEvent]
+    """The events the resume delivered."""
+    session: str
+    last_id: str
+    """The last event id before the cut: the cursor the resume sent."""
+
+
+async def cut_and_resume(
+    client: httpx.AsyncClient,
+    path: str,
+    body: dict[str, Any],
+    *,
+    stop_after: int,
+    resume_on: httpx.AsyncClient | None = None,
+) -> CutStream:
+    """``body`` posted to ``path`` once whole, once cut after ``stop_after`` events with an id,
+    and that cut stream resumed with ``GET /v1/streams/{session}`` (on ``resume_on``: another
+    server, say; else on ``client``)."""
+    _, whole = await tcp_stream(client, "POST", path, json=body)
+    cut, before = await tcp_stream(client, "POST", path, json=body, stop_after=stop_after)
+    session = cut.headers["quicsrv-session"]
+    last_id = [e.id for e in before if e.id is not None][-1]
+    _, after = await tcp_stream(
+        resume_on or client, "GET", f"/v1/streams/{session}", headers={"last-event-id": last_id}
+    )
+    return CutStream(whole=whole, before=before, after=after, session=session, last_id=last_id)
+
+
 async def tcp_stream(
     client: httpx.AsyncClient,
     method: str,

@@ -18,6 +18,7 @@ from tests.helpers import running_server, session_settings
 
 from .helpers import (
     base_url,
+    cut_and_resume,
     events_text,
     h3_session,
     h3_stream,
@@ -126,18 +127,12 @@ async def test_a_cut_stream_resumed_by_last_event_id_is_the_uninterrupted_text(
             **sampling,
         }
         async with tcp_client(server, certs, http2=http2) as tcp:
-            _, reference = await tcp_stream(tcp, "POST", "/v1/chat/completions", json=body)
-            response, before = await tcp_stream(
-                tcp, "POST", "/v1/chat/completions", json=body, stop_after=12
-            )
-            session_id = response.headers["quicsrv-session"]
-            last_id = [e.id for e in before if e.id is not None][-1]
-            # Over TCP again on this client, and over HTTP/3: the same cursor, the same tail.
-            _, after_tcp = await tcp_stream(
-                tcp, "GET", f"/v1/streams/{session_id}", headers={"last-event-id": last_id}
-            )
+            # Resumed over TCP again on this client, and over HTTP/3: the same cursor, the
+            # same tail.
+            cut = await cut_and_resume(tcp, "/v1/chat/completions", body, stop_after=12)
+        reference, before, after_tcp = cut.whole, cut.before, cut.after
         async with h3_session(certs) as h3:
-            url = f"{base_url(server)}/v1/streams/{session_id}?last_event_id={last_id}"
+            url = f"{base_url(server)}/v1/streams/{cut.session}?last_event_id={cut.last_id}"
             _, after_h3 = await h3_stream(h3, "GET", url)
     assert events_text(reference) == events_text(before) + events_text(after_tcp)
     assert after_h3 == after_tcp  # ids included: the same events, whatever carried them

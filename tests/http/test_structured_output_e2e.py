@@ -20,7 +20,7 @@ from pydantic import BaseModel, Field
 from quicsrv_client import Client, GenerationEnded, TokenReceived
 from tests.helpers import running_server
 
-from .helpers import base_url, events_text, openai_client, tcp_client, tcp_stream
+from .helpers import cut_and_resume, events_text, openai_client, tcp_client
 
 pytestmark = [pytest.mark.model, pytest.mark.asyncio]
 
@@ -137,17 +137,10 @@ async def test_a_cut_constrained_sse_stream_resumes_exactly(engine, certs):
             "stream": True,
             "response_format": FORMAT,
         }
-        url = base_url(server) + "/v1/chat/completions"
         async with tcp_client(server, certs) as tcp:
-            _, whole = await tcp_stream(tcp, "POST", url, json=body)
-            cut, before = await tcp_stream(tcp, "POST", url, json=body, stop_after=10)
-            session = cut.headers["quicsrv-session"]
-            last = [e.id for e in before if e.id is not None][-1]
-            _, after = await tcp_stream(
-                tcp, "GET", f"/v1/streams/{session}", headers={"last-event-id": last}
-            )
-    assert events_text(before) + events_text(after) == events_text(whole)
-    _valid(events_text(whole), KEEPER)
+            cut = await cut_and_resume(tcp, "/v1/chat/completions", body, stop_after=10)
+    assert events_text(cut.before) + events_text(cut.after) == events_text(cut.whole)
+    _valid(events_text(cut.whole), KEEPER)
 
 
 async def _native(client: Client, *, kill_at: int | None = None, engine=None) -> str:
@@ -306,15 +299,8 @@ async def test_a_cut_tool_call_stream_resumes_with_the_same_deltas(engine, certs
             "tools": [WEATHER, TIDE],
             "tool_choice": "required",
         }
-        url = base_url(server) + "/v1/chat/completions"
         async with tcp_client(server, certs) as tcp:
-            _, whole = await tcp_stream(tcp, "POST", url, json=body)
-            cut, before = await tcp_stream(tcp, "POST", url, json=body, stop_after=8)
-            session = cut.headers["quicsrv-session"]
-            last = [e.id for e in before if e.id is not None][-1]
-            _, after = await tcp_stream(
-                tcp, "GET", f"/v1/streams/{session}", headers={"last-event-id": last}
-            )
+            cut = await cut_and_resume(tcp, "/v1/chat/completions", body, stop_after=8)
 
     def calls(events: list[Any]) -> tuple[list[str], str]:
         names, arguments = [], []
@@ -327,8 +313,8 @@ async def test_a_cut_tool_call_stream_resumes_with_the_same_deltas(engine, certs
                 arguments.append(call["function"]["arguments"])
         return names, "".join(arguments)
 
-    names, arguments = calls(whole)
-    cut_names, cut_arguments = calls(before + after)
+    names, arguments = calls(cut.whole)
+    cut_names, cut_arguments = calls(cut.before + cut.after)
     assert (cut_names, cut_arguments) == (names, arguments)
     assert len(names) == 1 and names[0] in ("weather", "tide")
     json.loads(arguments)

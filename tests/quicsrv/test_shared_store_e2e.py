@@ -10,6 +10,7 @@ import signal
 from collections.abc import AsyncIterator
 from pathlib import Path
 
+import httpx
 import pytest
 from aioquic.asyncio import QuicConnectionProtocol, connect
 from aioquic.h3.connection import H3_ALPN
@@ -89,6 +90,15 @@ async def _resume(port: int, ca: Path, position: ResumePosition):
                 text.append(event.text)
     assert started is not None and end is not None
     return started, ids, "".join(text), end
+
+
+def _https(certs: DevCertPaths, port: int) -> httpx.AsyncClient:
+    """httpx over TCP to the server on ``port``, trusting the dev CA."""
+    from tests.http.helpers import tls_context
+
+    return httpx.AsyncClient(
+        base_url=f"https://localhost:{port}", verify=tls_context(certs), timeout=WAIT_S
+    )
 
 
 async def _until_shared(redis_url: str, session_id: str) -> None:
@@ -234,9 +244,7 @@ async def test_an_sse_stream_cut_on_one_process_resumes_on_another(certs, tmp_pa
     """The OpenAI API's resumable SSE over the shared store: a chat stream started on process
     A, cut, continued on process B by its Last-Event-ID (B takes the session over), and then
     stopped on A with DELETE (A takes it back): the text equals an uninterrupted run."""
-    import httpx
-
-    from tests.http.helpers import events_text, tcp_stream, tls_context
+    from tests.http.helpers import cut_and_resume, events_text
 
     body = {
         "model": "SmolLM2-135M-Instruct.Q4_1",
@@ -247,25 +255,13 @@ async def test_an_sse_stream_cut_on_one_process_resumes_on_another(certs, tmp_pa
         "temperature": 0,
     }
     async with _servers(certs, tmp_path, redis_url) as [(_a, port_a), (_b, port_b)]:
-
-        def tcp(port: int) -> httpx.AsyncClient:
-            return httpx.AsyncClient(
-                base_url=f"https://localhost:{port}", verify=tls_context(certs), timeout=WAIT_S
+        async with _https(certs, port_a) as on_a, _https(certs, port_b) as on_b:
+            cut = await cut_and_resume(
+                on_a, "/v1/chat/completions", body, stop_after=6, resume_on=on_b
             )
-
-        async with tcp(port_a) as on_a:
-            _, reference = await tcp_stream(on_a, "POST", "/v1/chat/completions", json=body)
-            cut, before = await tcp_stream(
-                on_a, "POST", "/v1/chat/completions", json=body, stop_after=6
-            )
-        session = cut.headers["quicsrv-session"]
-        last_id = [e.id for e in before if e.id is not None][-1]
-        async with tcp(port_b) as on_b:
-            _, after = await tcp_stream(
-                on_b, "GET", f"/v1/streams/{session}", headers={"last-event-id": last_id}
-            )
-        async with tcp(port_a) as on_a:
-            stopped = await on_a.delete(f"/v1/streams/{session}")
+        reference, before, after = cut.whole, cut.before, cut.after
+        async with _https(certs, port_a) as on_a:
+            stopped = await on_a.delete(f"/v1/streams/{cut.session}")
     assert events_text(reference) == events_text(before) + events_text(after)
     assert after[-1].data == "[DONE]"
     assert stopped.status_code == 200, stopped.text
@@ -339,9 +335,7 @@ async def test_a_constrained_stream_cut_on_one_process_continues_exactly_on_anot
     process B advances it over A's tokens before it goes on."""
     import json
 
-    import httpx
-
-    from tests.http.helpers import events_text, tcp_stream, tls_context
+    from tests.http.helpers import cut_and_resume, events_text
 
     schema = {
         "type": "object",
@@ -361,22 +355,10 @@ async def test_a_constrained_stream_cut_on_one_process_continues_exactly_on_anot
         "response_format": {"type": "json_schema", "json_schema": {"name": "r", "schema": schema}},
     }
     async with _servers(certs, tmp_path, redis_url) as [(_a, port_a), (_b, port_b)]:
-
-        def tcp(port: int) -> httpx.AsyncClient:
-            return httpx.AsyncClient(
-                base_url=f"https://localhost:{port}", verify=tls_context(certs), timeout=WAIT_S
+        async with _https(certs, port_a) as on_a, _https(certs, port_b) as on_b:
+            cut = await cut_and_resume(
+                on_a, "/v1/chat/completions", body, stop_after=6, resume_on=on_b
             )
-
-        async with tcp(port_a) as on_a:
-            _, reference = await tcp_stream(on_a, "POST", "/v1/chat/completions", json=body)
-            cut, before = await tcp_stream(
-                on_a, "POST", "/v1/chat/completions", json=body, stop_after=6
-            )
-        session = cut.headers["quicsrv-session"]
-        last_id = [e.id for e in before if e.id is not None][-1]
-        async with tcp(port_b) as on_b:
-            _, after = await tcp_stream(
-                on_b, "GET", f"/v1/streams/{session}", headers={"last-event-id": last_id}
-            )
+        reference, before, after = cut.whole, cut.before, cut.after
     assert events_text(before) + events_text(after) == events_text(reference)
     assert len(json.loads(events_text(reference))["rivers"]) <= 3
