@@ -195,6 +195,7 @@ class SessionStream:
         client: str,
         fresh: bool,
         keepalive: KeepAlive | None = None,
+        cancel_keeps_cells: bool = False,
     ) -> None:
         self.session = session
         self.content_type = content_type
@@ -206,7 +207,7 @@ class SessionStream:
         self._keepalive = keepalive
         self.cut_after_writes: int | None = None
         """A test fault: the connection drops after this many writes (None: never)."""
-        self.cancel_keeps_cells = False
+        self.cancel_keeps_cells = cancel_keeps_cells
         """A cancelled request is a cut like any other (the JSON API's SSE streams: a browser
         cancels its fetch when the page reloads or navigates; stopping is an explicit request
         there), so the paused sequence's KV cells are kept for the resume."""
@@ -251,7 +252,7 @@ def event_stream(
 ) -> SessionStream:
     """A session stream of SSE events (``text/event-stream``), kept alive while quiet; a
     cancelled request only cuts it (see :attr:`SessionStream.cancel_keeps_cells`)."""
-    stream = SessionStream(
+    return SessionStream(
         session=session,
         from_index=from_index,
         encode=encode,
@@ -263,6 +264,5 @@ def event_stream(
         client=client,
         fresh=fresh,
         keepalive=keepalive,
+        cancel_keeps_cells=True,
     )
-    stream.cancel_keeps_cells = True
-    return stream

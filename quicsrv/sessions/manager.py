@@ -491,10 +491,7 @@ class SessionManager:
                 live.hand_over()
             claimed = await asyncio.wrap_future(store.claim(session_id))
         except redis.RedisError as exc:
-            log.error("session %s: redis: %s", session_id.hex(), exc)
-            raise RequestRejected(
-                ErrorCode.STORE_UNAVAILABLE, "the session store cannot be reached"
-            ) from None
+            raise _store_unreachable(session_id, exc) from None
         if claimed is None:
             raise RequestRejected(ErrorCode.SESSION_EXPIRED, "the session has expired")
         # The log only grows: what was checked above is a prefix of what was claimed.
@@ -560,10 +557,7 @@ class SessionManager:
                 try:
                     fetched = await store.fetch(session_id)
                 except redis.RedisError as exc:
-                    log.error("session %s: redis: %s", session_id.hex(), exc)
-                    raise RequestRejected(
-                        ErrorCode.STORE_UNAVAILABLE, "the session store cannot be reached"
-                    ) from None
+                    raise _store_unreachable(session_id, exc) from None
                 record = self._require_current(
                     session_id, fetched.record if fetched is not None else None, None
                 )
@@ -779,6 +773,12 @@ class SessionManager:
     def _forget(self, session: Session) -> None:
         if self._live.get(session.session_id) is session:
             del self._live[session.session_id]
+
+
+def _store_unreachable(session_id: bytes, exc: redis.RedisError) -> RequestRejected:
+    """What a request that needed Redis gets when it cannot be reached (logged here)."""
+    log.error("session %s: redis: %s", session_id.hex(), exc)
+    return RequestRejected(ErrorCode.STORE_UNAVAILABLE, "the session store cannot be reached")
 
 
 def _check_owner(record: SessionRecord, key_id: str | None) -> None:
