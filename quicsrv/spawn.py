@@ -7,12 +7,16 @@ the process and its port when that line arrives, or an error with the log's tail
 process exits first. A thread keeps reading the server's output (to a log file and to an
 optional callback) so the pipe never fills. Leaving the context sends SIGTERM (a graceful
 shutdown) and waits, then kills.
+
+The other side of a start: a process quicsrv starts (a ``--workers`` server, an engine worker)
+calls :func:`die_with_parent` first, so that not even a kill -9 of its parent leaves it running.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import ctypes
 import os
 import re
 import signal
@@ -24,7 +28,14 @@ from collections.abc import AsyncIterator, Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
-__all__ = ["LISTENING", "ServerDidNotStart", "SpawnedServer", "spawn_server", "spawn_server_async"]
+__all__ = [
+    "LISTENING",
+    "ServerDidNotStart",
+    "SpawnedServer",
+    "die_with_parent",
+    "spawn_server",
+    "spawn_server_async",
+]
 
 LISTENING = re.compile(r"listening on \S+:(\d+)")
 
@@ -123,3 +134,15 @@ async def spawn_server_async(
         yield server
     finally:
         await asyncio.to_thread(manager.__exit__, None, None, None)
+
+
+def die_with_parent(signum: signal.Signals) -> None:
+    """Ask Linux to send this process ``signum`` when its parent dies, a kill -9 included
+    (``PR_SET_PDEATHSIG``: strictly, when the parent's *thread* that started it ends); nothing
+    on other systems."""
+    if not sys.platform.startswith("linux"):
+        return
+    try:
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signum)  # PR_SET_PDEATHSIG
+    except OSError:
+        pass

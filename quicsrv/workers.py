@@ -22,6 +22,7 @@ from multiprocessing.context import SpawnProcess
 from typing import Any
 
 from .config import ServerConfig
+from .spawn import die_with_parent
 
 __all__ = ["run_workers", "worker_configs"]
 
@@ -153,7 +154,7 @@ def _worker_main(
     from .app import serve
     from .logs import configure_logging
 
-    _die_with_parent()
+    die_with_parent(signal.SIGTERM)  # a kill -9 of the parent takes the workers with it
     configure_logging(config.log_format)
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # the parent's Ctrl-C arrives as SIGTERM
 
@@ -196,16 +197,3 @@ def _bound(host: str, port: int, kind: socket.SocketKind) -> socket.socket:
         sock.close()
         raise
     return sock
-
-
-def _die_with_parent() -> None:
-    """A kill -9 of the parent takes the workers with it (Linux)."""
-    import ctypes
-    import sys
-
-    if not sys.platform.startswith("linux"):
-        return
-    try:
-        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
-    except OSError:
-        pass

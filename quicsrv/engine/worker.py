@@ -29,14 +29,12 @@ otherwise only a broken CPU or build does:
 from __future__ import annotations
 
 import argparse
-import ctypes
 import dataclasses
 import faulthandler
 import logging
 import mmap
 import os
 import signal
-import sys
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -46,6 +44,7 @@ from pathlib import Path
 from typing import Any
 
 from ..logs import log_handler
+from ..spawn import die_with_parent
 from ._api import (
     EngineError,
     FinishReason,
@@ -143,7 +142,7 @@ def run_worker(conn: Connection, options: WorkerOptions, phase: Any) -> None:
             format=f"%(asctime)s engine-worker[{os.getpid()}] %(name)s %(message)s",
         )
     faulthandler.enable()  # a native crash prints the Python stack it happened under
-    _die_with_parent()
+    die_with_parent(signal.SIGKILL)  # no worker outlives its server
     faults = _Faults.from_env(options)
     worker = _Worker(conn, options, phase, faults)
     worker.serve()
@@ -503,17 +502,6 @@ class _Faults:
             threading.Event().wait()
         if self._decodes == self._error_at:
             raise RuntimeError("test fault: llama_decode failed")
-
-
-def _die_with_parent() -> None:
-    """Ask Linux to SIGKILL this process when the server dies (kill -9 included)."""
-    if not sys.platform.startswith("linux"):
-        return
-    try:
-        libc = ctypes.CDLL("libc.so.6", use_errno=True)
-        libc.prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
-    except OSError:
-        pass
 
 
 if __name__ == "__main__":
