@@ -327,7 +327,7 @@ def _rotate_keys(data_dir: Path, previous_key_ttl_s: float) -> int:
 
 def _rotate_shared_keys(url: str, previous_key_ttl_s: float) -> int:
     from .sessions.keys import SharedKeyRing
-    from .sessions.manager import KEYRING_KEY
+    from .sessions.persistence import KEYRING_KEY
     from .sessions.redis_store import connect
 
     ring = SharedKeyRing(connect(url), KEYRING_KEY, previous_key_ttl_s=previous_key_ttl_s)

@@ -27,8 +27,7 @@ from .tracing import OtelExporter
 if TYPE_CHECKING:
     from .engine.llama import EngineSettings
     from .engine.supervisor import SupervisorSettings
-    from .sessions.manager import SessionSettings
-    from .sessions.session import FlowSettings
+    from .sessions.settings import FlowSettings, SessionSettings
     from .transport.sockets import SocketOptions
 
 __all__ = [
@@ -240,7 +239,7 @@ class ServerConfig:
         )
 
     def session_settings(self) -> SessionSettings:
-        from .sessions.manager import SessionSettings
+        from .sessions.settings import SessionSettings
 
         return SessionSettings(
             data_dir=self.data_dir,
@@ -263,7 +262,7 @@ class ServerConfig:
         )
 
     def flow_settings(self) -> FlowSettings:
-        from .sessions.session import FlowSettings
+        from .sessions.settings import FlowSettings
 
         if self.send_low_watermark_bytes >= self.send_high_watermark_bytes:
             raise ConfigError("send_low_watermark_bytes must be below send_high_watermark_bytes")

@@ -21,7 +21,8 @@ import quicsrv_proto
 from quicsrv.config import ServerConfig, session_settings_for
 from quicsrv.devcerts import DevCertPaths
 from quicsrv.engine import Engine
-from quicsrv.sessions.manager import SessionManager, SessionSettings
+from quicsrv.sessions.manager import SessionManager
+from quicsrv.sessions.settings import SessionSettings
 from quicsrv.spawn import spawn_server_async
 from quicsrv.transport import RunningServer, start_server
 

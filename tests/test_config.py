@@ -22,8 +22,7 @@ from quicsrv.config import (
 )
 from quicsrv.engine.llama import EngineSettings
 from quicsrv.engine.supervisor import SupervisorSettings
-from quicsrv.sessions.manager import SessionSettings
-from quicsrv.sessions.session import FlowSettings
+from quicsrv.sessions.settings import FlowSettings, SessionSettings
 from quicsrv.transport.sockets import SocketOptions
 
 #: Settings fields ServerConfig does not configure, so they may keep a default of their own.

@@ -40,7 +40,8 @@ from quicsrv.config import (
 from quicsrv.devcerts import ensure_dev_certs
 from quicsrv.engine import default_model_path
 from quicsrv.engine.llama import LlamaEngine
-from quicsrv.sessions.manager import SessionManager, SessionSettings
+from quicsrv.sessions.manager import SessionManager
+from quicsrv.sessions.settings import SessionSettings
 from quicsrv.transport import RunningServer, start_server
 from quicsrv_client import Client, SessionStarted, TokenReceived
 

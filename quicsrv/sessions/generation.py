@@ -1,4 +1,4 @@
-"""A GENERATE checked against this server's limits and turned into an engine request.
+"""A GENERATE checked against this server's limits and turned into a generation spec.
 
 A chat that continues a stored turn (the Responses API's ``previous_response_id``) is
 rendered so that its prompt starts with that turn's own token ids, prompt and answer as the
@@ -20,8 +20,9 @@ from dataclasses import dataclass
 import quicsrv_proto
 from quicsrv_proto import ChatMessage, ErrorCode, Truncation
 
-from ..engine import Engine, Grammar, InvalidSchema, SamplingParams, SequenceRequest
+from ..engine import Engine, InvalidSchema, SamplingParams
 from .overflow import fit_history
+from .spec import GenerationSpec
 
 __all__ = [
     "INLINE_PROMPT_CHARS",
@@ -68,14 +69,13 @@ class PriorTurn:
 class PreparedRequest:
     """A GENERATE made ready for the engine."""
 
-    sequence: SequenceRequest
+    spec: GenerationSpec
+    """What the generation is (its grammar compiled and checked)."""
     messages: tuple[ChatMessage, ...] | None
     """The chat as rendered into the prompt (its oldest turns dropped by ``truncation``);
     None for a plain prompt."""
     continued: bool
     """The prompt starts with the prior turn's own tokens (see the module docstring)."""
-    grammar: Grammar | None = None
-    """What constrains the output (a GENERATE's ``json_schema``), compiled and checked."""
 
 
 def prompt_chars(frame: quicsrv_proto.Generate) -> int:
@@ -149,7 +149,7 @@ def build_request(
                 ErrorCode.INVALID_FIELD, f"GENERATE.json_schema: {exc}{where}"
             ) from None
     seed = frame.seed if frame.seed is not None else int.from_bytes(_random_seed(), "little")
-    sequence = SequenceRequest(
+    spec = GenerationSpec(
         prompt_tokens=tuple(tokens),
         max_tokens=frame.max_tokens,
         sampling=SamplingParams(
@@ -160,12 +160,12 @@ def build_request(
             repeat_penalty=frame.repeat_penalty,
             seed=seed,
         ),
+        stop=frame.stop,
         ignore_eos=frame.ignore_eos,
-        grammar=None if grammar is None else grammar.gbnf,
+        prefill_chunk=engine.prefill_chunk,
+        grammar=grammar,
     )
-    return PreparedRequest(
-        sequence=sequence, messages=messages, continued=continued, grammar=grammar
-    )
+    return PreparedRequest(spec=spec, messages=messages, continued=continued)
 
 
 def _chat_prompt(

@@ -56,6 +56,10 @@ class KeyRing:
             raise ValueError(f"a MAC key is {KEY_BYTES} bytes")
         return cls([_Key(secret, None)], 0.0)
 
+    def refresh(self) -> None:
+        """Reread a ring other processes may have rotated; one in a file (reread when it
+        changes) or made from a secret has nothing to reread."""
+
     @property
     def current(self) -> bytes:
         self._reload_if_changed()

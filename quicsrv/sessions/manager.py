@@ -1,32 +1,31 @@
-"""Creating, finding, resuming and expiring sessions: what the transport asks of this package.
+"""Creating, finding, resuming and expiring sessions: what the front ends ask of this package.
 
-A resume is checked in an order that tells an unauthenticated peer nothing: unknown or expired
-session first (the id alone is unguessable), then the snapshot hash (constant-time, every live
-key), and only then what the hash holder may learn: model changed, index beyond the snapshot,
-session busy.
+One way in for each: :meth:`SessionManager.open_generation` for a new generation;
+:meth:`~SessionManager.resume` (a RESUME_STREAM and its snapshot hash),
+:meth:`~SessionManager.reattach` (a caller that authenticated the session id and index another
+way, an SSE cursor's MAC), :meth:`~SessionManager.cancel`, :meth:`~SessionManager.delete` and
+:meth:`~SessionManager.lookup` for the rest. Whichever store holds the sessions, each of those
+reads the record from it, checks it (:mod:`.authorization`), and only then takes the session
+over for this process (a shared store moves its lease here), so a peer that cannot show what
+the check asks for never moves a session.
 """
 
 from __future__ import annotations
 
 import asyncio
-import contextlib
-import hmac
 import logging
 import secrets
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
-
-import redis
 
 import quicsrv_proto
 from quicsrv_proto import ErrorCode
 
 from ..engine import Engine
 from ..metrics import ServerMetrics
-from .admission import AdmissionLimits, FairGate, Place, Slot
+from .admission import FairGate, Place, Slot
+from .authorization import check_admit, check_hash, check_owner, reattach_index
 from .generation import (
     INLINE_PROMPT_CHARS,
     PreparedRequest,
@@ -35,158 +34,53 @@ from .generation import (
     build_request,
     prompt_chars,
 )
+from .handover import HandOver, hand_over
 from .inbox import LoopInbox
-from .keys import KeyRing, SharedKeyRing
-from .kvstore import KVStore
-from .lifecycle import ResumeConflict
-from .redis_store import RedisSessionStore, connect, connect_async, process_owner_id
-from .session import FlowSettings, Session
-from .shared_kv import SharedKV
-from .store import SessionEnd, SessionRecord, SessionStore
+from .persistence import Persistence, open_persistence
+from .record import SessionEnd, SessionRecord
+from .session import Session
+from .settings import SessionSettings
+from .store import AppendOutcome, Found, StoreUnavailable
 from .text import TextAssembler
 
-__all__ = ["HandOver", "SessionManager", "SessionSettings"]
+__all__ = ["SessionManager"]
 
 log = logging.getLogger(__name__)
 
-KEYRING_KEY = "quicsrv:mac-keys"
-
-
-@dataclass(frozen=True, slots=True, kw_only=True)
-class HandOver:
-    """What a shutdown left for the next process (logged at the end of the hand-over)."""
-
-    paused: int
-    """Generations the engine was running, paused for the hand-over."""
-    kv_saved: int
-    """Open sessions whose KV cells were saved: they resume by restoring them."""
-    replay: int
-    """Paused generations whose pause did not land in the grace period: they resume by replay."""
-    streams_told: int
-    """Reader streams ended with END(shutdown)."""
-
-    def describe(self) -> str:
-        return (
-            f"{self.paused} generations paused, KV cells of {self.kv_saved} open sessions "
-            f"saved, {self.replay} left to replay, {self.streams_told} streams told to resume"
-        )
-
-
-@dataclass(frozen=True, slots=True, kw_only=True)
-class SessionSettings:
-    """Derived from :class:`quicsrv.config.ServerConfig` (``session_settings()``), which holds
-    the defaults."""
-
-    data_dir: Path
-    ttl_s: float
-    max_sessions: int
-    max_disk_bytes: int
-    kv_memory_budget_bytes: int
-    kv_disk_budget_bytes: int
-    max_tokens_limit: int
-    on_conflict: ResumeConflict
-    mac_key: bytes | None
-    flow: FlowSettings
-    max_active_per_client: int
-    """0: three quarters of the engine's slots (at least 1), so one client never takes all."""
-    max_queued_per_client: int
-    """0: a quarter of the engine's queue (at least 1)."""
-    max_queue_wait_s: float
-    """A new request that cannot start within this long ends with ``deadline_exceeded``."""
-    store_url: str
-    """Where records, token logs and MAC keys live: "" (or "file"): under ``data_dir``;
-    ``redis://host:port/db``: in Redis, shared by every process that names it."""
-    lease_s: float
-    """With Redis: how long a process owns a session after its last write to it."""
-    kv_redis_max_bytes: int
-    """With Redis: paused KV blobs up to this size are shared through Redis."""
-    kv_shared_dir: Path | None
-    """With Redis: larger blobs are shared here (None: not shared; a resume elsewhere replays)."""
-    previous_key_ttl_s: float = 86400.0
-    """How long a rotated-out MAC key still verifies (``quicsrv keys rotate`` sets its own)."""
-
-    def admission_limits(self, engine: Engine) -> AdmissionLimits:
-        slots, queue = engine.n_seq_max, engine.max_queued
-        return AdmissionLimits(
-            slots=slots,
-            max_queued=queue,
-            max_active_per_client=self.max_active_per_client or max(1, slots * 3 // 4),
-            max_queued_per_client=self.max_queued_per_client or max(1, queue // 4),
-        )
+#: What a check of a record found in the store does: returns the record it let through, or
+#: raises RequestRejected. It is given the live session of this process when there is one.
+_Check = Callable[[SessionRecord | None, Session | None], SessionRecord]
 
 
 class SessionManager:
+    """See the module docstring. ``persistence``: the store, key ring and KV store (default:
+    opened from ``settings``); ``metrics``: the server's instruments (default: a registry of
+    its own)."""
+
     def __init__(
         self,
         engine: Engine,
         settings: SessionSettings,
         *,
+        persistence: Persistence | None = None,
         clock: Callable[[], float] = time.time,
         metrics: ServerMetrics | None = None,
     ) -> None:
         self._engine = engine
-        self.metrics = metrics if metrics is not None else ServerMetrics()
-        self.metrics.bind_sessions(self)
         self.settings = settings
         self._clock = clock
-        self.redis: redis.Redis | None = None
-        """The shared store's client (None: the file store)."""
-        self.store: SessionStore
-        if settings.store_url not in ("", "file"):
-            self.redis = connect(settings.store_url)
-            self.store = RedisSessionStore(
-                self.redis,
-                owner_id=process_owner_id(),
-                lease_s=settings.lease_s,
-                ttl_s=settings.ttl_s,
-                max_sessions=settings.max_sessions,
-                max_disk_bytes=settings.max_disk_bytes,
-                clock=clock,
-                reader=connect_async(settings.store_url),
-            )
-            self.store.on_appended = self._on_appended
-        else:
-            self.store = SessionStore(
-                settings.data_dir / "sessions",
-                ttl_s=settings.ttl_s,
-                max_sessions=settings.max_sessions,
-                max_disk_bytes=settings.max_disk_bytes,
-                clock=clock,
-            )
-        if settings.mac_key is not None:
-            self.keys = KeyRing.from_secret(settings.mac_key)
-        elif self.redis is not None:
-            self.keys = SharedKeyRing(
-                self.redis, KEYRING_KEY, previous_key_ttl_s=settings.previous_key_ttl_s
-            )
-        else:
-            self.keys = KeyRing.load_or_create(
-                settings.data_dir / "mac-keys.json",
-                previous_key_ttl_s=settings.previous_key_ttl_s,
-            )
-        shared_kv = None
-        if self.redis is not None:
-            shared_kv = SharedKV(
-                self.redis,
-                redis_max_bytes=settings.kv_redis_max_bytes,
-                shared_dir=settings.kv_shared_dir,
-                ttl_s=settings.ttl_s,
-            )
-        self.kv = KVStore(
-            settings.data_dir / "kv",
-            memory_budget_bytes=settings.kv_memory_budget_bytes,
-            disk_budget_bytes=settings.kv_disk_budget_bytes,
-            shared=shared_kv,
+        self.metrics = metrics if metrics is not None else ServerMetrics()
+        self._persistence = (
+            persistence if persistence is not None else open_persistence(settings, clock=clock)
         )
+        self.store = self._persistence.store
+        self.store.on_appended = self._on_appended
+        self.keys = self._persistence.keys
+        self.kv = self._persistence.kv
         self._live: dict[bytes, Session] = {}
         self._shutting_down = False
         self._loop_inbox: LoopInbox | None = None
         self.gate = FairGate(settings.admission_limits(engine))
-
-    @property
-    def shared(self) -> bool:
-        """Whether other processes share these sessions (resumes: :meth:`resume_shared`)."""
-        return isinstance(self.store, RedisSessionStore)
 
     def live(self, session_id: bytes) -> Session | None:
         """The session's live object, if it runs or is attached (tests and stats)."""
@@ -200,6 +94,11 @@ class SessionManager:
         return (
             f"{self.store.usage().describe()}, {len(self._live)} live, {self.kv.usage().describe()}"
         )
+
+    def check_accepting(self) -> None:
+        """Raise ``shutting_down`` once the hand-over began: the one place that says it."""
+        if self._shutting_down:
+            raise RequestRejected(ErrorCode.SHUTTING_DOWN, "the server is shutting down")
 
     # --- new generations ----------------------------------------------------------------
 
@@ -232,8 +131,7 @@ class SessionManager:
         and have the session run to its end with nobody reading (``unattended``).
         """
         prepared = await self.prepare_off_loop(frame, prior)
-        if self._shutting_down:
-            raise RequestRejected(ErrorCode.SHUTTING_DOWN, "the server is shutting down")
+        self.check_accepting()
         place = self.gate.queue(client)
         try:
             session = self._open(
@@ -361,7 +259,6 @@ class SessionManager:
         then recorded in the store and the live table."""
         if prepared is None:
             prepared = self.prepare(frame)
-        request = prepared.sequence
         if not self.store.has_room(lambda r: r.session_id not in self._live):
             raise RequestRejected(
                 ErrorCode.OVERLOADED,
@@ -373,18 +270,12 @@ class SessionManager:
             # 128 random bits: unguessable, so a session can only be named by whoever was told.
             session_id=secrets.token_bytes(quicsrv_proto.SESSION_ID_BYTES),
             model_digest=self._engine.model_digest,
-            prompt_tokens=request.prompt_tokens,
-            sampling=request.sampling,
-            max_tokens=request.max_tokens,
-            stop=frame.stop,
-            ignore_eos=request.ignore_eos,
-            prefill_chunk=self._engine.prefill_chunk,
+            spec=prepared.spec,
             created_at_s=now,
             expires_at_s=now + self.settings.ttl_s,
             owner=owner,
             api=api,
             unattended=unattended,
-            grammar=prepared.grammar,
         )
         session = self._session(record)
         begin(session)  # an engine refusal goes to the caller as it is
@@ -398,228 +289,154 @@ class SessionManager:
         """Until every session record write asked for so far is on disk."""
         await asyncio.wrap_future(self.store.flush())
 
-    # --- resumes ------------------------------------------------------------------------
+    # --- what exists: resume, reattach, stop, read, forget -------------------------------
 
-    def resume(
+    async def resume(
         self,
         frame: quicsrv_proto.ResumeStream,
         header_session: bytes | None,
         *,
         key_id: str | None = None,
     ) -> Session:
-        """Check a RESUME_STREAM; the caller then attaches at ``frame.last_index + 1``.
+        """Check a RESUME_STREAM and take the session for this process; the caller then
+        attaches at ``frame.last_index + 1``. ``key_id``: the API key the request presented
+        (None on an open server); a session started with a key resumes only with that key."""
 
-        ``key_id``: the API key the request presented (None on an open server); a session
-        started with a key resumes only with that key.
-        """
-        session = self._live.get(frame.session_id)
-        record = session.record if session is not None else self.store.get(frame.session_id)
-        self._check_resume(frame, header_session, record, session, key_id)
-        assert record is not None
-        if session is None:
-            session = self._session(record)
-            self._live[frame.session_id] = session
-        return session
+        def check(record: SessionRecord | None, session: Session | None) -> SessionRecord:
+            record = self._require_current(frame.session_id, record, session)
+            check_hash(frame, header_session, record, self.keys.verifying_keys(self._clock()))
+            self._admit(record, session, frame.last_index + 1, key_id)
+            return record
 
-    async def resume_shared(
-        self,
-        frame: quicsrv_proto.ResumeStream,
-        header_session: bytes | None,
-        *,
-        key_id: str | None = None,
-    ) -> Session:
-        """:meth:`resume` with the Redis store: the record is read from Redis, checked, and
-        only then taken over (its lease moved here), so a peer that cannot show the snapshot
-        hash never moves a session. A copy of it still live here but owned elsewhere meanwhile
-        is stale: it is handed over and replaced."""
+        return self._run_here(*await self._take(frame.session_id, check))
 
-        def check(record: SessionRecord | None) -> None:
-            self._check_resume(frame, header_session, record, None, key_id)
-
-        return await self._take_over(
-            frame.session_id, check, lambda: self.resume(frame, header_session, key_id=key_id)
-        )
-
-    async def reattach_anywhere(
+    async def reattach(
         self, session_id: bytes, from_index: int, *, key_id: str | None = None
     ) -> Session:
-        """:meth:`reattach`, taking the session over from another process when the store is
-        shared (an SSE reader may reconnect to any of them)."""
-        if not self.shared:
-            return self.reattach(session_id, from_index, key_id=key_id)
-
-        def check(record: SessionRecord | None) -> None:
-            record = self._require_current(session_id, record, None)
-            self._check_admit(None, record, _reattach_index(record, from_index), key_id)
-
-        return await self._take_over(
-            session_id, check, lambda: self.reattach(session_id, from_index, key_id=key_id)
-        )
-
-    async def cancel_anywhere(self, session_id: bytes, *, key_id: str | None = None) -> SessionEnd:
-        """:meth:`cancel`, taking the session over first when the store is shared."""
-        if self.shared:
-
-            def check(record: SessionRecord | None) -> None:
-                _check_owner(self._require_current(session_id, record, None), key_id)
-
-            await self._take_over(session_id, check, lambda: self._find(session_id)[0])
-        return self.cancel(session_id, key_id=key_id)
-
-    async def _take_over(
-        self,
-        session_id: bytes,
-        check: Callable[[SessionRecord | None], None],
-        here: Callable[[], Session | None],
-    ) -> Session:
-        """Read ``session_id`` from Redis, ``check`` it, then claim its lease for this process
-        (``here()`` when this process owns it already). ``check`` raises to refuse."""
-        store = self.store
-        assert isinstance(store, RedisSessionStore)
-        try:
-            fetched = await store.fetch(session_id)
-            live = self._live.get(session_id)
-            if live is not None and not live.handed_over:
-                if fetched is not None and fetched.owner == store.owner_id:
-                    session = here()
-                    if session is not None:
-                        return session
-            check(fetched.record if fetched is not None else None)
-            if live is not None and not live.handed_over:
-                # Written elsewhere since: stale. Stopped before the claim, so whatever it
-                # still had on its way to Redis lands before the claim reads the log.
-                live.hand_over()
-            claimed = await asyncio.wrap_future(store.claim(session_id))
-        except redis.RedisError as exc:
-            raise _store_unreachable(session_id, exc) from None
-        if claimed is None:
-            raise RequestRejected(ErrorCode.SESSION_EXPIRED, "the session has expired")
-        # The log only grows: what was checked above is a prefix of what was claimed.
-        check(claimed.record)
-        if claimed.owner and claimed.owner != store.owner_id:
-            log.info("session %s taken over from %s", session_id.hex(), claimed.owner)
-        store.adopt(claimed.record)
-        if claimed.record.generated and claimed.record.end is None:
-            # A blob another process paused with, brought here before the answer names the
-            # resume path (kv-restore); a big read, so off the loop.
-            await asyncio.to_thread(self.kv.pull, session_id, len(claimed.record.generated))
-        session = self._session(claimed.record)
-        self._live[session_id] = session
-        return session
-
-    def _check_resume(
-        self,
-        frame: quicsrv_proto.ResumeStream,
-        header_session: bytes | None,
-        record: SessionRecord | None,
-        session: Session | None,
-        key_id: str | None,
-    ) -> None:
-        if header_session is not None and header_session != frame.session_id:
-            raise RequestRejected(
-                ErrorCode.INVALID_FIELD, "the quicsrv-session header and RESUME_STREAM disagree"
-            )
-        record = self._require_current(frame.session_id, record, session)
-        # The hash names a prefix the server persisted before telling anyone its hash, so a
-        # hash index past what is recorded cannot be genuine.
-        hash_index = frame.checkpoint_index
-        valid = hash_index < len(record.generated) and record.snapshot(upto=hash_index + 1).verify(
-            self.keys.verifying_keys(self._clock()), hash_index, frame.snapshot_hash
-        )
-        if not valid:
-            raise RequestRejected(
-                ErrorCode.HASH_MISMATCH, "the snapshot hash does not verify for this session"
-            )
-        self._check_admit(session, record, frame.last_index + 1, key_id)
-
-    def reattach(self, session_id: bytes, from_index: int, *, key_id: str | None = None) -> Session:
         """Like :meth:`resume`, for a caller that already authenticated ``session_id`` and
         ``from_index`` by other means (an SSE cursor's MAC): every check but the hash.
         ``from_index`` may equal the recorded token count (nothing to replay, wait for more
         or only the END); past it, on an ended session, it means the reader had every token.
         """
-        session, record = self._find(session_id)
-        self._check_admit(session, record, _reattach_index(record, from_index), key_id)
-        if session is None:
-            session = self._session(record)
-            self._live[record.session_id] = session
-        return session
+
+        def check(record: SessionRecord | None, session: Session | None) -> SessionRecord:
+            record = self._require_current(session_id, record, session)
+            self._admit(record, session, reattach_index(record, from_index), key_id)
+            return record
+
+        return self._run_here(*await self._take(session_id, check))
+
+    async def cancel(self, session_id: bytes, *, key_id: str | None = None) -> SessionEnd:
+        """End a generation for good (an explicit stop): the engine sequence and its saved KV
+        go, a reader gets the tokens so far and END(cancelled). A finished session is left as
+        it is. Returns how the session ended; raises unknown/expired/key mismatch."""
+
+        def check(record: SessionRecord | None, session: Session | None) -> SessionRecord:
+            record = self._require_current(session_id, record, session)
+            check_owner(record, key_id)
+            return record
+
+        session, record = await self._take(session_id, check)
+        if record.end is None:
+            if session is None:  # paused, nobody reading: end the record all the same
+                session = self._session(record)
+            session.cancel()
+        assert record.end is not None
+        return record.end
+
+    async def delete(self, session_id: bytes, *, key_id: str | None = None) -> None:
+        """Stop a session if it runs and forget it for good (its owner asked): its record,
+        token log and saved KV cells go, from a shared store too."""
+        await self.cancel(session_id, key_id=key_id)
+        self.store.delete(session_id)
+        self.kv.discard(session_id)
+        await self.persisted()
 
     async def lookup(self, session_id: bytes, *, key_id: str | None = None) -> SessionRecord:
         """The record of ``session_id`` as it stands, to read, not to run: this process's copy
-        when it owns the session, else (a shared store) what Redis holds. Raises unknown,
-        expired or key mismatch."""
-        if self.shared:
-            live = self._live.get(session_id)
-            if live is None or live.handed_over:
-                store = self.store
-                assert isinstance(store, RedisSessionStore)
-                try:
-                    fetched = await store.fetch(session_id)
-                except redis.RedisError as exc:
-                    raise _store_unreachable(session_id, exc) from None
-                record = self._require_current(
-                    session_id, fetched.record if fetched is not None else None, None
-                )
-                _check_owner(record, key_id)
-                return record
-        _, record = self._find(session_id)
-        _check_owner(record, key_id)
+        when it runs the session, else what the store holds. Raises unknown, expired or key
+        mismatch."""
+        live = self._live.get(session_id)
+        if live is not None and not live.stale:
+            record = live.record
+        else:
+            found = await self._fetch(session_id)
+            record = self._require_current(session_id, None if found is None else found.record, None)
+        check_owner(record, key_id)
         return record
 
     def text_of(self, record: SessionRecord, upto: int | None = None) -> str:
         """The text of a record's answer: of its first ``upto`` tokens, as a stream sent it
         (what a stop sequence may still match held back), or else all of it."""
-        text = TextAssembler(record.stop)
+        text = TextAssembler(record.spec.stop)
         tokens = record.generated if upto is None else record.generated[:upto]
         parts = [text.push(self._engine.piece(token)) for token in tokens]
         if upto is None and record.end is not None:
             parts.append(text.finish())
         return "".join(parts)
 
-    async def delete_anywhere(self, session_id: bytes, *, key_id: str | None = None) -> None:
-        """Stop a session if it runs and forget it for good (its owner asked): its record,
-        token log and saved KV cells go, from the shared store too."""
-        await self.cancel_anywhere(session_id, key_id=key_id)
-        self.store.delete(session_id)
-        self.kv.discard(session_id)
-        await self.persisted()
-
     def run_unattended_again(self) -> int:
         """Start again the unattended sessions (background responses) that the previous
-        process left unfinished in this data dir; how many. (With the shared store a session
-        goes on when someone reads it: no process walks every record in Redis.)"""
-        if self.shared:
-            return 0
+        process left unfinished in this store; how many. (A shared store knows none at start:
+        there a session goes on when someone reads it, no process walks every record.)"""
         started = 0
         for record in self.store:
             if record.unattended and record.end is None and record.session_id not in self._live:
                 if record.model_digest != self._engine.model_digest:
                     continue
-                session = self._session(record)
-                self._live[record.session_id] = session
+                session = self._run_here(None, record)
                 session.run_unattended()
                 started += 1
         return started
 
-    def cancel(self, session_id: bytes, *, key_id: str | None = None) -> SessionEnd:
-        """End a generation for good (an explicit stop): the engine sequence and its saved KV
-        go, a reader gets the tokens so far and END(cancelled). A finished session is left as
-        it is. Returns how the session ended; raises unknown/expired/key mismatch."""
-        session, record = self._find(session_id)
-        _check_owner(record, key_id)
-        if record.end is None:
-            if session is None:  # paused on disk, nobody reading: end the record all the same
-                session = self._session(record)
-            session.cancel()
-        assert record.end is not None
-        return record.end
+    async def _take(self, session_id: bytes, check: _Check) -> tuple[Session | None, SessionRecord]:
+        """Read ``session_id`` from the store, ``check`` it, then make sure this process owns
+        it (a shared store's lease taken over, the record as it stood then checked again):
+        this process's live session of it, if any, and its record."""
+        found = await self._fetch(session_id)
+        live = self._live.get(session_id)
+        if live is not None and live.stale:
+            live = None
+        if live is not None and found is not None and found.owned_here:
+            return live, check(live.record, live)
+        record = check(None if found is None else found.record, None)
+        if live is not None:
+            # Written elsewhere since: stale. Stopped before the claim, so whatever it still had
+            # on its way to the store lands before the claim reads the log.
+            live.lose_ownership()
+        assert found is not None  # check() refuses a missing record
+        claimed = await self._claim(session_id)
+        if claimed is None:
+            raise RequestRejected(ErrorCode.SESSION_EXPIRED, "the session has expired")
+        if claimed.record is not record:
+            # The log only grows: what was checked is a prefix of what was claimed.
+            record = check(claimed.record, None)
+        if claimed.owner and not found.owned_here:
+            log.info("session %s taken over from %s", session_id.hex(), claimed.owner)
+        if not found.owned_here and record.generated and record.end is None:
+            # A blob another process paused with, brought here before the answer names the
+            # resume path (kv-restore); a big read, so off the loop.
+            await asyncio.to_thread(self.kv.pull, session_id, len(record.generated))
+        return None, record
 
-    def _find(self, session_id: bytes) -> tuple[Session | None, SessionRecord]:
-        """The live session (if any) and record of ``session_id``; raises unknown/expired."""
-        session = self._live.get(session_id)
-        record = session.record if session is not None else self.store.get(session_id)
-        return session, self._require_current(session_id, record, session)
+    def _run_here(self, session: Session | None, record: SessionRecord) -> Session:
+        """The live session of ``record`` (made if there is none yet)."""
+        if session is None:
+            session = self._session(record)
+            self._live[record.session_id] = session
+        return session
+
+    async def _fetch(self, session_id: bytes) -> Found | None:
+        try:
+            return await self.store.fetch(session_id)
+        except StoreUnavailable as exc:
+            raise _store_unreachable(session_id, exc) from None
+
+    async def _claim(self, session_id: bytes) -> Found | None:
+        try:
+            return await self.store.claim(session_id)
+        except StoreUnavailable as exc:
+            raise _store_unreachable(session_id, exc) from None
 
     def _require_current(
         self, session_id: bytes, record: SessionRecord | None, session: Session | None
@@ -634,30 +451,17 @@ class SessionManager:
             raise RequestRejected(ErrorCode.SESSION_EXPIRED, "the session has expired")
         return record
 
-    def _check_admit(
-        self,
-        session: Session | None,
-        record: SessionRecord,
-        from_index: int,
-        key_id: str | None,
+    def _admit(
+        self, record: SessionRecord, session: Session | None, from_index: int, key_id: str | None
     ) -> None:
-        """The checks only an authenticated resumer may learn the outcome of."""
-        _check_owner(record, key_id)
-        if record.model_digest != self._engine.model_digest:
-            raise RequestRejected(
-                ErrorCode.MODEL_CHANGED, "the server runs a different model than the session's"
-            )
-        if from_index > len(record.generated):
-            raise RequestRejected(
-                ErrorCode.INDEX_BEYOND_SNAPSHOT,
-                f"last_index {from_index - 1} is beyond the snapshot "
-                f"({len(record.generated)} tokens)",
-            )
-        if session is not None and session.attached:
-            if self.settings.on_conflict is ResumeConflict.REFUSE:
-                raise RequestRejected(
-                    ErrorCode.SESSION_BUSY, "another stream is reading this session"
-                )
+        check_admit(
+            record,
+            from_index=from_index,
+            key_id=key_id,
+            model_digest=self._engine.model_digest,
+            read_elsewhere=session is not None and session.attached,
+            on_conflict=self.settings.on_conflict,
+        )
 
     # --- upkeep -------------------------------------------------------------------------
 
@@ -673,14 +477,18 @@ class SessionManager:
         logged = ""
         while True:
             await asyncio.sleep(interval_s)  # a periodic chore, not synchronisation
-            if isinstance(self.keys, SharedKeyRing):  # a rotation by another process
-                await asyncio.to_thread(self.keys.refresh)
-                await asyncio.to_thread(self.kv.sweep_shared)
+            await asyncio.to_thread(self._refresh_shared)
             removed = self.sweep()
             usage = self.usage()
             if usage != logged or removed:
                 log.info("store usage: %s (expired %d)", usage, removed)
                 logged = usage
+
+    def _refresh_shared(self) -> None:
+        """What other processes may have changed: a rotation of a shared key ring, and old
+        shared KV files left by killed processes (blocking)."""
+        self.keys.refresh()
+        self.kv.sweep_shared()
 
     def shutdown(self) -> None:
         """Pause every engine sequence with its KV cells captured, never to restart here; no
@@ -690,43 +498,17 @@ class SessionManager:
             session.pause_for_shutdown()
 
     async def hand_over(self, grace_s: float) -> HandOver:
-        """After :meth:`shutdown`: wait (up to ``grace_s``) for the pauses to land, write the
-        records and the KV cells where the next process reads them (the data dir, or the
-        shared store), then end every reader's stream with END(shutdown), which tells it to
-        resume. A session whose pause did not land in time resumes by replay."""
-        sessions = list(self._live.values())
-        held = [s for s in sessions if not s.sequence_released.is_set()]
-        if held:
-            with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(
-                    asyncio.gather(*(s.sequence_released.wait() for s in held)), grace_s
-                )
-        await self.persisted()
-        await asyncio.to_thread(self.kv.persist)
-        saved = sum(
-            self.kv.has(s.session_id, len(s.record.generated))
-            for s in sessions
-            if s.record.end is None and s.record.generated
-        )
-        told = sum(session.end_for_shutdown() for session in sessions)
-        return HandOver(
-            paused=len(held),
-            kv_saved=saved,
-            replay=sum(not s.sequence_released.is_set() for s in held),
-            streams_told=told,
+        """After :meth:`shutdown`: give every session to the next process (:mod:`.handover`)."""
+        return await hand_over(
+            list(self._live.values()), kv=self.kv, persisted=self.persisted, grace_s=grace_s
         )
 
     def close(self) -> None:
-        self.store.close()
-        self.kv.close()
+        self._persistence.close()
 
     async def aclose(self) -> None:
-        """:meth:`close` from the event loop (the shared store's asyncio client closes too)."""
-        if isinstance(self.store, RedisSessionStore):
-            await self.store.aclose()
-            self.kv.close()
-            return
-        self.close()
+        """:meth:`close` from the event loop (a shared store's asyncio client closes too)."""
+        await self._persistence.aclose()
 
     def _expire(self, record: SessionRecord) -> None:
         # Only our copy: another process may have touched the session since (shared copies
@@ -757,43 +539,26 @@ class SessionManager:
             self._engine.deliver_on(loop)
         return self._loop_inbox
 
-    def _on_appended(self, record: SessionRecord, problem: str | None) -> None:
+    def _on_appended(self, record: SessionRecord, outcome: AppendOutcome, problem: str) -> None:
         session = self._live.get(record.session_id)
         if session is None or session.record is not record:
             return  # a copy handed over already
-        if problem is None:
+        if outcome is AppendOutcome.DURABLE:
             session.tokens_durable()
-        elif problem == "taken":  # another process resumed it: our copy is stale
-            session.hand_over()
-            self.store.remove(record.session_id)
-        else:  # the reader may resume once Redis is back: the durable tokens are there
-            session.hand_over(failure="the session store failed; resume later")
-            self.store.remove(record.session_id)
+            return
+        # TAKEN: another process resumed it, our copy is stale. FAILED: the reader may resume
+        # once the store is back (the durable tokens are there).
+        session.lose_ownership(
+            None if outcome is AppendOutcome.TAKEN else "the session store failed; resume later"
+        )
+        self.store.remove(record.session_id)
 
     def _forget(self, session: Session) -> None:
         if self._live.get(session.session_id) is session:
             del self._live[session.session_id]
 
 
-def _store_unreachable(session_id: bytes, exc: redis.RedisError) -> RequestRejected:
-    """What a request that needed Redis gets when it cannot be reached (logged here)."""
-    log.error("session %s: redis: %s", session_id.hex(), exc)
+def _store_unreachable(session_id: bytes, exc: StoreUnavailable) -> RequestRejected:
+    """What a request that needed the store gets when it cannot be reached (logged here)."""
+    log.error("session %s: session store: %s", session_id.hex(), exc)
     return RequestRejected(ErrorCode.STORE_UNAVAILABLE, "the session store cannot be reached")
-
-
-def _check_owner(record: SessionRecord, key_id: str | None) -> None:
-    """A session started with an API key is read, resumed or stopped only with that key."""
-    if key_id is not None and record.owner and not _same(key_id, record.owner):
-        raise RequestRejected(
-            ErrorCode.SESSION_KEY_MISMATCH, "the session was started with another API key"
-        )
-
-
-def _reattach_index(record: SessionRecord, from_index: int) -> int:
-    """Past the last token of an ended session means the reader had every token: only the
-    END is left to send, from the recorded count."""
-    return min(from_index, len(record.generated)) if record.end is not None else from_index
-
-
-def _same(a: str, b: str) -> bool:
-    return hmac.compare_digest(a.encode(), b.encode())

@@ -28,11 +28,11 @@ from __future__ import annotations
 import asyncio
 import functools
 import logging
+import os
 import secrets
 import socket
 import threading
-from array import array
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from concurrent.futures import Future
 from dataclasses import dataclass
 from typing import Any
@@ -46,7 +46,9 @@ from redis.retry import Retry
 
 from quicsrv_proto import canonical_cbor
 
-from .store import _TOKEN, SessionRecord, SessionStore
+from .record import SessionRecord
+from .store import AppendOutcome, Found, RecordIndex, SaveQueue, StoreUnavailable, StoreUsage
+from .tokens import TOKEN_BYTES, pack_token, unpack_tokens
 
 __all__ = ["DEFAULT_PREFIX", "RedisSessionStore", "connect", "connect_async", "process_owner_id"]
 
@@ -127,17 +129,7 @@ def connect_async(url: str, *, timeout_s: float = 5.0, retries: int = 2) -> redi
 
 def process_owner_id() -> str:
     """Names this process in leases: host and pid for people, random bits for uniqueness."""
-    import os
-
     return f"{socket.gethostname()}:{os.getpid()}:{secrets.token_hex(4)}"
-
-
-@dataclass(frozen=True, slots=True)
-class Fetched:
-    """A record as read from Redis, and which process owned it then ("" if nobody)."""
-
-    record: SessionRecord
-    owner: str
 
 
 @dataclass(slots=True)
@@ -148,12 +140,12 @@ class _PendingAppend:
     expires_at_ms: int
 
 
-class RedisSessionStore(SessionStore):
-    """A :class:`SessionStore` whose records live in Redis: see the module docstring.
+class RedisSessionStore:
+    """A :class:`~.store.SessionStore` whose records live in Redis: see the module docstring.
 
-    The inherited in-memory index holds the records this process knows (started, resumed or
-    fetched); Redis holds every process's. Removing a record forgets it here only: Redis
-    expires it with its session, and another process may still own it.
+    Its in-memory index holds the records this process knows (started, resumed or claimed);
+    Redis holds every process's. Removing a record forgets it here only: Redis expires it with
+    its session, and another process may still own it.
     """
 
     def __init__(
@@ -169,13 +161,10 @@ class RedisSessionStore(SessionStore):
         reader: redis.asyncio.Redis | None = None,
         prefix: str = DEFAULT_PREFIX,
     ) -> None:
-        super().__init__(
-            None,
-            ttl_s=ttl_s,
-            max_sessions=max_sessions,
-            max_disk_bytes=max_disk_bytes,
-            clock=clock,
-        )
+        self.ttl_s = ttl_s
+        self._clock = clock
+        self._index = RecordIndex(max_sessions=max_sessions, max_disk_bytes=max_disk_bytes)
+        self._writes = SaveQueue()
         self._redis = client
         self._reader = reader
         self.owner_id = owner_id
@@ -189,11 +178,33 @@ class RedisSessionStore(SessionStore):
         self._pending: dict[bytes, _PendingAppend] = {}
         self._durable: dict[bytes, int] = {}
         self._loop: asyncio.AbstractEventLoop | None = None
-        self.on_appended: Callable[[SessionRecord, str | None], None] | None = None
-        """Called on the loop after each batch, per session: ``None`` when its tokens are
-        durable, else why not: "taken" (another process owns it now) or Redis's error."""
+        self.on_appended: Callable[[SessionRecord, AppendOutcome, str], None] | None = None
 
     # --- what the sessions ask (event loop) ---------------------------------------------
+
+    def __len__(self) -> int:
+        return len(self._index)
+
+    def __iter__(self) -> Iterator[SessionRecord]:
+        """The records this process knows: none at start (nothing walks every record in
+        Redis; a session goes on when someone reads it)."""
+        return iter(self._index)
+
+    def get(self, session: bytes) -> SessionRecord | None:
+        return self._index.get(session)
+
+    def was_expired(self, session: bytes) -> bool:
+        return self._index.was_expired(session)
+
+    def usage(self) -> StoreUsage:
+        return self._index.usage()
+
+    def has_room(self, evictable: Callable[[SessionRecord], bool]) -> bool:
+        return self._index.make_room(evictable, self.remove)
+
+    def add(self, record: SessionRecord) -> None:
+        self._index.put(record)
+        self.save(record)
 
     def durable_tokens(self, record: SessionRecord) -> int:
         return self._durable.get(record.session_id, len(record.generated))
@@ -202,7 +213,7 @@ class RedisSessionStore(SessionStore):
         session = record.session_id
         self._durable.setdefault(session, len(record.generated))
         record.generated.append(token)
-        self._disk_bytes += _TOKEN.size
+        self._index.token_added()
         if self._loop is None:
             self._loop = asyncio.get_running_loop()
         with self._lock:
@@ -214,75 +225,78 @@ class RedisSessionStore(SessionStore):
                 pending = self._pending[session] = _PendingAppend(
                     record, offset, bytearray(), int(record.expires_at_s * 1000)
                 )
-            pending.data += _TOKEN.pack(token)
+            pending.data += pack_token(token)
             pending.expires_at_ms = int(record.expires_at_s * 1000)
         if first:  # one batch job at a time gathers every session's tokens
-            self._writer.submit(self._flush_appends)
+            self._writes.submit(self._flush_appends)
 
     def close_log(self, record: SessionRecord) -> None:
         pass  # nothing held open
 
     def touch(self, record: SessionRecord) -> None:
-        if self._records.get(record.session_id) is record:  # else a stale copy: not ours
-            super().touch(record)
+        if self._index.owns(record):  # else a stale copy: not ours
+            self._index.touched(record, self._clock() + self.ttl_s)
+            self.save(record)
 
     def save(self, record: SessionRecord) -> Future[None]:
-        if self._records.get(record.session_id) is not record:
+        if not self._index.owns(record):
             return self.flush()
-        data = canonical_cbor(record._meta())
-        old = self._meta_bytes.get(record.session_id, 0)
-        self._meta_bytes[record.session_id] = len(data)
-        self._disk_bytes += len(data) - old
-        return self._save_latest(
+        data = canonical_cbor(record.meta())
+        self._index.meta_sized(record.session_id, len(data))
+        return self._writes.save_latest(
             record.session_id,
             functools.partial(
                 self._save_meta, record.session_id, data, int(record.expires_at_s * 1000)
             ),
         )
 
+    def flush(self) -> Future[None]:
+        return self._writes.flush()
+
     def remove(self, session: bytes, *, expired: bool = False) -> None:
-        record = self._records.pop(session, None)
-        if record is None:
-            return
-        self._durable.pop(session, None)
-        self._disk_bytes -= self._meta_bytes.pop(session, 0) + _TOKEN.size * len(record.generated)
-        if expired:
-            self._expired[session] = None
-            while len(self._expired) > 65536:
-                self._expired.popitem(last=False)
+        if self._index.pop(session, expired=expired) is not None:
+            self._durable.pop(session, None)
 
     def delete(self, session: bytes) -> None:
-        record = self._records.get(session)
+        record = self._index.get(session)
         expires_at_ms = int((record.expires_at_s if record else self._clock() + self.ttl_s) * 1000)
         self.remove(session)
-        self._writer.submit(self._delete, session, expires_at_ms)
+        self._writes.submit(self._delete, session, expires_at_ms)
 
-    def adopt(self, record: SessionRecord) -> None:
-        """Know ``record`` (just fetched or claimed) here, replacing any older copy."""
-        self.remove(record.session_id)
-        self._records[record.session_id] = record
-        self._durable[record.session_id] = len(record.generated)
-        self._disk_bytes += _TOKEN.size * len(record.generated)
+    def expired(self, now_s: float) -> list[SessionRecord]:
+        return self._index.expired(now_s)
 
-    async def fetch(self, session: bytes) -> Fetched | None:
-        """Read a record and its owner, without taking it: with the asyncio client, on the
-        loop (nothing to order it against: whatever the check of it decides, the takeover that
-        may follow goes through the writer thread, after this process's own writes); without
-        one, on the writer thread."""
-        if self._reader is None:
-            return await asyncio.wrap_future(self._writer.submit(self._fetch, session))
-        lease, meta, tokens = self._keys(session)
-        raw_meta, raw_tokens, owner = await self._reader.mget([meta, tokens, lease])
+    async def fetch(self, session: bytes) -> Found | None:
+        """With the asyncio client, on the loop (nothing to order it against: whatever the
+        check of it decides, the takeover that may follow goes through the writer thread, after
+        this process's own writes); without one, on the writer thread."""
+        try:
+            if self._reader is None:
+                return await asyncio.wrap_future(self._writes.submit(self._fetch, session))
+            lease, meta, tokens = self._keys(session)
+            raw_meta, raw_tokens, owner = await self._reader.mget([meta, tokens, lease])
+        except redis.RedisError as exc:
+            raise StoreUnavailable(str(exc)) from None
         if raw_meta is None:
             return None
-        return _decode(raw_meta, raw_tokens or b"", owner or b"")
+        return self._decode(raw_meta, raw_tokens or b"", owner or b"")
 
-    def claim(self, session: bytes) -> Future[Fetched | None]:
-        """Take the lease over, whoever held it, and read the record at that instant."""
-        return self._writer.submit(self._claim, session)
+    async def claim(self, session: bytes) -> Found | None:
+        """Take the lease over, whoever held it, read the record at that instant and know it
+        here, replacing any older copy."""
+        try:
+            found = await asyncio.wrap_future(self._writes.submit(self._claim, session))
+        except redis.RedisError as exc:
+            raise StoreUnavailable(str(exc)) from None
+        if found is not None:
+            record = found.record
+            self.remove(record.session_id)
+            self._index.put(record, token_bytes=TOKEN_BYTES * len(record.generated))
+            self._durable[record.session_id] = len(record.generated)
+        return found
 
     def close(self) -> None:
-        self._writer.shutdown(wait=True)
+        self._writes.shutdown()
         self._redis.close()
 
     async def aclose(self) -> None:
@@ -333,7 +347,7 @@ class RedisSessionStore(SessionStore):
                     args=[
                         self.owner_id,
                         self._lease_ms,
-                        pending.offset * _TOKEN.size,
+                        pending.offset * TOKEN_BYTES,
                         bytes(pending.data),
                         pending.expires_at_ms,
                     ],
@@ -343,51 +357,50 @@ class RedisSessionStore(SessionStore):
         except redis.RedisError as exc:
             log.error("cannot append tokens to redis: %s", exc)
             results = [exc] * len(sessions)
-        outcome: list[tuple[SessionRecord, str | None, int]] = []
+        settled: list[tuple[SessionRecord, AppendOutcome, str, int]] = []
         for session, result in zip(sessions, results, strict=True):
             pending = batch[session]
-            problem = None
+            outcome, problem = AppendOutcome.DURABLE, ""
             if isinstance(result, Exception):
                 log.error("token append of session %s failed: %s", session.hex(), result)
-                problem = f"the session store failed: {result}"
+                outcome, problem = AppendOutcome.FAILED, f"the session store failed: {result}"
             elif result != 1:
                 log.info("session %s was taken over by another process", session.hex())
-                problem = "taken"
-            done = pending.offset + len(pending.data) // _TOKEN.size
-            outcome.append((pending.record, problem, done))
+                outcome, problem = AppendOutcome.TAKEN, "another process owns the session"
+            done = pending.offset + len(pending.data) // TOKEN_BYTES
+            settled.append((pending.record, outcome, problem, done))
         loop = self._loop
         if loop is not None and not loop.is_closed():
-            loop.call_soon_threadsafe(self._appended, outcome)
+            loop.call_soon_threadsafe(self._appended, settled)
 
-    def _fetch(self, session: bytes) -> Fetched | None:
+    def _fetch(self, session: bytes) -> Found | None:
         lease, meta, tokens = self._keys(session)
         raw_meta, raw_tokens, owner = self._redis.mget([meta, tokens, lease])
         if raw_meta is None:
             return None
-        return _decode(raw_meta, raw_tokens or b"", owner or b"")
+        return self._decode(raw_meta, raw_tokens or b"", owner or b"")
 
-    def _claim(self, session: bytes) -> Fetched | None:
+    def _claim(self, session: bytes) -> Found | None:
         lease, meta, tokens = self._keys(session)
         found = self._claim_script(keys=[lease, meta, tokens], args=[self.owner_id, self._lease_ms])
         if not found:
             return None
         raw_meta, raw_tokens, owner = found
-        return _decode(raw_meta, raw_tokens, owner)
+        return self._decode(raw_meta, raw_tokens, owner)
+
+    def _decode(self, raw_meta: Any, raw_tokens: Any, owner: Any) -> Found:
+        record = SessionRecord.from_meta(
+            cbor2.loads(bytes(raw_meta)), unpack_tokens(bytes(raw_tokens))
+        )
+        owner = owner.decode() if isinstance(owner, bytes) else str(owner)
+        return Found(record, owned_here=owner == self.owner_id, owner=owner)
 
     # --- back on the loop ---------------------------------------------------------------
 
-    def _appended(self, outcome: list[tuple[SessionRecord, str | None, int]]) -> None:
-        for record, problem, done in outcome:
+    def _appended(self, settled: list[tuple[SessionRecord, AppendOutcome, str, int]]) -> None:
+        for record, outcome, problem, done in settled:
             session = record.session_id
-            if problem is None and self._records.get(session) is record:
+            if outcome is AppendOutcome.DURABLE and self._index.owns(record):
                 self._durable[session] = max(self._durable.get(session, 0), done)
             if self.on_appended is not None:
-                self.on_appended(record, problem)
-
-
-def _decode(raw_meta: Any, raw_tokens: Any, owner: Any) -> Fetched:
-    raw_meta, raw_tokens = bytes(raw_meta), bytes(raw_tokens)
-    raw_tokens = raw_tokens[: len(raw_tokens) - len(raw_tokens) % _TOKEN.size]
-    tokens = array("I", (t for (t,) in _TOKEN.iter_unpack(raw_tokens)))
-    record = SessionRecord._from_meta(cbor2.loads(raw_meta), tokens)
-    return Fetched(record, owner.decode() if isinstance(owner, bytes) else owner)
+                self.on_appended(record, outcome, problem)

@@ -37,7 +37,6 @@ from ..engine import (
     ResumePath,
     ResumePoint,
     SequenceHandle,
-    SequenceRequest,
 )
 from .admission import FairGate, Place, Slot
 from .flow import DeliveryMeter, tokens_ahead
@@ -54,14 +53,16 @@ from .lifecycle import (
     allows,
     next_state,
 )
+from .record import SessionEnd, SessionRecord
+from .settings import FlowSettings
 from .snapshot import PrefixSigner
-from .store import SessionEnd, SessionRecord, SessionStore
+from .store import SessionStore
 from .text import TextAssembler
 
 if TYPE_CHECKING:
     from ..metrics import GenerationTrace
 
-__all__ = ["FlowSettings", "Session", "StreamPort"]
+__all__ = ["Session", "StreamPort"]
 
 #: The engine's allowance advances in steps of the tokens ahead / ALLOWANCE_STEPS.
 ALLOWANCE_STEPS = 4
@@ -106,27 +107,6 @@ class _Unattended:
 
     def acked_offset(self) -> int:
         return self._sent
-
-
-@dataclass(frozen=True, slots=True, kw_only=True)
-class FlowSettings:
-    """Derived from :class:`quicsrv.config.ServerConfig` (``flow_settings()``)."""
-
-    max_tokens_ahead: int
-    """Tokens generated beyond what the reader acknowledged before the sequence pauses; more
-    where the reader's delay needs it (:mod:`.flow`)."""
-    high_watermark_bytes: int
-    """Unacknowledged stream bytes at which the reader counts as blocked."""
-    low_watermark_bytes: int
-    """...and below which it counts as drained again."""
-    checkpoint_every_tokens: int
-    coalesce_s: float
-    """How long the engine may hold a token before sending it (the worker's coalescing)."""
-    inexact_reprefill: bool
-    """Rebuild missing KV by one chunked prefill (fast, not bit-exact) instead of the replay."""
-    prefix_cache_shared: bool
-    """Every API key's generations reuse every key's kept cells (by default only their own:
-    the time to first token would tell one key what another key's prompts were)."""
 
 
 @dataclass(eq=False)
@@ -174,7 +154,7 @@ class Session:
         self._signer = PrefixSigner(
             record.snapshot(upto=0).header(), record.generated, flow.checkpoint_every_tokens
         )
-        self._text = TextAssembler(record.stop)
+        self._text = TextAssembler(record.spec.stop)
         self._texts = [self._text.push(engine.piece(t)) for t in record.generated]
         self._tail = self._end_tail() if record.end is not None else ""
         self._state = SessionState.ENDED if record.end is not None else SessionState.CREATED
@@ -214,7 +194,7 @@ class Session:
         return attachment is not None and not isinstance(attachment.port, _Unattended)
 
     @property
-    def handed_over(self) -> bool:
+    def stale(self) -> bool:
         """Another process owns the session now (or the store failed): this copy is stale."""
         return self._state in STALE
 
@@ -245,7 +225,7 @@ class Session:
         except BaseException:
             self._release_slot()
             raise
-        self._trace.started(len(self.record.prompt_tokens), arrived_at)
+        self._trace.started(len(self.record.spec.prompt_tokens), arrived_at)
 
     def enter_line(self, place: Place, *, arrived_at: float | None, timeout_s: float) -> None:
         """A new generation for which no slot was free: wait for ``place``'s turn (at most
@@ -287,7 +267,7 @@ class Session:
         client's slots like any generation, stopped only by a cancel, a shutdown (the next
         process picks it up again) or its end."""
         self.unattended = self.record.unattended = True
-        if self._attachment is None and not self.finished and not self.handed_over:
+        if self._attachment is None and not self.finished and not self.stale:
             self.attach(_Unattended(), len(self.record.generated))
 
     def detach(self, port: StreamPort, *, capture_kv: bool = True) -> None:
@@ -295,7 +275,7 @@ class Session:
         unattended one goes on with its stand-in reader."""
         if self._attachment is None or self._attachment.port is not port:
             return
-        if self.unattended and not (self.finished or self._shutting_down or self.handed_over):
+        if self.unattended and not (self.finished or self._shutting_down or self.stale):
             next_index, self._attachment = self._attachment.next_index, None
             self.attach(_Unattended(), next_index)
             return
@@ -351,7 +331,7 @@ class Session:
         if attachment is not None:
             end = quicsrv_proto.End(
                 reason=EndReason.SHUTDOWN,
-                prompt_tokens=len(self.record.prompt_tokens),
+                prompt_tokens=len(self.record.spec.prompt_tokens),
                 completion_tokens=attachment.next_index,
                 cached_tokens=self.record.cached_tokens,
             )
@@ -361,15 +341,15 @@ class Session:
 
     def tokens_durable(self) -> None:
         """The store confirmed more tokens (the Redis store, a batch later): send them."""
-        if not self.handed_over:
+        if not self.stale:
             self._pump()
 
-    def hand_over(self, failure: str | None = None) -> None:
+    def lose_ownership(self, failure: str | None = None) -> None:
         """This process may no longer write the session: another one took it over (the newest
         attach wins across processes too; the reader's stream ends with ``superseded``), or the
         shared store failed (``failure``: the reader gets ERROR(store_unavailable) and may
         resume). Generation stops; this object is stale from now on."""
-        if self.handed_over:
+        if self.stale:
             return
         left = self._transition(SessionEvent.OWNERSHIP_LOST)
         attachment, self._attachment = self._attachment, None
@@ -436,7 +416,7 @@ class Session:
 
     def _on_token(self, index: int, token_id: int, piece: bytes) -> None:
         record = self.record
-        if self.handed_over:
+        if self.stale:
             return  # another process writes this session now
         if record.end is not None or index != len(record.generated):
             return  # a token decoded after a stop sequence matched: not part of the output
@@ -462,9 +442,9 @@ class Session:
 
     def _on_planned(self, plan: PrefillPlan) -> None:
         record = self.record
-        if self.handed_over or record.generated:
+        if self.stale or record.generated:
             return  # a resume: it follows the plan on record
-        cold = plan.is_cold(record.prefill_chunk)
+        cold = plan.is_cold(record.spec.prefill_chunk)
         kept = None if cold and not plan.reused else plan
         if kept == record.prefill_plan:
             return
@@ -554,7 +534,7 @@ class Session:
             self._handle.pause(capture_kv=capture_kv)
 
     def _record_end(self, end: SessionEnd) -> None:
-        if self.handed_over:
+        if self.stale:
             return  # the process that owns the session now records its end
         self.record.end = end
         self._tail = self._end_tail()
@@ -637,7 +617,7 @@ class Session:
             self._release_slot()
             self._engine_refused(exc)
             return
-        self._trace.started(len(self.record.prompt_tokens), arrived_at)
+        self._trace.started(len(self.record.spec.prompt_tokens), arrived_at)
 
     def _engine_refused(self, exc: EngineError) -> None:
         """The engine refused a (re)start: fail the reader if it is down for good, else try
@@ -689,16 +669,10 @@ class Session:
 
     def _submit(self, resume: ResumePoint | None) -> None:
         record = self.record
-        request = SequenceRequest(
-            prompt_tokens=record.prompt_tokens,
-            max_tokens=record.max_tokens,
-            sampling=record.sampling,
-            ignore_eos=record.ignore_eos,
-            prefill_chunk=record.prefill_chunk,
+        request = record.spec.request(
             resume=resume,
             prefill_plan=record.prefill_plan,
             cache_scope="" if self._flow.prefix_cache_shared else record.owner,
-            grammar=None if record.grammar is None else record.grammar.gbnf,
         )
         self._handle = self._engine.submit(request, self)
         self._transition(SessionEvent.SUBMITTED)
@@ -748,7 +722,7 @@ class Session:
         if end is not None and attachment.next_index >= len(generated):
             frame_end = quicsrv_proto.End(
                 reason=end.reason,
-                prompt_tokens=len(self.record.prompt_tokens),
+                prompt_tokens=len(self.record.spec.prompt_tokens),
                 completion_tokens=end.completion_tokens,
                 text=self._tail,
                 cached_tokens=self.record.cached_tokens,

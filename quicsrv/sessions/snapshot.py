@@ -18,55 +18,19 @@ before v2 stay valid.
 from __future__ import annotations
 
 import hmac
-import sys
-from array import array
-from collections.abc import Iterable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import blake3
 
 from quicsrv_proto import canonical_cbor
 
-from ..engine import CONSTRAINED_SAMPLING, SamplingParams
+from .spec import GenerationSpec
+from .tokens import TokenChain, digest_tokens
 
-__all__ = ["MAC_BYTES", "PrefixSigner", "Snapshot", "TokenChain", "digest_tokens"]
+__all__ = ["MAC_BYTES", "PrefixSigner", "Snapshot"]
 
 MAC_BYTES = 32
-
-
-def digest_tokens(tokens: tuple[int, ...] | list[int]) -> bytes:
-    """A content digest of a token sequence (not keyed: it names, it does not authenticate)."""
-    return blake3.blake3(canonical_cbor(list(tokens))).digest()
-
-
-class TokenChain:
-    """A running digest of a token sequence: BLAKE3 over each token as 4 little-endian bytes.
-
-    Unlike :func:`digest_tokens` it grows with the sequence: ``append`` costs one token, and the
-    digest of what is there so far is a copy away.
-    """
-
-    def __init__(self, tokens: Iterable[int] = ()) -> None:
-        self._hasher = blake3.blake3()
-        self._length = 0
-        self.extend(tokens)
-
-    def __len__(self) -> int:
-        return self._length
-
-    def append(self, token: int) -> None:
-        self._hasher.update(token.to_bytes(4, "little"))
-        self._length += 1
-
-    def extend(self, tokens: Iterable[int]) -> None:
-        packed = array("I", tokens)
-        if sys.byteorder != "little":
-            packed.byteswap()
-        self._hasher.update(packed.tobytes())
-        self._length += len(packed)
-
-    def digest(self) -> bytes:
-        return self._hasher.copy().digest()
 
 
 def _mac(key: bytes, header: dict[str, object], index: int, tokens_digest: bytes) -> bytes:
@@ -78,17 +42,11 @@ def _mac(key: bytes, header: dict[str, object], index: int, tokens_digest: bytes
 class Snapshot:
     session_id: bytes
     model_digest: bytes
-    prompt_tokens: tuple[int, ...]
-    sampling: SamplingParams
-    max_tokens: int
-    stop: tuple[str, ...]
-    ignore_eos: bool
-    prefill_chunk: int
+    spec: GenerationSpec
+    """What the generation is: its prompt, sampling, limits and grammar."""
     generated: tuple[int, ...]
     created_at_s: float
     expires_at_s: float
-    grammar_digest: bytes | None = None
-    """What constrained the tokens (structured output), None if nothing did."""
 
     @property
     def last_index(self) -> int:
@@ -97,22 +55,12 @@ class Snapshot:
 
     def header(self, version: int = 2) -> dict[str, object]:
         """What every MAC of this session covers besides the index and the tokens."""
-        s = self.sampling
-        header: dict[str, object] = {
+        return {
             "v": version,
             "session": self.session_id,
             "model": self.model_digest,
-            "prompt": digest_tokens(self.prompt_tokens),
-            "sampling": [s.temperature, s.top_p, s.top_k, s.min_p, s.repeat_penalty, s.seed],
-            "max_tokens": self.max_tokens,
-            "stop": list(self.stop),
-            "ignore_eos": self.ignore_eos,
-            "chunk": self.prefill_chunk,
+            **self.spec.mac_fields(),
         }
-        if self.grammar_digest is not None:
-            # Only then: the MACs of unconstrained sessions stay what they were.
-            header["grammar"] = [self.grammar_digest, CONSTRAINED_SAMPLING]
-        return header
 
     def mac(self, key: bytes, index: int) -> bytes:
         """The keyed BLAKE3 MAC naming this snapshot's prefix up to ``index``."""

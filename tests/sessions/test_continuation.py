@@ -63,7 +63,7 @@ def test_a_prefix_stable_chat_continues_from_the_stored_tokens():
     prepared = build_request(engine, _next_turn(), max_tokens_limit=64, prior=prior)
     rest = tuple(engine.tokenize("<end><user>More?<end><assistant>", add_special=False))
     assert prepared.continued
-    assert prepared.sequence.prompt_tokens == (*prior.prompt_tokens, *SAMPLED, *rest)
+    assert prepared.spec.prompt_tokens == (*prior.prompt_tokens, *SAMPLED, *rest)
     assert prepared.messages == _next_turn().messages
 
 
@@ -72,7 +72,7 @@ def test_a_template_that_rewrites_earlier_turns_is_rendered_afresh():
     frame = _next_turn()
     prepared = build_request(engine, frame, max_tokens_limit=64, prior=_prior(engine))
     assert not prepared.continued
-    assert prepared.sequence.prompt_tokens == _full(engine, frame)
+    assert prepared.spec.prompt_tokens == _full(engine, frame)
 
 
 def test_an_answer_cut_by_a_stop_sequence_or_a_changed_prompt_is_rendered_afresh():
@@ -81,7 +81,7 @@ def test_an_answer_cut_by_a_stop_sequence_or_a_changed_prompt_is_rendered_afresh
     for prior in (_prior(engine, exact=False), _prior(engine, prompt=(1, 2, 3))):
         prepared = build_request(engine, frame, max_tokens_limit=64, prior=prior)
         assert not prepared.continued
-        assert prepared.sequence.prompt_tokens == _full(engine, frame)
+        assert prepared.spec.prompt_tokens == _full(engine, frame)
 
 
 def test_a_chat_that_does_not_start_with_the_prior_turn_is_rendered_afresh():
@@ -90,4 +90,4 @@ def test_a_chat_that_does_not_start_with_the_prior_turn_is_rendered_afresh():
         messages=(ChatMessage(role="user", content="Another chat"),), max_tokens=8
     )
     prepared = build_request(engine, frame, max_tokens_limit=64, prior=_prior(engine))
-    assert not prepared.continued and prepared.sequence.prompt_tokens == _full(engine, frame)
+    assert not prepared.continued and prepared.spec.prompt_tokens == _full(engine, frame)

@@ -141,7 +141,7 @@ async def test_a_resume_replays_exactly_the_frames_after_last_index(tmp_path):
             snapshot_hash=checkpoint.snapshot_hash,
             hash_index=-1,
         )
-        session = manager.resume(resume, checkpoint.session_id)
+        session = await manager.resume(resume, checkpoint.session_id)
         port = FakePort()
         session.attach(port, cut + 1)
         await port.ended.wait()
@@ -253,7 +253,7 @@ async def test_a_short_prompt_is_tokenized_on_the_loop_and_a_long_one_on_a_threa
     ]
     for frame in frames:
         request = await manager.prepare_off_loop(frame)
-        assert request.sequence.prompt_tokens == manager.prepare(frame).sequence.prompt_tokens
+        assert request.spec.prompt_tokens == manager.prepare(frame).spec.prompt_tokens
     on_loop = [thread == loop_thread for thread in engine.tokenized_on[::2]]
     assert on_loop == [True, False, True, False]
 
@@ -322,7 +322,7 @@ async def test_a_resume_the_engine_can_never_run_fails_its_reader_at_once(tmp_pa
         snapshot_hash=checkpoint.snapshot_hash,
         hash_index=-1,
     )
-    resumed = manager.resume(resume, checkpoint.session_id)
+    resumed = await manager.resume(resume, checkpoint.session_id)
     again = FakePort()
     resumed.attach(again, 2)
     await asyncio.wait_for(again.ended.wait(), 10)  # not a retry every second, for ever

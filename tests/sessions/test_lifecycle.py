@@ -7,6 +7,7 @@ hand-over (a Hypothesis rule-based state machine).
 from __future__ import annotations
 
 import asyncio
+import inspect
 import tempfile
 from collections import deque
 from collections.abc import Sequence
@@ -277,7 +278,9 @@ class SessionLifecycleMachine(RuleBasedStateMachine):
 
     def _do(self, action: Any) -> None:
         async def step() -> None:
-            action()
+            done = action()
+            if inspect.isawaitable(done):  # the manager's resume, reattach and cancel
+                await done
             await self._after()
 
         self.loop.run_until_complete(step())
@@ -323,9 +326,9 @@ class SessionLifecycleMachine(RuleBasedStateMachine):
         from_index = max(0, len(self.record.generated) - back)
         reader = Reader(from_index)
 
-        def attach() -> None:
+        async def attach() -> None:
             if not self.stale:
-                self.session = self.manager.reattach(self.session.session_id, from_index)
+                self.session = await self.manager.reattach(self.session.session_id, from_index)
             self.session.attach(reader, from_index)
 
         self._do(attach)
@@ -385,7 +388,7 @@ class SessionLifecycleMachine(RuleBasedStateMachine):
         if not now:
             return
         self.stale = True
-        self._do(lambda: self.session.hand_over("the store failed" if failure else None))
+        self._do(lambda: self.session.lose_ownership("the store failed" if failure else None))
         self.submits_at_stale = len(self.engine.handles)
         self.log_at_stale = list(self.record.generated)
 
@@ -477,7 +480,7 @@ class SessionLifecycleMachine(RuleBasedStateMachine):
         if not self.stale and self.manager.live(self.session.session_id) is self.session:
             ended = self.session.state in {S.STOPPING, S.ENDED}
             assert ended == (self.record.end is not None)
-        assert self.session.handed_over == self.stale == (self.session.state in STALE)
+        assert self.session.stale == self.stale == (self.session.state in STALE)
 
     @invariant()
     def an_ended_session_keeps_no_kv_cells(self) -> None:

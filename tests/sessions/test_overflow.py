@@ -106,7 +106,7 @@ def test_build_request_truncates_only_when_asked():
     assert too_long.value.code == quicsrv_proto.ErrorCode.PROMPT_TOO_LONG
     assert "truncation 'auto'" in too_long.value.message
     asked = quicsrv_proto.Generate(messages=chat, max_tokens=16, truncation=Truncation.AUTO)
-    request = build_request(engine, asked, max_tokens_limit=64).sequence
+    request = build_request(engine, asked, max_tokens_limit=64).spec
     assert len(request.prompt_tokens) + 16 <= 200
     rendered = "".join(chr(t) for t in request.prompt_tokens)
     assert rendered.startswith("<system>Be brief.") and rendered.endswith("<user>and now?")

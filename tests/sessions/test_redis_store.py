@@ -11,7 +11,8 @@ import time
 import pytest
 
 from quicsrv.sessions.keys import SharedKeyRing
-from quicsrv.sessions.store import SessionEnd, SessionRecord
+from quicsrv.sessions.record import SessionEnd, SessionRecord
+from quicsrv.sessions.store import AppendOutcome
 from quicsrv_proto import EndReason
 from tests.sessions.test_store import _record
 
@@ -30,8 +31,9 @@ class _Appended:
         self.seen: list[tuple[SessionRecord, str | None]] = []
         self._changed = asyncio.Event()
 
-    def __call__(self, record: SessionRecord, problem: str | None) -> None:
-        self.seen.append((record, problem))
+    def __call__(self, record: SessionRecord, outcome: AppendOutcome, problem: str) -> None:
+        # None when durable, else the outcome's name ("taken", "failed").
+        self.seen.append((record, None if outcome is AppendOutcome.DURABLE else outcome.value))
         self._changed.set()
 
     async def wait(self, record: SessionRecord, count: int = 1) -> list[str | None]:
@@ -95,7 +97,7 @@ async def test_a_takeover_stops_the_old_owner_writing(redis_url):
     a.append_token(record, 1)
     assert await appended.wait(record) == [None]
 
-    claimed = await asyncio.wrap_future(b.claim(record.session_id))
+    claimed = await b.claim(record.session_id)
     assert claimed is not None and claimed.owner == "a"  # who held it until now
     assert list(claimed.record.generated) == [1]
 
@@ -117,7 +119,7 @@ async def test_an_expired_lease_is_simply_taken(redis_url):
     client = connect(redis_url)
     lease = f"quicsrv:s:{record.session_id.hex()}:lease"
     client.delete(lease)  # what PX does once the owner stopped writing (a kill -9)
-    claimed = await asyncio.wrap_future(b.claim(record.session_id))
+    claimed = await b.claim(record.session_id)
     assert claimed is not None and claimed.owner == ""
     assert client.get(lease) == b"b"
     for store in (a, b):
@@ -127,7 +129,7 @@ async def test_an_expired_lease_is_simply_taken(redis_url):
 @pytest.mark.asyncio
 async def test_claiming_an_unknown_session_finds_nothing(redis_url):
     b = _store(redis_url, "b")
-    assert await asyncio.wrap_future(b.claim(b"x" * 16)) is None
+    assert await b.claim(b"x" * 16) is None
     assert await b.fetch(b"x" * 16) is None
     await b.aclose()
 

@@ -6,21 +6,24 @@ import dataclasses
 import os
 import stat
 
-from quicsrv.engine import CONSTRAINED_SAMPLING, SamplingParams
+from quicsrv.engine import CONSTRAINED_SAMPLING, Grammar, SamplingParams
 from quicsrv.sessions.keys import KeyRing
 from quicsrv.sessions.snapshot import Snapshot
+from quicsrv.sessions.spec import GenerationSpec
 
 
 def _snapshot(session: bytes = b"s" * 16, generated=(5, 6, 7, 8)) -> Snapshot:
     return Snapshot(
         session_id=session,
         model_digest=b"m" * 32,
-        prompt_tokens=(1, 2, 3),
-        sampling=SamplingParams(temperature=0.7, seed=42),
-        max_tokens=16,
-        stop=(),
-        ignore_eos=False,
-        prefill_chunk=256,
+        spec=GenerationSpec(
+            prompt_tokens=(1, 2, 3),
+            sampling=SamplingParams(temperature=0.7, seed=42),
+            max_tokens=16,
+            stop=(),
+            ignore_eos=False,
+            prefill_chunk=256,
+        ),
         generated=tuple(generated),
         created_at_s=0.0,
         expires_at_s=100.0,
@@ -93,7 +96,8 @@ def test_the_incremental_signer_gives_the_same_macs_as_a_snapshot_from_scratch()
 def test_checkpoints_issued_in_the_previous_format_still_verify():
     import blake3
 
-    from quicsrv.sessions.snapshot import MAC_BYTES, digest_tokens
+    from quicsrv.sessions.snapshot import MAC_BYTES
+    from quicsrv.sessions.tokens import digest_tokens
     from quicsrv_proto import canonical_cbor
 
     key = b"k" * 32
@@ -108,8 +112,12 @@ def test_checkpoints_issued_in_the_previous_format_still_verify():
 def test_the_grammar_is_part_of_what_a_hash_names_and_only_when_there_is_one():
     key = b"k" * 32
     plain = _snapshot()
-    constrained = dataclasses.replace(plain, grammar_digest=b"g" * 32)
-    other = dataclasses.replace(plain, grammar_digest=b"h" * 32)
+    constrained = dataclasses.replace(
+        plain, spec=dataclasses.replace(plain.spec, grammar=Grammar(gbnf="", digest=b"g" * 32))
+    )
+    other = dataclasses.replace(
+        plain, spec=dataclasses.replace(plain.spec, grammar=Grammar(gbnf="", digest=b"h" * 32))
+    )
     assert "grammar" not in plain.header()  # unconstrained sessions' hashes are unchanged
     assert constrained.header()["grammar"] == [b"g" * 32, CONSTRAINED_SAMPLING]
     hash_ = constrained.mac(key, 2)

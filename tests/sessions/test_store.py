@@ -8,8 +8,10 @@ import threading
 from pathlib import Path
 
 from quicsrv.engine import SamplingParams
+from quicsrv.sessions.file_store import FileSessionStore
 from quicsrv.sessions.kvstore import KVStore
-from quicsrv.sessions.store import SessionEnd, SessionRecord, SessionStore
+from quicsrv.sessions.record import SessionEnd, SessionRecord
+from quicsrv.sessions.spec import GenerationSpec
 from quicsrv_proto import EndReason
 
 
@@ -17,21 +19,23 @@ def _record(session: bytes, *, expires: float = 100.0) -> SessionRecord:
     return SessionRecord(
         session_id=session,
         model_digest=b"m" * 32,
-        prompt_tokens=(1, 2, 3),
-        sampling=SamplingParams(temperature=0.5, top_k=4, seed=9),
-        max_tokens=16,
-        stop=("\n\n",),
-        ignore_eos=True,
-        prefill_chunk=64,
+        spec=GenerationSpec(
+            prompt_tokens=(1, 2, 3),
+            sampling=SamplingParams(temperature=0.5, top_k=4, seed=9),
+            max_tokens=16,
+            stop=("\n\n",),
+            ignore_eos=True,
+            prefill_chunk=64,
+        ),
         created_at_s=0.0,
         expires_at_s=expires,
     )
 
 
-def _store(tmp_path, **limits) -> SessionStore:
+def _store(tmp_path, **limits) -> FileSessionStore:
     options = dict(ttl_s=60.0, max_sessions=100, max_disk_bytes=1 << 20, clock=lambda: 0.0)
     options.update(limits)
-    return SessionStore(tmp_path, **options)
+    return FileSessionStore(tmp_path, **options)
 
 
 def test_records_and_their_tokens_survive_a_restart(tmp_path):
@@ -133,7 +137,7 @@ def test_saves_waiting_for_the_writer_collapse_into_one_write_of_the_newest(tmp_
 
     monkeypatch.setattr(os, "replace", replace)
     gate = threading.Event()
-    store._writer.submit(gate.wait)  # the writer is busy: every save below has to wait
+    store._writes.submit(gate.wait)  # the writer is busy: every save below has to wait
     record = _record(b"s" * 16)
     store.add(record)
     store.touch(record)

@@ -1,0 +1,113 @@
+"""What is known of one session: :class:`SessionRecord`, and its persisted form.
+
+A record is kept as two parts by every store: its metadata (canonical CBOR of everything but the
+generated tokens, rewritten whole when it changes) and its token log (4 bytes a token, appended
+before the token is sent: :mod:`.tokens`).
+"""
+
+from __future__ import annotations
+
+from array import array
+from dataclasses import dataclass, field
+from typing import Any
+
+from quicsrv_proto import EndReason
+
+from ..engine import PrefillPlan, Segment
+from .snapshot import Snapshot
+from .spec import GenerationSpec
+
+__all__ = ["SessionEnd", "SessionRecord"]
+
+
+@dataclass(frozen=True, slots=True)
+class SessionEnd:
+    reason: EndReason
+    completion_tokens: int
+
+
+@dataclass(eq=False, kw_only=True)
+class SessionRecord:
+    """What is known of one session; ``generated`` grows as tokens are produced."""
+
+    session_id: bytes
+    model_digest: bytes
+    spec: GenerationSpec
+    """What the generation is, held whole (the snapshots and every engine request share it)."""
+    created_at_s: float
+    expires_at_s: float
+    # 4 bytes a token (a list of ints costs ~36): thousands of idle sessions stay in memory.
+    generated: array[int] = field(default_factory=lambda: array("I"))
+    end: SessionEnd | None = None
+    owner: str = ""
+    """The id of the API key that started the session ("" on an open server): a resume
+    must present the same key."""
+    prefill_plan: PrefillPlan | None = None
+    """How the engine computed the prompt's cells when it started from reused ones (None: as
+    a cold start): a replay follows it, or it would not be exact."""
+    unattended: bool = False
+    """It runs to its end whether or not anyone reads it (a background response): a restarted
+    server starts it again on its own."""
+    api: dict[str, Any] | None = None
+    """What a front end keeps with the session to answer about it later (the Responses API:
+    its request fields and the conversation the prompt was rendered from); CBOR values."""
+
+    @property
+    def cached_tokens(self) -> int:
+        """Prompt tokens whose cells its first run took from the prefix cache."""
+        return 0 if self.prefill_plan is None else self.prefill_plan.reused
+
+    def snapshot(self, upto: int | None = None) -> Snapshot:
+        """The snapshot of the first ``upto`` generated tokens (all by default)."""
+        tokens = self.generated if upto is None else self.generated[:upto]
+        return Snapshot(
+            session_id=self.session_id,
+            model_digest=self.model_digest,
+            spec=self.spec,
+            generated=tuple(tokens),
+            created_at_s=self.created_at_s,
+            expires_at_s=self.expires_at_s,
+        )
+
+    def meta(self) -> dict[str, object]:
+        """The persisted metadata: everything but the generated tokens (CBOR values)."""
+        meta: dict[str, object] = {
+            "v": 1,
+            "session": self.session_id,
+            "model": self.model_digest,
+            **self.spec.meta(),
+            "created": self.created_at_s,
+            "expires": self.expires_at_s,
+        }
+        if self.end is not None:
+            meta["end"] = [self.end.reason.value, self.end.completion_tokens]
+        if self.owner:
+            meta["owner"] = self.owner
+        if self.unattended:
+            meta["unattended"] = True
+        if self.api is not None:
+            meta["api"] = self.api
+        if self.prefill_plan is not None:
+            meta["plan"] = [self.prefill_plan.reused, [list(s) for s in self.prefill_plan.segments]]
+        return meta
+
+    @classmethod
+    def from_meta(cls, meta: Any, tokens: array[int]) -> SessionRecord:
+        """Read back what :meth:`meta` wrote, with the token log's ``tokens``."""
+        end = meta.get("end")
+        plan = meta.get("plan")
+        return cls(
+            session_id=bytes(meta["session"]),
+            model_digest=bytes(meta["model"]),
+            spec=GenerationSpec.from_meta(meta),
+            created_at_s=float(meta["created"]),
+            expires_at_s=float(meta["expires"]),
+            generated=tokens,
+            owner=str(meta.get("owner", "")),
+            prefill_plan=None
+            if plan is None
+            else PrefillPlan(tuple(Segment(int(e), int(s)) for e, s in plan[1]), int(plan[0])),
+            end=None if end is None else SessionEnd(EndReason(end[0]), int(end[1])),
+            unattended=bool(meta.get("unattended", False)),
+            api=meta.get("api"),
+        )
