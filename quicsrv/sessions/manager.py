@@ -26,30 +26,25 @@ from ..engine import Engine
 from ..metrics import ServerMetrics
 from .admission import FairGate, Place, Slot
 from .authorization import check_admit, check_hash, check_owner, reattach_index
+from .custody import Custody
 from .generation import (
-    INLINE_PROMPT_CHARS,
     PreparedRequest,
     PriorTurn,
     RequestRejected,
     build_request,
-    prompt_chars,
+    prepare_off_loop,
 )
 from .handover import HandOver, hand_over
-from .inbox import LoopInbox
+from .live import LiveSessions
 from .persistence import Persistence, open_persistence
 from .record import SessionEnd, SessionRecord
 from .session import Session
 from .settings import SessionSettings
-from .store import AppendOutcome, Found, StoreUnavailable
 from .text import TextAssembler
 
 __all__ = ["SessionManager"]
 
 log = logging.getLogger(__name__)
-
-#: What a check of a record found in the store does: returns the record it let through, or
-#: raises RequestRejected. It is given the live session of this process when there is one.
-_Check = Callable[[SessionRecord | None, Session | None], SessionRecord]
 
 
 class SessionManager:
@@ -74,13 +69,20 @@ class SessionManager:
             persistence if persistence is not None else open_persistence(settings, clock=clock)
         )
         self.store = self._persistence.store
-        self.store.on_appended = self._on_appended
         self.keys = self._persistence.keys
         self.kv = self._persistence.kv
-        self._live: dict[bytes, Session] = {}
-        self._shutting_down = False
-        self._loop_inbox: LoopInbox | None = None
         self.gate = FairGate(settings.admission_limits(engine))
+        self._live = LiveSessions(
+            engine=engine,
+            store=self.store,
+            kv=self.kv,
+            keys=self.keys,
+            flow=settings.flow,
+            gate=self.gate,
+            metrics=self.metrics,
+        )
+        self._custody = Custody(store=self.store, live=self._live, kv=self.kv, clock=clock)
+        self._shutting_down = False
 
     def live(self, session_id: bytes) -> Session | None:
         """The session's live object, if it runs or is attached (tests and stats)."""
@@ -88,7 +90,7 @@ class SessionManager:
 
     def live_sessions(self) -> list[Session]:
         """Every session running or read now (metrics)."""
-        return list(self._live.values())
+        return list(self._live)
 
     def usage(self) -> str:
         return (
@@ -130,7 +132,9 @@ class SessionManager:
         record (``api``: made from the prepared request, saved with the record's first write)
         and have the session run to its end with nobody reading (``unattended``).
         """
-        prepared = await self.prepare_off_loop(frame, prior)
+        prepared = await prepare_off_loop(
+            self._engine, frame, max_tokens_limit=self.settings.max_tokens_limit, prior=prior
+        )
         self.check_accepting()
         place = self.gate.queue(client)
         try:
@@ -161,24 +165,6 @@ class SessionManager:
         return build_request(
             self._engine, frame, max_tokens_limit=self.settings.max_tokens_limit, prior=prior
         )
-
-    async def prepare_off_loop(
-        self, frame: quicsrv_proto.Generate, prior: PriorTurn | None = None
-    ) -> PreparedRequest:
-        """:meth:`prepare` on a thread, except for a short prompt: tokenizing one takes tens
-        of microseconds, the trip to a thread and back a millisecond or more of the time to
-        first token (measured on 2 busy cores). A long one would hold up every other stream."""
-        if prompt_chars(frame) <= INLINE_PROMPT_CHARS and prior is None and not frame.json_schema:
-            return self.prepare(frame)
-        return await asyncio.to_thread(self.prepare, frame, prior)
-
-    def queue_wait_s(self, deadline_ms: int | None, arrived_at: float) -> float:
-        """How much longer a new request may wait for a slot: the server's
-        ``max_queue_wait_s`` and the request's ``deadline_ms``, both from its arrival."""
-        bound_s = self.settings.max_queue_wait_s
-        if deadline_ms is not None:
-            bound_s = min(bound_s, deadline_ms / 1000)
-        return max(0.0, bound_s - (asyncio.get_running_loop().time() - arrived_at))
 
     def start(
         self,
@@ -232,7 +218,9 @@ class SessionManager:
                 api=api,
                 unattended=unattended,
             )
-        timeout_s = self.queue_wait_s(frame.deadline_ms, arrived_at)
+        timeout_s = self.settings.queue_wait_s(
+            frame.deadline_ms, asyncio.get_running_loop().time() - arrived_at
+        )
         if unattended and frame.deadline_ms is None:
             # Nobody waits on a background response: it waits its turn as long as it lives.
             timeout_s = self.settings.ttl_s
@@ -277,10 +265,10 @@ class SessionManager:
             api=api,
             unattended=unattended,
         )
-        session = self._session(record)
+        session = self._live.make(record)
         begin(session)  # an engine refusal goes to the caller as it is
         self.store.add(record)
-        self._live[record.session_id] = session
+        self._live.add(session)
         if unattended:
             session.run_unattended()
         return session
@@ -303,12 +291,12 @@ class SessionManager:
         (None on an open server); a session started with a key resumes only with that key."""
 
         def check(record: SessionRecord | None, session: Session | None) -> SessionRecord:
-            record = self._require_current(frame.session_id, record, session)
+            record = self._custody.current(frame.session_id, record, session)
             check_hash(frame, header_session, record, self.keys.verifying_keys(self._clock()))
             self._admit(record, session, frame.last_index + 1, key_id)
             return record
 
-        return self._run_here(*await self._take(frame.session_id, check))
+        return self._run_here(*await self._custody.take(frame.session_id, check))
 
     async def reattach(
         self, session_id: bytes, from_index: int, *, key_id: str | None = None
@@ -320,11 +308,11 @@ class SessionManager:
         """
 
         def check(record: SessionRecord | None, session: Session | None) -> SessionRecord:
-            record = self._require_current(session_id, record, session)
+            record = self._custody.current(session_id, record, session)
             self._admit(record, session, reattach_index(record, from_index), key_id)
             return record
 
-        return self._run_here(*await self._take(session_id, check))
+        return self._run_here(*await self._custody.take(session_id, check))
 
     async def cancel(self, session_id: bytes, *, key_id: str | None = None) -> SessionEnd:
         """End a generation for good (an explicit stop): the engine sequence and its saved KV
@@ -332,14 +320,14 @@ class SessionManager:
         it is. Returns how the session ended; raises unknown/expired/key mismatch."""
 
         def check(record: SessionRecord | None, session: Session | None) -> SessionRecord:
-            record = self._require_current(session_id, record, session)
+            record = self._custody.current(session_id, record, session)
             check_owner(record, key_id)
             return record
 
-        session, record = await self._take(session_id, check)
+        session, record = await self._custody.take(session_id, check)
         if record.end is None:
             if session is None:  # paused, nobody reading: end the record all the same
-                session = self._session(record)
+                session = self._live.make(record)
             session.cancel()
         assert record.end is not None
         return record.end
@@ -360,8 +348,10 @@ class SessionManager:
         if live is not None and not live.stale:
             record = live.record
         else:
-            found = await self._fetch(session_id)
-            record = self._require_current(session_id, None if found is None else found.record, None)
+            found = await self._custody.fetch(session_id)
+            record = self._custody.current(
+                session_id, None if found is None else found.record, None
+            )
         check_owner(record, key_id)
         return record
 
@@ -389,67 +379,9 @@ class SessionManager:
                 started += 1
         return started
 
-    async def _take(self, session_id: bytes, check: _Check) -> tuple[Session | None, SessionRecord]:
-        """Read ``session_id`` from the store, ``check`` it, then make sure this process owns
-        it (a shared store's lease taken over, the record as it stood then checked again):
-        this process's live session of it, if any, and its record."""
-        found = await self._fetch(session_id)
-        live = self._live.get(session_id)
-        if live is not None and live.stale:
-            live = None
-        if live is not None and found is not None and found.owned_here:
-            return live, check(live.record, live)
-        record = check(None if found is None else found.record, None)
-        if live is not None:
-            # Written elsewhere since: stale. Stopped before the claim, so whatever it still had
-            # on its way to the store lands before the claim reads the log.
-            live.lose_ownership()
-        assert found is not None  # check() refuses a missing record
-        claimed = await self._claim(session_id)
-        if claimed is None:
-            raise RequestRejected(ErrorCode.SESSION_EXPIRED, "the session has expired")
-        if claimed.record is not record:
-            # The log only grows: what was checked is a prefix of what was claimed.
-            record = check(claimed.record, None)
-        if claimed.owner and not found.owned_here:
-            log.info("session %s taken over from %s", session_id.hex(), claimed.owner)
-        if not found.owned_here and record.generated and record.end is None:
-            # A blob another process paused with, brought here before the answer names the
-            # resume path (kv-restore); a big read, so off the loop.
-            await asyncio.to_thread(self.kv.pull, session_id, len(record.generated))
-        return None, record
-
     def _run_here(self, session: Session | None, record: SessionRecord) -> Session:
         """The live session of ``record`` (made if there is none yet)."""
-        if session is None:
-            session = self._session(record)
-            self._live[record.session_id] = session
-        return session
-
-    async def _fetch(self, session_id: bytes) -> Found | None:
-        try:
-            return await self.store.fetch(session_id)
-        except StoreUnavailable as exc:
-            raise _store_unreachable(session_id, exc) from None
-
-    async def _claim(self, session_id: bytes) -> Found | None:
-        try:
-            return await self.store.claim(session_id)
-        except StoreUnavailable as exc:
-            raise _store_unreachable(session_id, exc) from None
-
-    def _require_current(
-        self, session_id: bytes, record: SessionRecord | None, session: Session | None
-    ) -> SessionRecord:
-        """``record`` if it exists and has not expired; raises unknown/expired otherwise."""
-        if record is None:
-            if self.store.was_expired(session_id):
-                raise RequestRejected(ErrorCode.SESSION_EXPIRED, "the session has expired")
-            raise RequestRejected(ErrorCode.UNKNOWN_SESSION, "no such session")
-        if session is None and record.expires_at_s <= self._clock():
-            self._expire(record)
-            raise RequestRejected(ErrorCode.SESSION_EXPIRED, "the session has expired")
-        return record
+        return session if session is not None else self._live.add(self._live.make(record))
 
     def _admit(
         self, record: SessionRecord, session: Session | None, from_index: int, key_id: str | None
@@ -469,7 +401,7 @@ class SessionManager:
         """Remove expired sessions that nobody reads, from memory and disk."""
         expired = [r for r in self.store.expired(self._clock()) if r.session_id not in self._live]
         for record in expired:
-            self._expire(record)
+            self._custody.expire(record)
         return len(expired)
 
     async def run_sweeper(self, interval_s: float) -> None:
@@ -494,13 +426,13 @@ class SessionManager:
         """Pause every engine sequence with its KV cells captured, never to restart here; no
         generation opens from now on. :meth:`hand_over` finishes the job."""
         self._shutting_down = True
-        for session in list(self._live.values()):
+        for session in list(self._live):
             session.pause_for_shutdown()
 
     async def hand_over(self, grace_s: float) -> HandOver:
         """After :meth:`shutdown`: give every session to the next process (:mod:`.handover`)."""
         return await hand_over(
-            list(self._live.values()), kv=self.kv, persisted=self.persisted, grace_s=grace_s
+            list(self._live), kv=self.kv, persisted=self.persisted, grace_s=grace_s
         )
 
     def close(self) -> None:
@@ -509,56 +441,3 @@ class SessionManager:
     async def aclose(self) -> None:
         """:meth:`close` from the event loop (a shared store's asyncio client closes too)."""
         await self._persistence.aclose()
-
-    def _expire(self, record: SessionRecord) -> None:
-        # Only our copy: another process may have touched the session since (shared copies
-        # expire with the session in Redis, or by age in the shared directory).
-        self.kv.discard(record.session_id, shared=False)
-        self.store.remove(record.session_id, expired=True)
-
-    def _session(self, record: SessionRecord) -> Session:
-        return Session(
-            record,
-            engine=self._engine,
-            store=self.store,
-            kv=self.kv,
-            keys=self.keys,
-            flow=self.settings.flow,
-            loop=asyncio.get_running_loop(),
-            inbox=self._inbox(),
-            gate=self.gate,
-            on_idle=self._forget,
-            trace=self.metrics.trace(record.session_id, resumed=bool(record.generated)),
-        )
-
-    def _inbox(self) -> LoopInbox:
-        """The one inbox of the running loop, shared by every session (made on first use)."""
-        loop = asyncio.get_running_loop()
-        if self._loop_inbox is None or self._loop_inbox.loop is not loop:
-            self._loop_inbox = LoopInbox(loop)
-            self._engine.deliver_on(loop)
-        return self._loop_inbox
-
-    def _on_appended(self, record: SessionRecord, outcome: AppendOutcome, problem: str) -> None:
-        session = self._live.get(record.session_id)
-        if session is None or session.record is not record:
-            return  # a copy handed over already
-        if outcome is AppendOutcome.DURABLE:
-            session.tokens_durable()
-            return
-        # TAKEN: another process resumed it, our copy is stale. FAILED: the reader may resume
-        # once the store is back (the durable tokens are there).
-        session.lose_ownership(
-            None if outcome is AppendOutcome.TAKEN else "the session store failed; resume later"
-        )
-        self.store.remove(record.session_id)
-
-    def _forget(self, session: Session) -> None:
-        if self._live.get(session.session_id) is session:
-            del self._live[session.session_id]
-
-
-def _store_unreachable(session_id: bytes, exc: StoreUnavailable) -> RequestRejected:
-    """What a request that needed the store gets when it cannot be reached (logged here)."""
-    log.error("session %s: session store: %s", session_id.hex(), exc)
-    return RequestRejected(ErrorCode.STORE_UNAVAILABLE, "the session store cannot be reached")

@@ -67,6 +67,15 @@ class SessionSettings:
     previous_key_ttl_s: float = 86400.0
     """How long a rotated-out MAC key still verifies (``quicsrv keys rotate`` sets its own)."""
 
+    def queue_wait_s(self, deadline_ms: int | None, waited_s: float) -> float:
+        """How much longer a new request that waited ``waited_s`` already may wait for a slot:
+        the server's ``max_queue_wait_s`` and the request's ``deadline_ms``, both from its
+        arrival."""
+        bound_s = self.max_queue_wait_s
+        if deadline_ms is not None:
+            bound_s = min(bound_s, deadline_ms / 1000)
+        return max(0.0, bound_s - waited_s)
+
     def admission_limits(self, engine: Engine) -> AdmissionLimits:
         slots, queue = engine.n_seq_max, engine.max_queued
         return AdmissionLimits(

@@ -1,0 +1,112 @@
+"""The sessions this process runs or serves now, each made here, and forgotten once idle.
+
+A session is live while a stream reads it or the engine holds its sequence; then it leaves
+the table (its record stays in the store). Stores that settle appends later (a shared store)
+report here, to the live copy of the record they settled.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Iterator
+from typing import TYPE_CHECKING
+
+from ..engine import Engine
+from .admission import FairGate
+from .inbox import LoopInbox
+from .keys import KeyRing
+from .kvstore import KVStore
+from .record import SessionRecord
+from .session import Session
+from .settings import FlowSettings
+from .store import AppendOutcome, SessionStore
+
+if TYPE_CHECKING:
+    from ..metrics import ServerMetrics
+
+__all__ = ["LiveSessions"]
+
+
+class LiveSessions:
+    """See the module docstring."""
+
+    def __init__(
+        self,
+        *,
+        engine: Engine,
+        store: SessionStore,
+        kv: KVStore,
+        keys: KeyRing,
+        flow: FlowSettings,
+        gate: FairGate,
+        metrics: ServerMetrics,
+    ) -> None:
+        self._engine = engine
+        self._store = store
+        self._kv = kv
+        self._keys = keys
+        self._flow = flow
+        self._gate = gate
+        self._metrics = metrics
+        self._table: dict[bytes, Session] = {}
+        self._loop_inbox: LoopInbox | None = None
+        store.on_appended = self._appended
+
+    def __len__(self) -> int:
+        return len(self._table)
+
+    def __iter__(self) -> Iterator[Session]:
+        return iter(list(self._table.values()))
+
+    def __contains__(self, session_id: bytes) -> bool:
+        return session_id in self._table
+
+    def get(self, session_id: bytes) -> Session | None:
+        return self._table.get(session_id)
+
+    def make(self, record: SessionRecord) -> Session:
+        """A session object for ``record``, not (yet) in the table: :meth:`add` it once it
+        runs or is read."""
+        return Session(
+            record,
+            engine=self._engine,
+            store=self._store,
+            kv=self._kv,
+            keys=self._keys,
+            flow=self._flow,
+            loop=asyncio.get_running_loop(),
+            inbox=self._inbox(),
+            gate=self._gate,
+            on_idle=self._forget,
+            trace=self._metrics.trace(record.session_id, resumed=bool(record.generated)),
+        )
+
+    def add(self, session: Session) -> Session:
+        self._table[session.session_id] = session
+        return session
+
+    def _inbox(self) -> LoopInbox:
+        """The one inbox of the running loop, shared by every session (made on first use)."""
+        loop = asyncio.get_running_loop()
+        if self._loop_inbox is None or self._loop_inbox.loop is not loop:
+            self._loop_inbox = LoopInbox(loop)
+            self._engine.deliver_on(loop)
+        return self._loop_inbox
+
+    def _appended(self, record: SessionRecord, outcome: AppendOutcome, problem: str) -> None:
+        session = self._table.get(record.session_id)
+        if session is None or session.record is not record:
+            return  # a copy handed over already
+        if outcome is AppendOutcome.DURABLE:
+            session.tokens_durable()
+            return
+        # TAKEN: another process resumed it, our copy is stale. FAILED: the reader may resume
+        # once the store is back (the durable tokens are there).
+        session.lose_ownership(
+            None if outcome is AppendOutcome.TAKEN else "the session store failed; resume later"
+        )
+        self._store.remove(record.session_id)
+
+    def _forget(self, session: Session) -> None:
+        if self._table.get(session.session_id) is session:
+            del self._table[session.session_id]
