@@ -15,8 +15,7 @@ import logging
 import queue
 import threading
 from collections import deque
-from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 
 import blake3
@@ -37,12 +36,12 @@ from ._api import (
     PrefillPlan,
     PromptTooLong,
     ResumePath,
-    Segment,
     SequenceRequest,
     TokenSink,
 )
-from .prefix_cache import Hit, PrefixCache, PrefixShelf, PrefixStats, cut, extend, rest
+from .placement import KvCells, SlotPlacement
 from .sampling import GrammarState, GrammarViolation, SequenceSampler
+from .sequence import BatchEntry, LlamaSequence
 from .vocab import Vocabulary, file_digest
 
 __all__ = [
@@ -191,53 +190,6 @@ class EngineObserver:
         """The worker thread stopped on an exception; every sequence got ``FAILED``."""
 
 
-@dataclass(eq=False)
-class _Sequence:
-    request: SequenceRequest
-    sink: TokenSink
-    sampler: SequenceSampler
-    seq_id: int = -1
-    n_past: int = 0
-    generated: int = 0
-    last_token: int = -1
-    order: int = 0  # submission order: prompts are prefilled first come, first served
-    chunk: int = 256  # prompt tokens per step: part of what makes a replay exact
-    allowed: int = 1 << 62  # tokens it may generate before it pauses itself (flow control)
-    cancelled: bool = False
-    pause_requested: bool = False
-    capture_kv: bool = True
-    reprefill: bool = False  # pending_prompt holds generated tokens too: sample nothing from it
-    # How its cells are computed, pending_prompt's included: a recorded plan, whole from the
-    # start (``fixed``); else its steps are chosen as it goes and added here as they are fed.
-    plan: tuple[Segment, ...] = ()
-    fixed: bool = False
-    segments: deque[Segment] = field(default_factory=deque)  # a fixed plan's part still to feed
-    reused: int = 0  # leading positions whose cells came from the prefix cache
-    pending_prompt: deque[int] = field(default_factory=deque)
-    forced: deque[int] = field(default_factory=deque)  # replay: tokens to decode, not sample
-    history: list[int] = field(default_factory=list)  # every generated token, in order
-    release_admission: Callable[[_Sequence], None] | None = None
-
-    def pause(self, *, capture_kv: bool = True) -> None:
-        self.capture_kv = capture_kv
-        self.pause_requested = True
-        # Like a cancel, it leaves at the next step: its admission place is free already.
-        if self.release_admission is not None:
-            self.release_admission(self)
-
-    def allow(self, n_tokens: int) -> None:
-        # A plain int read by the worker each step, like the cancel flag.
-        self.allowed = n_tokens
-
-    def cancel(self) -> None:
-        # A plain flag read by the worker each step: cancellation takes effect within one token.
-        self.cancelled = True
-        # Its admission place is given back at once, so a request arriving right after a cancel
-        # is queued (and served when the cells are freed) rather than refused as overloaded.
-        if self.release_admission is not None:
-            self.release_admission(self)
-
-
 class ModelFacts:
     """The part of the Engine protocol answered from the settings and the vocabulary alone,
     shared by the in-process engine and the worker-process one."""
@@ -285,17 +237,25 @@ class LlamaEngine(ModelFacts):
         self.settings = settings
         self._observer = observer or EngineObserver()
         self._model, self._context = open_context(settings)
-        self._memory = llama_cpp.llama_get_memory(self._context.ctx)
+        self._cells = KvCells(self._context)
         self._batch = llama_cpp.llama_batch_init(settings.n_batch, 0, 1)
         self._n_vocab = self._model.n_vocab()
         self.vocabulary = Vocabulary(self._model, file_digest(settings.model_path))
         self._logit_views: dict[int, npt.NDArray[np.float32]] = {}
-        self._inbox: queue.SimpleQueue[_Sequence | None] = queue.SimpleQueue()
-        self._waiting: deque[_Sequence] = deque()
-        self._active: list[_Sequence] = []
+        self._inbox: queue.SimpleQueue[LlamaSequence | None] = queue.SimpleQueue()
+        self._waiting: deque[LlamaSequence] = deque()
+        self._active: list[LlamaSequence] = []
         self._free_ids = list(range(settings.n_seq_max - 1, -1, -1))
-        self._cache = self._open_cache()
-        self.prefix_stats = self._cache.stats if self._cache else PrefixStats(enabled=False)
+        self._placement = SlotPlacement.open(
+            self._cells,
+            enabled=settings.prefix_cache,
+            numerics=settings.numerics(self.vocabulary.model_digest),
+            window=llama_cpp.llama_model_n_swa(self._model.model),
+            max_blob_bytes=settings.prefix_cache_max_bytes,
+            shelf_dir=settings.prefix_cache_dir,
+            shelf_bytes=settings.prefix_cache_disk_bytes,
+        )
+        self.prefix_stats = self._placement.stats
         self._admitted = 0
         self._submissions = itertools.count()
         self._admission_lock = threading.Lock()
@@ -323,10 +283,9 @@ class LlamaEngine(ModelFacts):
                 raise CannotReplay(f"the recorded tokens do not fit the grammar: {exc}") from None
         return sampler
 
-    def submit(self, request: SequenceRequest, sink: TokenSink) -> _Sequence:
+    def submit(self, request: SequenceRequest, sink: TokenSink) -> LlamaSequence:
         """Queue a sequence; raises PromptTooLong or Overloaded instead of waiting unboundedly."""
         chunk = check_request(self.settings, request)
-        resume = request.resume
         sampler = self._sampler_for(request)
         try:
             with self._admission_lock:
@@ -339,37 +298,14 @@ class LlamaEngine(ModelFacts):
         except BaseException:
             sampler.close()
             raise
-        plan = request.prefill_plan
-        if plan is None and resume is not None and resume.generated:
-            # Tokens were sent from a run without a recorded plan: one that fed the prompt in
-            # chunks from position 0 (what every run did before plans were recorded).
-            plan = PrefillPlan.plain(len(request.prompt_tokens), chunk)
-        sequence = _Sequence(
-            request=request,
-            sink=sink,
-            sampler=sampler,
-            pending_prompt=deque(request.prompt_tokens),
-            plan=plan.segments if plan is not None else (),
-            fixed=plan is not None,
-            release_admission=self._release_admission,
+        sequence = LlamaSequence.for_request(
+            request,
+            sink,
+            sampler,
             chunk=chunk,
             order=next(self._submissions),
+            release_admission=self._release_admission,
         )
-        if resume is not None and resume.kv_state is None and resume.generated:
-            if resume.inexact_reprefill:
-                # Fast, but prompt-processing logits are not bit-identical to token-by-token
-                # decoding, so the continuation may differ: only on explicit request.
-                generated = resume.generated
-                sequence.pending_prompt.extend(generated[:-1])
-                sequence.plan = extend(sequence.plan, len(sequence.pending_prompt), chunk)
-                sequence.reprefill = True
-                sequence.history = list(generated)
-                sequence.generated = len(generated)
-                sequence.last_token = generated[-1]
-            else:
-                # Exact replay: the prompt with the same chunking, then the generated tokens
-                # decoded one at a time, as the computation originally happened.
-                sequence.forced = deque(resume.generated)
         self._inbox.put(sequence)
         return sequence
 
@@ -415,33 +351,34 @@ class LlamaEngine(ModelFacts):
             if item is None:
                 for sequence in [*self._active, *self._waiting]:
                     self._finish(sequence, FinishReason.SHUTDOWN)
-                self._shelve_resident()
+                self._placement.shelve()
                 return False
             self._waiting.append(item)
             idle = False
         for sequence in [*self._active, *self._waiting]:
             if sequence.cancelled:
                 self._finish(sequence, FinishReason.CANCELLED)
-            elif sequence.pause_requested or self._out_of_allowance(sequence):
+            elif sequence.pause_requested or sequence.out_of_allowance:
                 self._pause(sequence)
         while self._waiting and self._free_ids:
             sequence = self._waiting.popleft()
-            hit = self._lookup(sequence)
-            sequence.seq_id = self._slot_for(hit)
+            hit = self._placement.find(sequence.request, sequence.plan if sequence.fixed else None)
+            sequence.seq_id = self._placement.slot_for(hit, self._free_ids)
             self._free_ids.remove(sequence.seq_id)
             # Batches in id order: with llama.cpp's per-sequence KV streams a batch whose ids
             # are not ascending costs 40-80% more per step (python -m loadtest.bench.seqids).
             self._active.append(sequence)
             self._active.sort(key=lambda s: s.seq_id)
             if not self._admit_resumed(sequence):
-                self._plan_prompt(sequence, hit)
+                reused = self._placement.take(sequence.seq_id, hit) if hit is not None else 0
+                sequence.start_prompt(reused, hit)
         if self._active:
             self._decode_step()
         return True
 
     def _decode_step(self) -> None:
         # (sequence, token, position, wants logits) for everything this step feeds the model.
-        entries: list[tuple[_Sequence, int, int, bool]] = []
+        entries: list[BatchEntry] = []
         for sequence in self._active:
             if not sequence.pending_prompt:
                 entries.append((sequence, sequence.last_token, sequence.n_past, True))
@@ -450,38 +387,23 @@ class LlamaEngine(ModelFacts):
         prefilling = min(
             (s for s in self._active if s.pending_prompt), key=lambda s: s.order, default=None
         )
-        if prefilling is not None:
-            step, room = self._prefill_step(prefilling, decoding=bool(entries))
-            fed_from = prefilling.n_past
-            for _ in range(room):
-                token = prefilling.pending_prompt.popleft()
-                last = not prefilling.pending_prompt
-                # A re-prefill ends on a generated token whose successor is already known.
-                entries.append(
-                    (prefilling, token, prefilling.n_past, last and not prefilling.reprefill)
-                )
-                prefilling.n_past += 1
-                if last and prefilling.reprefill:
-                    prefilling.reprefill = False
-                    prefilling.sink.sequence_resumed(ResumePath.REPREFILL)
-            if prefilling.fixed:
-                if prefilling.n_past >= prefilling.segments[0].end:
-                    prefilling.segments.popleft()
-            else:
-                prefilling.plan = extend(prefilling.plan, prefilling.n_past, step)
-            if fed_from < len(prefilling.request.prompt_tokens) <= prefilling.n_past:
-                self._report_plan(prefilling)
+        widest = self.settings.n_batch - self.settings.n_seq_max
+        if prefilling is not None and prefilling.feed_prompt(entries, widest=widest):
+            plan = prefilling.planned()  # the prompt is in: say how (before its first token)
+            n_prompt = len(prefilling.request.prompt_tokens)
+            self.prefix_stats.count(reused=plan.reused, n_prompt=n_prompt)
+            prefilling.sink.sequence_planned(plan)
         if not self.settings.batch_invariant:
             self._decode(entries)
             return
         # Each sequence in its own micro-batch: its logits cannot depend on its neighbours.
-        groups: dict[int, list[tuple[_Sequence, int, int, bool]]] = {}
+        groups: dict[int, list[BatchEntry]] = {}
         for entry in entries:
             groups.setdefault(entry[0].seq_id, []).append(entry)
         for group in groups.values():
             self._decode(group)
 
-    def _decode(self, entries: list[tuple[_Sequence, int, int, bool]]) -> None:
+    def _decode(self, entries: list[BatchEntry]) -> None:
         for i, (sequence, token, position, logits) in enumerate(entries):
             self._add(i, token, position, sequence.seq_id, logits)
         self._batch.n_tokens = len(entries)
@@ -494,29 +416,7 @@ class LlamaEngine(ModelFacts):
             if logits:
                 self._sample(sequence, i)
 
-    def _prefill_step(self, sequence: _Sequence, *, decoding: bool) -> tuple[int, int]:
-        """The step a prompt is fed in now, and how many of its tokens go in.
-
-        A fixed plan's steps (a recorded one, or a cold prompt's chunks) are taken from each
-        segment's start, so a replay cuts the prompt exactly as the run it replays did. What
-        follows reused cells is fed in steps chosen now (and added to the plan): beside
-        decoding sequences a chunk of ``prefill_chunk`` tokens, so that their next token is not
-        stalled behind a long prompt; alone, the widest piece a batch takes, which stalls
-        nobody (prompts in line wait for this one's prefill anyway) and over a long kept
-        prefix costs half of what chunks do (measured: loadtest.bench.conversation).
-        """
-        if sequence.fixed:
-            segment = sequence.segments[0]
-            return segment.step, min(segment.step, segment.end - sequence.n_past)
-        widest = self.settings.n_batch - self.settings.n_seq_max
-        step = sequence.chunk if decoding else widest
-        return step, min(step, len(sequence.pending_prompt))
-
-    def _out_of_allowance(self, sequence: _Sequence) -> bool:
-        busy_rebuilding = sequence.pending_prompt or sequence.forced
-        return not busy_rebuilding and sequence.generated >= sequence.allowed
-
-    def _admit_resumed(self, sequence: _Sequence) -> bool:
+    def _admit_resumed(self, sequence: LlamaSequence) -> bool:
         """Give a resumed sequence its cells back from its blob; False: it computes them."""
         resume = sequence.request.resume
         if resume is None:
@@ -527,146 +427,13 @@ class LlamaEngine(ModelFacts):
             sequence.sink.sequence_resumed(ResumePath.REPLAY)  # nothing to rebuild
         return False
 
-    # --- the prefix cache -------------------------------------------------------------------
-
-    def _open_cache(self) -> PrefixCache | None:
-        settings = self.settings
-        if not settings.prefix_cache:
-            return None
-        window = llama_cpp.llama_model_n_swa(self._model.model)
-        if window > 0:
-            # Sliding-window layers drop the cells behind their window, so a kept sequence's
-            # prefix cannot be continued from them; a full-size SWA cache for every slot would
-            # cost this model's whole context in every layer.
-            log.info("prefix cache off: the model uses sliding-window attention (%d)", window)
-            return None
-        cache = PrefixCache(
-            settings.numerics(self.vocabulary.model_digest),
-            max_blob_bytes=settings.prefix_cache_max_bytes,
-        )
-        if settings.prefix_cache_dir is not None and settings.prefix_cache_disk_bytes > 0:
-            cache.shelf = PrefixShelf(
-                settings.prefix_cache_dir, settings.prefix_cache_disk_bytes, cache.stats
-            )
-        return cache
-
-    def _lookup(self, sequence: _Sequence) -> Hit | None:
-        """The kept cells this sequence's prompt can start from (none for a KV restore)."""
-        cache = self._cache
-        resume = sequence.request.resume
-        if cache is None or (resume is not None and resume.kv_state is not None):
-            return None
-        request = sequence.request
-        # A fixed plan takes only cells computed its own way; a new prompt, any.
-        recorded = sequence.plan if sequence.fixed else None
-        return cache.find(request.cache_scope, request.prompt_tokens, recorded)
-
-    def _slot_for(self, hit: Hit | None) -> int:
-        """The hit's slot; else the lowest free slot that keeps nothing; else the slot of the
-        entry used longest ago, which becomes a blob (or is forgotten)."""
-        cache = self._cache
-        if cache is None:
-            return min(self._free_ids)
-        if hit is not None and hit.entry.slot is not None:
-            return hit.entry.slot
-        empty = [slot for slot in self._free_ids if cache.entry_in(slot) is None]
-        if empty:
-            return min(empty)
-        victim = cache.least_used(self._free_ids)
-        assert victim is not None and victim.slot is not None
-        slot = victim.slot
-        blob = self._state_of(slot) if cache.max_blob_bytes > 0 else None
-        cache.spill(victim, blob)
-        llama_cpp.llama_memory_seq_rm(self._memory, slot, -1, -1)
-        return slot
-
-    def _plan_prompt(self, sequence: _Sequence, hit: Hit | None) -> None:
-        """Start the prompt from the hit's cells (if they can be had) and set out how the rest
-        is fed: a fixed plan's segments, or steps chosen as it goes (:meth:`_prefill_step`)."""
-        reused = self._take(sequence.seq_id, hit) if hit is not None else 0
-        if not sequence.fixed and not reused:
-            # A cold prompt is cut the same way whatever runs beside it, so that the same
-            # request gives the same output under any load: in chunks of ``prefill_chunk``.
-            n_prompt = len(sequence.request.prompt_tokens)
-            sequence.plan = PrefillPlan.plain(n_prompt, sequence.chunk).segments
-            sequence.fixed = True
-        if sequence.fixed:
-            sequence.segments = deque(rest(sequence.plan, reused))
-        else:
-            assert hit is not None
-            sequence.plan = cut(hit.entry.segments, reused)  # the hit's way, up to the cut
-        for _ in range(reused):
-            sequence.pending_prompt.popleft()
-        sequence.n_past = sequence.reused = reused
-
-    def _report_plan(self, sequence: _Sequence) -> None:
-        """The prompt is fed: tell the sink how (before its first token), and count it."""
-        n_prompt = len(sequence.request.prompt_tokens)
-        if self._cache is not None:
-            stats = self._cache.stats
-            stats.hits += bool(sequence.reused)
-            stats.misses += not sequence.reused
-            stats.reused_tokens += sequence.reused
-            stats.prefilled_tokens += n_prompt - sequence.reused
-        plan = PrefillPlan(cut(sequence.plan, n_prompt), sequence.reused)
-        sequence.sink.sequence_planned(plan)
-
-    def _shelve_resident(self) -> None:
-        """Closing: the cells kept in slots go to the shelf, if there is one, the most recently
-        used first, so that the next engine (a restarted server) finds them."""
-        cache = self._cache
-        if cache is None or cache.shelf is None:
-            return
-        for entry in sorted(cache.resident(), key=lambda e: -e.used):
-            assert entry.slot is not None
-            blob = self._state_of(entry.slot)
-            cache.drop(entry)
-            if blob is not None:
-                cache.shelf.put(entry, blob)
-
-    def _take(self, slot: int, hit: Hit) -> int:
-        """Move the hit's cells into ``slot`` and cut them to its length; 0 when they could
-        not be had (a rejected blob: the prompt is computed cold)."""
-        assert self._cache is not None
-        entry = hit.entry
-        self._cache.take(entry)
-        if entry.blob is not None and not self._set_state(slot, entry.blob):
-            llama_cpp.llama_memory_seq_rm(self._memory, slot, -1, -1)
-            return 0
-        if not llama_cpp.llama_memory_seq_rm(self._memory, slot, hit.length, -1):
-            llama_cpp.llama_memory_seq_rm(self._memory, slot, -1, -1)
-            return 0
-        return hit.length
-
-    def _keep(self, sequence: _Sequence) -> bool:
-        """Leave a released sequence's cells in its slot for later prompts; False: not kept."""
-        cache = self._cache
-        if cache is None or sequence.n_past <= 0:
-            return False
-        n_past = sequence.n_past
-        tokens = (*sequence.request.prompt_tokens, *sequence.history)[:n_past]
-        computed = sequence.plan[-1].end if sequence.plan else 0
-        plan = extend(sequence.plan, n_past, 1) if n_past > computed else cut(sequence.plan, n_past)
-        return cache.keep(sequence.seq_id, sequence.request.cache_scope, tokens, plan)
-
-    def _state_of(self, seq_id: int) -> bytes | None:
-        size = llama_cpp.llama_state_seq_get_size(self._context.ctx, seq_id)
-        buffer = (ctypes.c_uint8 * size)()
-        written = llama_cpp.llama_state_seq_get_data(self._context.ctx, buffer, size, seq_id)
-        return ctypes.string_at(buffer, written) if written else None
-
-    def _set_state(self, seq_id: int, blob: bytes) -> bool:
-        buffer = (ctypes.c_uint8 * len(blob)).from_buffer_copy(blob)
-        written = llama_cpp.llama_state_seq_set_data(self._context.ctx, buffer, len(blob), seq_id)
-        return bool(written)
-
     # --- pause and resume -------------------------------------------------------------------
 
-    def _restore(self, sequence: _Sequence, generated: tuple[int, ...], kv: bytes) -> bool:
-        if not self._set_state(sequence.seq_id, kv):
+    def _restore(self, sequence: LlamaSequence, generated: tuple[int, ...], kv: bytes) -> bool:
+        if not self._cells.load(sequence.seq_id, kv):
             # The blob does not fit this context (or is damaged): fall back to exact replay.
             log.warning("KV blob rejected by llama_state_seq_set_data; replaying instead")
-            llama_cpp.llama_memory_seq_rm(self._memory, sequence.seq_id, -1, -1)
+            self._cells.clear(sequence.seq_id)
             sequence.forced = deque(generated)
             return False
         sequence.pending_prompt.clear()
@@ -680,11 +447,11 @@ class LlamaEngine(ModelFacts):
         sequence.sink.sequence_resumed(ResumePath.KV_RESTORE)
         return True
 
-    def _pause(self, sequence: _Sequence) -> None:
+    def _pause(self, sequence: LlamaSequence) -> None:
         kv: bytes | None = None
         capturable = sequence.history and not sequence.forced and not sequence.pending_prompt
         if sequence.capture_kv and capturable and sequence.seq_id >= 0 and sequence in self._active:
-            kv = self._state_of(sequence.seq_id)
+            kv = self._cells.save(sequence.seq_id)
         generated = (*sequence.history, *sequence.forced)
         resume = sequence.request.resume
         if sequence.seq_id < 0 and resume is not None:
@@ -721,7 +488,7 @@ class LlamaEngine(ModelFacts):
             self._logit_views[address] = view
         return view
 
-    def _sample(self, sequence: _Sequence, position: int) -> None:
+    def _sample(self, sequence: LlamaSequence, position: int) -> None:
         logits = self._logits(position)
         index = sequence.generated
         replayed = bool(sequence.forced)
@@ -753,19 +520,26 @@ class LlamaEngine(ModelFacts):
         if sequence.generated >= sequence.request.max_tokens:
             self._finish(sequence, FinishReason.LENGTH)
 
-    def _release_admission(self, sequence: _Sequence) -> None:
+    def _release_admission(self, sequence: LlamaSequence) -> None:
         with self._admission_lock:
             if sequence.release_admission is not None:
                 sequence.release_admission = None
                 self._admitted -= 1
 
-    def _release(self, sequence: _Sequence, *, keep: bool = True) -> bool:
+    def _release(self, sequence: LlamaSequence, *, keep: bool = True) -> bool:
         """Take a sequence out of the engine; its cells stay for the prefix cache (``keep``,
         where there is one) or are freed. False if it was not in."""
         if sequence in self._active:
             self._active.remove(sequence)
-            if not (keep and self._keep(sequence)):
-                llama_cpp.llama_memory_seq_rm(self._memory, sequence.seq_id, -1, -1)
+            kept = keep and self._placement.keep(
+                sequence.seq_id,
+                sequence.request,
+                sequence.history,
+                sequence.n_past,
+                sequence.plan,
+            )
+            if not kept:
+                self._cells.clear(sequence.seq_id)
             self._free_ids.append(sequence.seq_id)
         elif sequence in self._waiting:
             self._waiting.remove(sequence)
@@ -775,7 +549,7 @@ class LlamaEngine(ModelFacts):
         self._release_admission(sequence)
         return True
 
-    def _finish(self, sequence: _Sequence, reason: FinishReason) -> None:
+    def _finish(self, sequence: LlamaSequence, reason: FinishReason) -> None:
         kept = reason in (FinishReason.EOS, FinishReason.LENGTH, FinishReason.CANCELLED)
         if not self._release(sequence, keep=kept):
             return

@@ -132,6 +132,15 @@ class PrefixStats:
     blob_bytes: int = 0
     disk_bytes: int = 0
 
+    def count(self, *, reused: int, n_prompt: int) -> None:
+        """A prompt of ``n_prompt`` tokens is fed, its first ``reused`` from kept cells (not
+        counted while the cache is off)."""
+        if self.enabled:
+            self.hits += bool(reused)
+            self.misses += not reused
+            self.reused_tokens += reused
+            self.prefilled_tokens += n_prompt - reused
+
 
 class PrefixShelf:
     """Evicted entries on disk, one file each, named by the chained hash of the entry's last

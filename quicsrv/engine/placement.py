@@ -1,0 +1,170 @@
+"""Where a sequence's KV cells come from and where they go: its slot, the kept prefix it starts
+from, and the blobs that leave a slot.
+
+:class:`KvCells` is llama.cpp's per-sequence cell operations (a sequence's cells as a blob and
+back, cut, cleared). :class:`SlotPlacement` answers the decode thread's questions about kept
+cells and makes the llama.cpp calls its answers need: which kept cells a new prompt can start
+from, which slot it gets (the entry used longest ago leaving its slot as a blob), how many kept
+positions it could take, whether a released sequence's cells stay, and, when the engine closes,
+which entries go to the shelf. :mod:`.prefix_cache` keeps the books (pure); the engine
+(:mod:`.llama`) acts on the answers. Called on the engine's thread only.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import logging
+from collections.abc import Sequence
+from pathlib import Path
+
+import llama_cpp
+from llama_cpp._internals import LlamaContext
+
+from ._api import Segment, SequenceRequest
+from .prefix_cache import Hit, PrefixCache, PrefixShelf, PrefixStats, cut, extend
+
+__all__ = ["KvCells", "SlotPlacement"]
+
+log = logging.getLogger(__name__)
+
+
+class KvCells:
+    """The KV cells of each sequence id of one llama.cpp context."""
+
+    def __init__(self, context: LlamaContext) -> None:
+        self._ctx = context.ctx
+        self._memory = llama_cpp.llama_get_memory(context.ctx)
+
+    def save(self, seq_id: int) -> bytes | None:
+        """The sequence's cells as a blob (``llama_state_seq_get_data``); None: it has none."""
+        size = llama_cpp.llama_state_seq_get_size(self._ctx, seq_id)
+        buffer = (ctypes.c_uint8 * size)()
+        written = llama_cpp.llama_state_seq_get_data(self._ctx, buffer, size, seq_id)
+        return ctypes.string_at(buffer, written) if written else None
+
+    def load(self, seq_id: int, blob: bytes) -> bool:
+        """Set the sequence's cells from ``blob``; False: llama.cpp rejected it."""
+        buffer = (ctypes.c_uint8 * len(blob)).from_buffer_copy(blob)
+        return bool(llama_cpp.llama_state_seq_set_data(self._ctx, buffer, len(blob), seq_id))
+
+    def cut(self, seq_id: int, length: int) -> bool:
+        """Keep the cells of positions ``0..length-1`` only; False: they cannot be cut there."""
+        return bool(llama_cpp.llama_memory_seq_rm(self._memory, seq_id, length, -1))
+
+    def clear(self, seq_id: int) -> None:
+        llama_cpp.llama_memory_seq_rm(self._memory, seq_id, -1, -1)
+
+
+class SlotPlacement:
+    """See the module docstring. ``cache`` None: nothing is kept (every prompt starts cold, a
+    new sequence gets the lowest free slot)."""
+
+    def __init__(self, cells: KvCells, cache: PrefixCache | None) -> None:
+        self._cells = cells
+        self._cache = cache
+        self.stats = cache.stats if cache is not None else PrefixStats(enabled=False)
+        """What the cache did and holds (its ``enabled`` False when there is none)."""
+
+    @classmethod
+    def open(
+        cls,
+        cells: KvCells,
+        *,
+        enabled: bool,
+        numerics: bytes,
+        window: int,
+        max_blob_bytes: int,
+        shelf_dir: Path | None,
+        shelf_bytes: int,
+    ) -> SlotPlacement:
+        """Placement over a prefix cache for cells computed under ``numerics`` (see
+        ``EngineSettings.numerics``), unless the cache is off (``enabled``) or cannot work
+        for this model (``window``: its sliding-window size, ``llama_model_n_swa``)."""
+        if not enabled:
+            return cls(cells, None)
+        if window > 0:
+            # Sliding-window layers drop the cells behind their window, so a kept sequence's
+            # prefix cannot be continued from them; a full-size SWA cache for every slot would
+            # cost this model's whole context in every layer.
+            log.info("prefix cache off: the model uses sliding-window attention (%d)", window)
+            return cls(cells, None)
+        cache = PrefixCache(numerics, max_blob_bytes=max_blob_bytes)
+        if shelf_dir is not None and shelf_bytes > 0:
+            cache.shelf = PrefixShelf(shelf_dir, shelf_bytes, cache.stats)
+        return cls(cells, cache)
+
+    def find(self, request: SequenceRequest, recorded: Sequence[Segment] | None) -> Hit | None:
+        """The kept cells ``request``'s prompt can start from (none for a KV restore, which
+        brings its own). ``recorded``: a fixed plan, which takes only cells computed its own
+        way; None: a new prompt, which takes any."""
+        cache = self._cache
+        resume = request.resume
+        if cache is None or (resume is not None and resume.kv_state is not None):
+            return None
+        return cache.find(request.cache_scope, request.prompt_tokens, recorded)
+
+    def slot_for(self, hit: Hit | None, free: Sequence[int]) -> int:
+        """Of the ``free`` slots: the hit's; else the lowest that keeps nothing; else the slot
+        of the entry used longest ago, which becomes a blob (or is forgotten)."""
+        cache = self._cache
+        if cache is None:
+            return min(free)
+        if hit is not None and hit.entry.slot is not None:
+            return hit.entry.slot
+        empty = [slot for slot in free if cache.entry_in(slot) is None]
+        if empty:
+            return min(empty)
+        victim = cache.least_used(free)
+        assert victim is not None and victim.slot is not None
+        slot = victim.slot
+        blob = self._cells.save(slot) if cache.max_blob_bytes > 0 else None
+        cache.spill(victim, blob)
+        self._cells.clear(slot)
+        return slot
+
+    def take(self, slot: int, hit: Hit) -> int:
+        """Move the hit's cells into ``slot`` and cut them to its length: the positions
+        reused; 0 when they could not be had (a rejected blob: the prompt is computed cold)."""
+        assert self._cache is not None
+        entry = hit.entry
+        self._cache.take(entry)
+        if entry.blob is not None and not self._cells.load(slot, entry.blob):
+            self._cells.clear(slot)
+            return 0
+        if not self._cells.cut(slot, hit.length):
+            self._cells.clear(slot)
+            return 0
+        return hit.length
+
+    def keep(
+        self,
+        slot: int,
+        request: SequenceRequest,
+        history: Sequence[int],
+        n_past: int,
+        plan: Sequence[Segment],
+    ) -> bool:
+        """Leave a released sequence's cells (its first ``n_past`` positions: the prompt, then
+        the generated ``history``, computed as ``plan`` says) in its slot for later prompts;
+        False: not kept (the caller frees them)."""
+        cache = self._cache
+        if cache is None or n_past <= 0:
+            return False
+        tokens = (*request.prompt_tokens, *history)[:n_past]
+        computed = plan[-1].end if plan else 0
+        # Generated tokens were decoded one at a time, after what the plan computed.
+        kept = extend(plan, n_past, 1) if n_past > computed else cut(plan, n_past)
+        return cache.keep(slot, request.cache_scope, tokens, kept)
+
+    def shelve(self) -> None:
+        """Closing: the cells kept in slots go to the shelf, if there is one, the most recently
+        used first, so that the next engine (a restarted server) finds them."""
+        cache = self._cache
+        if cache is None or cache.shelf is None:
+            return
+        for entry in sorted(cache.resident(), key=lambda e: -e.used):
+            assert entry.slot is not None
+            blob = self._cells.save(entry.slot)
+            cache.drop(entry)
+            if blob is not None:
+                cache.shelf.put(entry, blob)

@@ -1,0 +1,188 @@
+"""One sequence as the in-process engine's decode thread holds it, and how its prompt is fed.
+
+A :class:`LlamaSequence` is the handle :meth:`~.llama.LlamaEngine.submit` returns (its
+``cancel``, ``pause`` and ``allow`` set plain fields the decode thread reads each step) and the
+state that thread keeps of it. It answers the questions of its own prompt, with no llama.cpp
+call: where a resume starts (the recorded plan, a replay's forced tokens, a re-prefill), how the
+prompt goes on from the cells it could reuse, which of its tokens the next step feeds and in
+which step, and the plan it reports once its prompt is in. The engine (:mod:`.llama`) finds the
+cells (:mod:`.placement`), decodes and samples.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+from ._api import PrefillPlan, ResumePath, Segment, SequenceRequest, TokenSink
+from .prefix_cache import Hit, cut, extend, rest
+from .sampling import SequenceSampler
+
+__all__ = ["BatchEntry", "LlamaSequence"]
+
+BatchEntry = tuple["LlamaSequence", int, int, bool]
+"""What a step feeds the model: the sequence, a token, its position, whether logits are wanted."""
+
+
+@dataclass(eq=False)
+class LlamaSequence:
+    request: SequenceRequest
+    sink: TokenSink
+    sampler: SequenceSampler
+    seq_id: int = -1
+    n_past: int = 0
+    generated: int = 0
+    last_token: int = -1
+    order: int = 0  # submission order: prompts are prefilled first come, first served
+    chunk: int = 256  # prompt tokens per step: part of what makes a replay exact
+    allowed: int = 1 << 62  # tokens it may generate before it pauses itself (flow control)
+    cancelled: bool = False
+    pause_requested: bool = False
+    capture_kv: bool = True
+    reprefill: bool = False  # pending_prompt holds generated tokens too: sample nothing from it
+    # How its cells are computed, pending_prompt's included: a recorded plan, whole from the
+    # start (``fixed``); else its steps are chosen as it goes and added here as they are fed.
+    plan: tuple[Segment, ...] = ()
+    fixed: bool = False
+    segments: deque[Segment] = field(default_factory=deque)  # a fixed plan's part still to feed
+    reused: int = 0  # leading positions whose cells came from the prefix cache
+    pending_prompt: deque[int] = field(default_factory=deque)
+    forced: deque[int] = field(default_factory=deque)  # replay: tokens to decode, not sample
+    history: list[int] = field(default_factory=list)  # every generated token, in order
+    release_admission: Callable[[LlamaSequence], None] | None = None
+
+    @classmethod
+    def for_request(
+        cls,
+        request: SequenceRequest,
+        sink: TokenSink,
+        sampler: SequenceSampler,
+        *,
+        chunk: int,
+        order: int,
+        release_admission: Callable[[LlamaSequence], None],
+    ) -> LlamaSequence:
+        """A new sequence, set to rebuild a resume's cells the way it asks (unless it brings
+        them as a blob: the engine restores those when it gets a slot)."""
+        resume = request.resume
+        plan = request.prefill_plan
+        if plan is None and resume is not None and resume.generated:
+            # Tokens were sent from a run without a recorded plan: one that fed the prompt in
+            # chunks from position 0 (what every run did before plans were recorded).
+            plan = PrefillPlan.plain(len(request.prompt_tokens), chunk)
+        sequence = cls(
+            request=request,
+            sink=sink,
+            sampler=sampler,
+            pending_prompt=deque(request.prompt_tokens),
+            plan=plan.segments if plan is not None else (),
+            fixed=plan is not None,
+            release_admission=release_admission,
+            chunk=chunk,
+            order=order,
+        )
+        if resume is not None and resume.kv_state is None and resume.generated:
+            if resume.inexact_reprefill:
+                # Fast, but prompt-processing logits are not bit-identical to token-by-token
+                # decoding, so the continuation may differ: only on explicit request.
+                generated = resume.generated
+                sequence.pending_prompt.extend(generated[:-1])
+                sequence.plan = extend(sequence.plan, len(sequence.pending_prompt), chunk)
+                sequence.reprefill = True
+                sequence.history = list(generated)
+                sequence.generated = len(generated)
+                sequence.last_token = generated[-1]
+            else:
+                # Exact replay: the prompt with the same chunking, then the generated tokens
+                # decoded one at a time, as the computation originally happened.
+                sequence.forced = deque(resume.generated)
+        return sequence
+
+    # --- the handle (any thread) --------------------------------------------------------
+
+    def pause(self, *, capture_kv: bool = True) -> None:
+        self.capture_kv = capture_kv
+        self.pause_requested = True
+        # Like a cancel, it leaves at the next step: its admission place is free already.
+        if self.release_admission is not None:
+            self.release_admission(self)
+
+    def allow(self, n_tokens: int) -> None:
+        # A plain int read by the worker each step, like the cancel flag.
+        self.allowed = n_tokens
+
+    def cancel(self) -> None:
+        # A plain flag read by the worker each step: cancellation takes effect within one token.
+        self.cancelled = True
+        # Its admission place is given back at once, so a request arriving right after a cancel
+        # is queued (and served when the cells are freed) rather than refused as overloaded.
+        if self.release_admission is not None:
+            self.release_admission(self)
+
+    # --- its prompt (the decode thread) -------------------------------------------------
+
+    @property
+    def out_of_allowance(self) -> bool:
+        busy_rebuilding = self.pending_prompt or self.forced
+        return not busy_rebuilding and self.generated >= self.allowed
+
+    def start_prompt(self, reused: int, hit: Hit | None) -> None:
+        """Its slot holds the first ``reused`` positions' cells, taken from ``hit``: set out
+        how the rest is fed, a fixed plan's segments or steps chosen as it goes."""
+        if not self.fixed and not reused:
+            # A cold prompt is cut the same way whatever runs beside it, so that the same
+            # request gives the same output under any load: in chunks of ``prefill_chunk``.
+            self.plan = PrefillPlan.plain(len(self.request.prompt_tokens), self.chunk).segments
+            self.fixed = True
+        if self.fixed:
+            self.segments = deque(rest(self.plan, reused))
+        else:
+            assert hit is not None
+            self.plan = cut(hit.entry.segments, reused)  # the hit's way, up to the cut
+        for _ in range(reused):
+            self.pending_prompt.popleft()
+        self.n_past = self.reused = reused
+
+    def feed_prompt(self, entries: list[BatchEntry], *, widest: int) -> bool:
+        """Add this step's piece of the prompt to ``entries`` (which hold the decoding
+        sequences' tokens); True when it completes the prompt (report :meth:`planned` now).
+        ``widest``: the most prompt tokens a batch takes beside a token of every slot."""
+        step, room = self._prefill_step(decoding=bool(entries), widest=widest)
+        fed_from = self.n_past
+        for _ in range(room):
+            token = self.pending_prompt.popleft()
+            last = not self.pending_prompt
+            # A re-prefill ends on a generated token whose successor is already known.
+            entries.append((self, token, self.n_past, last and not self.reprefill))
+            self.n_past += 1
+            if last and self.reprefill:
+                self.reprefill = False
+                self.sink.sequence_resumed(ResumePath.REPREFILL)
+        if self.fixed:
+            if self.n_past >= self.segments[0].end:
+                self.segments.popleft()
+        else:
+            self.plan = extend(self.plan, self.n_past, step)
+        return fed_from < len(self.request.prompt_tokens) <= self.n_past
+
+    def planned(self) -> PrefillPlan:
+        """How its prompt's cells were computed (what a replay must do again)."""
+        return PrefillPlan(cut(self.plan, len(self.request.prompt_tokens)), self.reused)
+
+    def _prefill_step(self, *, decoding: bool, widest: int) -> tuple[int, int]:
+        """The step the prompt is fed in now, and how many of its tokens go in.
+
+        A fixed plan's steps (a recorded one, or a cold prompt's chunks) are taken from each
+        segment's start, so a replay cuts the prompt exactly as the run it replays did. What
+        follows reused cells is fed in steps chosen now (and added to the plan): beside
+        decoding sequences a chunk of ``prefill_chunk`` tokens, so that their next token is not
+        stalled behind a long prompt; alone, the widest piece a batch takes, which stalls
+        nobody (prompts in line wait for this one's prefill anyway) and over a long kept
+        prefix costs half of what chunks do (measured: loadtest.bench.conversation).
+        """
+        if self.fixed:
+            segment = self.segments[0]
+            return segment.step, min(segment.step, segment.end - self.n_past)
+        step = self.chunk if decoding else widest
+        return step, min(step, len(self.pending_prompt))
