@@ -14,7 +14,7 @@ Two threads of its own, neither of them the event loop's, and its callers:
   wake-up of the loop, not a wake-up of this thread plus a cross-thread hand-off. Without a
   running loop (before one is named, after it closed) this thread reads and delivers;
 * the **sender** sends the commands gathered since its last send as one message, and writes the
-  KV blobs of resumed sequences to the spool directory on the way;
+  KV blobs of resumed sequences to the spool directory on the way (:mod:`.outbox`);
 * the callers' ``submit``/``cancel``/``pause``/``allow`` (on the event loop) only append to that
   outbox.
 
@@ -27,7 +27,8 @@ policies decide what else a death means:
   worker (``poison_strikes`` deaths in a row, the last with no other suspect) ends alone with
   :attr:`FinishReason.POISONED` (``engine_unavailable``) and is refused from then on, while its
   neighbours resume; generations that died together too often resume one at a time to find it
-  (the others' submits wait here meanwhile, in ``_held``, never in the worker);
+  (the others' submits wait here meanwhile, never in the worker). The watch at run time, what
+  it holds back and the log line of each conviction: :mod:`.quarantine`;
 * :mod:`.restarts` decides restart, safe mode, give up or the breaker: more than
   ``max_restarts`` per ``restart_window_s`` opens it (every sequence finishes FAILED, new work
   is refused with :class:`EngineUnavailable` and a retry hint), after ``breaker_cooldown_s``
@@ -51,7 +52,6 @@ import logging
 import subprocess
 import threading
 import time
-import weakref
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -86,12 +86,13 @@ from .ipc import (
     TokenGenerated,
 )
 from .llama import EngineSettings, ModelFacts, check_admission, check_request
+from .outbox import Outbox
 from .prefix_cache import PrefixStats
 from .process import WorkerEnd, WorkerProcess
+from .quarantine import Quarantine
 from .restarts import Action, Breaker, RestartPolicy
 from .sampling import GrammarViolation, check_replay
 from .spool import Spool, take
-from .suspects import PoisonWatch
 from .vocab import Vocabulary
 from .worker import WorkerOptions
 
@@ -152,7 +153,7 @@ class _RemoteSequence:
     cancelled: bool = False
     allowed: int = _NONE_ALLOWED
     held: Submit | None = None
-    """Its Submit, while the poison watch holds it back (see .suspects: a quarantine)."""
+    """Its Submit, while the poison watch holds it back (see .quarantine)."""
 
     def cancel(self) -> None:
         self.cancelled = True
@@ -180,8 +181,7 @@ class WorkerEngine(ModelFacts):
         self._lock = threading.Lock()
         self._changed = threading.Condition(self._lock)
         self._sequences: dict[int, _RemoteSequence] = {}
-        self._outbox: list[Command] = []
-        self._blobs: dict[int, bytes] = {}  # KV blobs of queued Submits, written by the sender
+        self._outbox = Outbox()
         self._link: WorkerProcess | None = None
         self._keys = itertools.count()
         self._incarnations = itertools.count()
@@ -194,9 +194,7 @@ class WorkerEngine(ModelFacts):
             budget=f"{supervision.max_restarts} worker restarts within "
             f"{supervision.restart_window_s:g}s",
         )
-        self._poison = PoisonWatch(supervision.poison_strikes)
-        self._held: dict[int, _RemoteSequence] = {}  # by who: what the poison watch holds back
-        self._names: dict[int, Callable[[], object]] = {}  # who -> its sink, while remembered
+        self._quarantine: Quarantine[_RemoteSequence] = Quarantine(supervision.poison_strikes)
         self._delivery_loop: asyncio.AbstractEventLoop | None = None
         self._first_ready = threading.Event()
         self.restarts = 0
@@ -242,9 +240,7 @@ class WorkerEngine(ModelFacts):
             self._refuse_if_down()
             if self._closing:
                 raise EngineError("the engine is shutting down")
-            if self._poison.knows(who) and self._names.get(who, _nobody)() is not sink:
-                self._poison.forget(who)  # another sink that got a dead one's id
-            if self._poison.convicted(who):
+            if self._quarantine.convicted(who, sink):
                 raise EngineUnavailable(
                     "this generation kept killing the engine worker; it is not run again"
                 )
@@ -256,15 +252,14 @@ class WorkerEngine(ModelFacts):
             )
             self._sequences[key] = sequence
             if resume is not None and resume.kv_state is not None:
-                self._blobs[key] = resume.kv_state
+                self._outbox.attach(key, resume.kv_state)
                 request = dataclasses.replace(
                     request, resume=dataclasses.replace(resume, kv_state=None)
                 )
-            if self._poison.arrived(who):
+            if self._quarantine.arrived(sequence):
                 self._send_locked(sequence, Submit(key, request))
             else:
                 sequence.held = Submit(key, request)
-                self._held[who] = sequence
                 self._send_released_locked()
         return sequence
 
@@ -297,7 +292,7 @@ class WorkerEngine(ModelFacts):
         with self._lock:
             leftovers = list(self._sequences.values())
             self._sequences.clear()
-            self._held.clear()
+            self._quarantine.clear()
         for sequence in leftovers:
             sequence.sink.sequence_finished(FinishReason.SHUTDOWN, len(sequence.history))
         self._spool.remove()
@@ -356,13 +351,9 @@ class WorkerEngine(ModelFacts):
                 return  # sent with its Submit, once released
             # A held sequence never reached a worker: it stops here, as it was.
             del self._sequences[sequence.key]
-            self._held.pop(sequence.who, None)
             sequence.held = None
-            blob = self._blobs.pop(sequence.key, None)
-            if isinstance(command, Cancel):
-                self._poison.finished(sequence.who)
-            else:
-                self._poison.left(sequence.who)
+            blob = self._outbox.detach(sequence.key)
+            self._quarantine.withdraw(sequence.who, finished=isinstance(command, Cancel))
             self._send_released_locked()
         if isinstance(command, Cancel):
             sequence.sink.sequence_finished(FinishReason.CANCELLED, len(sequence.history))
@@ -381,9 +372,8 @@ class WorkerEngine(ModelFacts):
 
     def _send_released_locked(self) -> None:
         """Send what the poison watch releases (a trial, or the held ones after it)."""
-        for who in self._poison.release():
-            sequence = self._held.pop(who, None)
-            if sequence is not None and sequence.held is not None:
+        for sequence in self._quarantine.release():
+            if sequence.held is not None:
                 submit, sequence.held = sequence.held, None
                 self._send_locked(sequence, submit)
 
@@ -406,30 +396,17 @@ class WorkerEngine(ModelFacts):
             with self._changed:
                 while not (self._outbox and (self._link is not None or self._closing)):
                     self._changed.wait()
-                batch, self._outbox = self._outbox, []
-                blobs = {
-                    c.key: self._blobs.pop(c.key)
-                    for c in batch
-                    if isinstance(c, Submit) and c.key in self._blobs
-                }
+                outgoing = self._outbox.take()
                 link = self._link
             if link is None:
                 return  # closing while no worker runs
-            commands = [self._with_blob_file(c, blobs, link) for c in _latest_allowances(batch)]
+            commands = outgoing.written(self._spool, link.incarnation)
             try:
                 link.conn.send(commands)
             except (OSError, EOFError, ValueError):
                 pass  # the worker died: the supervisor hands its sequences back for a resume
             if any(isinstance(c, Stop) for c in commands):
                 return
-
-    def _with_blob_file(
-        self, command: Command, blobs: dict[int, bytes], link: WorkerProcess
-    ) -> Command:
-        if not isinstance(command, Submit) or command.key not in blobs:
-            return command
-        kv_file = self._spool.write_in(link.incarnation, command.key, blobs[command.key])
-        return command if kv_file is None else dataclasses.replace(command, kv_file=kv_file)
 
     # --- the supervisor thread ----------------------------------------------------------
 
@@ -546,20 +523,12 @@ class WorkerEngine(ModelFacts):
             elif isinstance(event, SequenceResumed):
                 sequence.sink.sequence_resumed(event.path)
             elif isinstance(event, SequencePlanned):
-                self._count_plan(event)
+                self.prefix_stats.count(reused=event.plan.reused, n_prompt=event.plan.length)
                 sequence.sink.sequence_planned(event.plan)
         if stepped:
             self._restarts.stepped()
         if stepped and self.on_step is not None:
             self.on_step(stepped, step.finished_at)
-
-    def _count_plan(self, event: SequencePlanned) -> None:
-        stats, plan = self.prefix_stats, event.plan
-        if stats.enabled:
-            stats.hits += bool(plan.reused)
-            stats.misses += not plan.reused
-            stats.reused_tokens += plan.reused
-            stats.prefilled_tokens += plan.length - plan.reused
 
     def _note_locked(self, sequence: _RemoteSequence, event: object) -> None:
         """What an event of a sequence the worker holds tells the bookkeeping (lock held)."""
@@ -567,12 +536,12 @@ class WorkerEngine(ModelFacts):
             del self._sequences[sequence.key]
             self._release(sequence)
             if isinstance(event, SequenceFinished):
-                self._poison.finished(sequence.who)
+                self._quarantine.finished(sequence.who)
             else:
-                self._poison.left(sequence.who)
+                self._quarantine.left(sequence.who)
             self._send_released_locked()
         elif isinstance(event, TokenGenerated):
-            if self._poison.progressed(sequence.who, len(sequence.history) + 1):
+            if self._quarantine.progressed(sequence.who, len(sequence.history) + 1):
                 self._send_released_locked()  # past where the worker died: cleared
 
     def _replace(self, link: WorkerProcess, end: WorkerEnd) -> WorkerProcess | None:
@@ -589,13 +558,15 @@ class WorkerEngine(ModelFacts):
             for sequence in victims:
                 del self._sequences[sequence.key]
                 self._release(sequence)
-            self._outbox.clear()
-            self._blobs = {k: b for k, b in self._blobs.items() if k in self._sequences}
+            self._outbox.worker_died(held=self._sequences)
         self._spool.discard(link.incarnation)  # blobs the dead worker never passed on
         if action is Action.OPEN:
             self._open(reason, victims, after_half_open=half_open_before)
         else:
-            guilty = self._attribute(victims)
+            with self._lock:
+                guilty = self._quarantine.worker_died(victims)
+                self._send_released_locked()  # a held generation's trial may start now
+            self.poisoned_generations += len(guilty)
             others = [s for s in victims if s not in guilty]
             log.error(
                 "%s; %d generation(s) continue from their tokens after a restart",
@@ -617,42 +588,6 @@ class WorkerEngine(ModelFacts):
         log.info("engine worker replaced in %.2fs", time.monotonic() - started)
         return new
 
-    def _attribute(self, victims: list[_RemoteSequence]) -> list[_RemoteSequence]:
-        """Tell the poison watch who was in the dead worker: the sequences it convicts."""
-        strikes = self.supervision.poison_strikes
-        with self._lock:
-            for sequence in victims:
-                self._names[sequence.who] = _reference(sequence.sink)
-            convicted = self._poison.worker_died(
-                {s.who: len(s.history) for s in victims if not s.cancelled}
-            )
-            for who, name in list(self._names.items()):
-                if name() is None:
-                    self._poison.forget(who)  # its sink is gone: its id may be reused
-                if name() is None or not self._poison.knows(who):
-                    del self._names[who]
-            quarantined = len(self._poison.quarantined)
-            self._send_released_locked()  # a held generation's trial may start now
-        guilty = [s for s in victims if s.who in convicted]
-        self.poisoned_generations += len(guilty)
-        for sequence in guilty:
-            log.error(
-                "POISON: a generation (sequence %d, %d tokens) was in %d worker deaths in a "
-                "row, the last with no other suspect; it ends with engine_unavailable and is "
-                "not run again, the others resume",
-                sequence.key,
-                len(sequence.history),
-                strikes,
-            )
-        if quarantined > 1 and not guilty:
-            log.warning(
-                "%d generations were in %d worker deaths in a row together; they resume one "
-                "at a time to find the one that kills the worker",
-                quarantined,
-                strikes,
-            )
-        return guilty
-
     def _hand_back(self, sequences: list[_RemoteSequence]) -> None:
         """Tell the sinks of a dead worker's sequences: paused without KV (they will resume),
         or finished, for those that were cancelled anyway."""
@@ -670,13 +605,12 @@ class WorkerEngine(ModelFacts):
         with self._lock:
             victims = victims + list(self._sequences.values())
             self._sequences.clear()
-            self._held.clear()
+            self._quarantine.clear()
             self._outbox.clear()
-            self._blobs.clear()
             for sequence in victims:
                 self._release(sequence)
                 sequence.held = None
-                self._poison.finished(sequence.who)
+                self._quarantine.finished(sequence.who)
             self.breaker_opens += 1
             self._changed.notify_all()
         log.error(
@@ -690,21 +624,6 @@ class WorkerEngine(ModelFacts):
         for sequence in victims:
             ending = FinishReason.CANCELLED if sequence.cancelled else FinishReason.FAILED
             sequence.sink.sequence_finished(ending, len(sequence.history))
-
-
-def _latest_allowances(batch: list[Command]) -> list[Command]:
-    """Drop every allowance that a later one for the same sequence replaces: a message holds
-    at most one per sequence, however many ACKs arrived since the last send."""
-    seen: set[int] = set()
-    kept: list[Command] = []
-    for command in reversed(batch):
-        if isinstance(command, Allow):
-            if command.key in seen:
-                continue
-            seen.add(command.key)
-        kept.append(command)
-    kept.reverse()
-    return kept
 
 
 def probe_cpu_extra_buffers(settings: EngineSettings, supervision: SupervisorSettings) -> bool:
@@ -724,15 +643,3 @@ def _deliver_pause(sequence: _RemoteSequence | None, event: SequencePaused) -> N
     kv = take(event.kv_file)
     if sequence is not None:
         sequence.sink.sequence_paused(PausedState(generated=event.generated, kv_state=kv))
-
-
-def _reference(sink: TokenSink) -> Callable[[], object]:
-    """A call that returns ``sink`` while it lives (None after), without keeping it alive."""
-    try:
-        return weakref.ref(sink)
-    except TypeError:  # a sink without weak references is kept until the watch forgets it
-        return lambda: sink
-
-
-def _nobody() -> None:
-    return None

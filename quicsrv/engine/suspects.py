@@ -1,9 +1,9 @@
 """Which generation keeps killing the engine worker: deaths attributed to the batch, pure.
 
 No process, thread or clock here: :class:`PoisonWatch` is told of deaths, tokens and arrivals,
-and answers which generation is convicted and which arrivals go to the worker now. The
-supervisor (:mod:`.supervisor`) names each generation by an ``int`` (its sink's id), which is
-the same across the generation's resumes.
+and answers which generation is convicted and which arrivals go to the worker now. Its keeper
+in a running engine (:mod:`.quarantine`) names each generation by an ``int`` (its sink's id),
+which is the same across the generation's resumes.
 
 **Strikes.** A worker's death gives every generation it held a strike, and remembers how many
 tokens each had then. A generation that generates past that count has survived the step that
@@ -45,7 +45,7 @@ class Suspicion:
 
 
 class PoisonWatch:
-    """See the module docstring. Not thread-safe: the supervisor calls it under its lock."""
+    """See the module docstring. Not thread-safe: the supervisor's lock guards its keeper."""
 
     def __init__(self, strikes_to_convict: int) -> None:
         if strikes_to_convict < 1:
@@ -56,7 +56,7 @@ class PoisonWatch:
         self._held: list[int] = []  # arrivals waiting, in the order they came
         self._trial: int | None = None
 
-    # --- what the supervisor reads ------------------------------------------------------
+    # --- what the keeper reads ---------------------------------------------------------
 
     @property
     def suspicions(self) -> Mapping[int, Suspicion]:

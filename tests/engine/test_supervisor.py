@@ -6,8 +6,8 @@ import signal
 
 from quicsrv.engine import SamplingParams, SequenceRequest
 from quicsrv.engine.ipc import Allow, Cancel, Pause, Submit, WorkerPhase
+from quicsrv.engine.outbox import _latest_allowances
 from quicsrv.engine.process import WorkerEnd
-from quicsrv.engine.supervisor import _latest_allowances
 from quicsrv.engine.worker import EXIT_ENGINE_FAILED
 
 
