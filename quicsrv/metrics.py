@@ -142,15 +142,14 @@ class ServerMetrics:
         self._state.sessions = sessions
 
     def bind_engine(self, engine: Engine) -> None:
-        """Read the engine's facts when scraped and, for a worker engine, count its steps."""
+        """Read the engine's health when scraped, and count the decode steps it reports."""
         self._state.engine = engine
-        if hasattr(engine, "on_step"):
-            engine.on_step = self.engine_stepped
+        engine.on_step = self.engine_stepped
 
     def unbind_engine(self, engine: Engine) -> None:
         """The server stops: an engine that outlives it (tests) stops reporting here."""
-        if getattr(engine, "on_step", None) == self.engine_stepped:
-            engine.on_step = None  # type: ignore[attr-defined]
+        if engine.on_step == self.engine_stepped:
+            engine.on_step = None
 
     def bind_transport(self, facts: TransportFacts) -> None:
         self._state.transport = facts
@@ -316,39 +315,48 @@ class _StateCollector(Collector):
         engine = self.engine
         if engine is None:
             return
-        failure = getattr(engine, "failure", None)
-        yield _gauge("quicsrv_engine_up", "1 while the engine takes work", failure is None)
+        health = engine.health()
+        yield _gauge("quicsrv_engine_up", "1 while the engine takes work", health.up)
         restarts = CounterMetricFamily(
             "quicsrv_engine_worker_restarts", "Engine worker processes replaced after a death"
         )
-        restarts.add_metric([], getattr(engine, "restarts", 0))
+        restarts.add_metric([], health.restarts)
         yield restarts
-        breaker = getattr(engine, "breaker", None)
-        if breaker is not None:  # a worker engine (engine/restarts.py, engine/suspects.py)
+        if health.breaker is not None:  # a worker engine (engine/restarts.py, engine/suspects.py)
             yield _gauge(
                 "quicsrv_engine_breaker_state",
                 "The worker restart breaker: 0 closed, 1 open (crash loop: new work refused), "
                 "2 half-open (one worker on probation)",
-                int(breaker),
+                int(health.breaker),
             )
-            for name, documentation in (
-                ("worker_deaths", "Engine worker processes that died or were killed"),
-                ("breaker_opens", "Crash loops: times the worker restart breaker opened"),
-                ("poisoned_generations", "Generations that kept killing the worker, failed alone"),
+            for name, documentation, value in (
+                (
+                    "worker_deaths",
+                    "Engine worker processes that died or were killed",
+                    health.worker_deaths,
+                ),
+                (
+                    "breaker_opens",
+                    "Crash loops: times the worker restart breaker opened",
+                    health.breaker_opens,
+                ),
+                (
+                    "poisoned_generations",
+                    "Generations that kept killing the worker, failed alone",
+                    health.poisoned_generations,
+                ),
             ):
                 counter = CounterMetricFamily(f"quicsrv_engine_{name}", documentation)
-                counter.add_metric([], getattr(engine, name, 0))
+                counter.add_metric([], value)
                 yield counter
-        prefix = getattr(engine, "prefix_stats", None)
-        if prefix is not None:
-            yield from _prefix_cache(prefix)
-        extra = getattr(engine, "cpu_extra_buffers", None)
-        if extra is not None:
+        if health.prefix_cache is not None:
+            yield from _prefix_cache(health.prefix_cache)
+        if health.cpu_extra_buffers is not None:
             yield _gauge(
                 "quicsrv_engine_cpu_extra_buffers",
                 "1: llama.cpp's extra CPU buffers are on; 0: off (safe mode after the canary, "
                 "or configured off)",
-                bool(extra),
+                health.cpu_extra_buffers,
             )
 
     def _transport(self) -> Iterator[Metric]:

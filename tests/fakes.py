@@ -9,11 +9,13 @@ from dataclasses import dataclass, field
 import blake3
 
 from quicsrv.engine import (
+    EngineHealth,
     FinishReason,
     Grammar,
     InvalidSchema,
     PausedState,
     SequenceRequest,
+    StepListener,
     TokenSink,
 )
 
@@ -50,6 +52,9 @@ class FakeEngine:
     handles: list[FakeHandle] = field(default_factory=list)
     pieces: dict[int, bytes] = field(default_factory=dict)
     submitted: asyncio.Event = field(default_factory=asyncio.Event)
+    state: EngineHealth = field(default_factory=EngineHealth)
+    """What :meth:`health` answers (a test sets it)."""
+    on_step: StepListener | None = None
 
     def tokenize(self, text: str, *, add_special: bool) -> list[int]:
         return [ord(c) for c in text]
@@ -77,6 +82,9 @@ class FakeEngine:
 
     def deliver_on(self, loop: asyncio.AbstractEventLoop) -> None:
         pass
+
+    def health(self) -> EngineHealth:
+        return self.state
 
     def close(self) -> None:
         pass

@@ -6,6 +6,7 @@ from ._api import (
     CpuExtraBuffers,
     Engine,
     EngineError,
+    EngineHealth,
     EngineUnavailable,
     FinishReason,
     Grammar,
@@ -20,6 +21,7 @@ from ._api import (
     Segment,
     SequenceHandle,
     SequenceRequest,
+    StepListener,
     TokenSink,
 )
 from .model import default_model_path
@@ -30,6 +32,7 @@ __all__ = [
     "CpuExtraBuffers",
     "Engine",
     "EngineError",
+    "EngineHealth",
     "EngineUnavailable",
     "FinishReason",
     "Grammar",
@@ -44,6 +47,7 @@ __all__ = [
     "Segment",
     "SequenceHandle",
     "SequenceRequest",
+    "StepListener",
     "TokenSink",
     "default_model_path",
 ]

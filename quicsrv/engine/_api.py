@@ -7,15 +7,22 @@ worker thread; the sink is responsible for handing them to its event loop.
 from __future__ import annotations
 
 import asyncio
+from collections.abc import Callable
 from dataclasses import dataclass
 from enum import StrEnum
-from typing import NamedTuple, Protocol
+from typing import TYPE_CHECKING, NamedTuple, Protocol
+
+from .restarts import Breaker
+
+if TYPE_CHECKING:
+    from .prefix_cache import PrefixStats  # which builds on Segment, defined here
 
 __all__ = [
     "CannotReplay",
     "CpuExtraBuffers",
     "Engine",
     "EngineError",
+    "EngineHealth",
     "EngineUnavailable",
     "FinishReason",
     "Overloaded",
@@ -28,6 +35,7 @@ __all__ = [
     "Segment",
     "SequenceHandle",
     "SequenceRequest",
+    "StepListener",
     "TokenSink",
 ]
 
@@ -233,8 +241,48 @@ class SequenceHandle(Protocol):
         """Generate at most ``n_tokens`` tokens in all; reaching the allowance pauses."""
 
 
+StepListener = Callable[[list[int], float], None]
+"""Told of one decode step that sampled tokens: whose sequences got one (their keys) and when
+the step ended (``time.monotonic()``)."""
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class EngineHealth:
+    """How an engine is, at one moment (metrics and readiness read it); the defaults are an
+    engine that takes work and has nothing else to report."""
+
+    failure: str | None = None
+    """Why no work is taken now (the engine failed, or its worker crash-loops: the breaker is
+    open); None while work is taken."""
+    restarting: bool = False
+    """No worker process runs now: one died and the next is starting (work waits for it)."""
+    restarts: int = 0
+    """Worker processes replaced after a death."""
+    breaker: Breaker | None = None
+    """The worker restart breaker (:mod:`.restarts`); None: an engine without one."""
+    worker_deaths: int = 0
+    breaker_opens: int = 0
+    poisoned_generations: int = 0
+    """Generations convicted of killing the worker, failed alone (:mod:`.suspects`)."""
+    prefix_cache: PrefixStats | None = None
+    """A copy of the prefix cache's counts; None: an engine without one."""
+    cpu_extra_buffers: bool | None = None
+    """Whether the running worker uses llama.cpp's extra CPU buffers (False: the safe mode);
+    None: not reported (no worker process)."""
+
+    @property
+    def up(self) -> bool:
+        """Whether work is taken now."""
+        return self.failure is None
+
+
 class Engine(Protocol):
     """What the server needs from an engine."""
+
+    on_step: StepListener | None
+    """Told of each decode step that sampled tokens (set by whoever meters steps: the server's
+    metrics). An engine that does not report its steps never calls it: the in-process engine,
+    whose worker process reports them through its observer instead."""
 
     @property
     def context_per_sequence(self) -> int: ...
@@ -270,5 +318,9 @@ class Engine(Protocol):
         """Call sinks on ``loop``'s thread where that saves a thread hop (a worker engine reads
         its worker's messages there); an engine with a decode thread of its own ignores it.
         Sinks must accept calls on any thread either way."""
+
+    def health(self) -> EngineHealth:
+        """How the engine is now; cheap (asked at every scrape and readiness probe)."""
+        ...
 
     def close(self) -> None: ...

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import ctypes
+import dataclasses
 import itertools
 import logging
 import queue
@@ -28,6 +29,7 @@ from llama_cpp._internals import LlamaContext, LlamaModel
 from ._api import (
     CannotReplay,
     EngineError,
+    EngineHealth,
     EngineUnavailable,
     FinishReason,
     Grammar,
@@ -37,6 +39,7 @@ from ._api import (
     PromptTooLong,
     ResumePath,
     SequenceRequest,
+    StepListener,
     TokenSink,
 )
 from .placement import KvCells, SlotPlacement
@@ -262,6 +265,7 @@ class LlamaEngine(ModelFacts):
         self._closing = False
         self._failed = False
         self.tokens_generated_total = 0  # every sampled token, for tests and stats
+        self.on_step: StepListener | None = None  # not called: the observer reports steps
         self._thread = threading.Thread(target=self._run, name="llama-engine", daemon=True)
         self._thread.start()
 
@@ -311,6 +315,10 @@ class LlamaEngine(ModelFacts):
 
     def deliver_on(self, loop: asyncio.AbstractEventLoop) -> None:
         pass  # sinks are called on the decode thread, as they happen
+
+    def health(self) -> EngineHealth:
+        failure = "the engine thread failed; see the server log" if self._failed else None
+        return EngineHealth(failure=failure, prefix_cache=dataclasses.replace(self.prefix_stats))
 
     def close(self) -> None:
         """Finish every sequence with SHUTDOWN and stop the worker."""

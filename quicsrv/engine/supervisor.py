@@ -53,7 +53,6 @@ import subprocess
 import threading
 import time
 from collections import deque
-from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -62,10 +61,12 @@ from ._api import (
     CannotReplay,
     CpuExtraBuffers,
     EngineError,
+    EngineHealth,
     EngineUnavailable,
     FinishReason,
     PausedState,
     SequenceRequest,
+    StepListener,
     TokenSink,
 )
 from .breaker import RestartKeeper
@@ -203,9 +204,7 @@ class WorkerEngine(ModelFacts):
         self.poisoned_generations = 0  # generations convicted of killing the worker, failed alone
         self.deaths: deque[str] = deque(maxlen=100)  # why workers ended, oldest first
         self.tokens_generated_total = 0
-        self.on_step: Callable[[list[int], float], None] | None = None
-        """Told, once per decode step that sampled tokens, whose sequences got one and when the
-        step ended (``time.monotonic()``; metrics)."""
+        self.on_step: StepListener | None = None
         self.last_ready: Ready | None = None
         self.prefix_stats = PrefixStats(enabled=settings.prefix_cache)
         """The worker's prefix cache, from its SequencePlanned events (metrics)."""
@@ -297,6 +296,19 @@ class WorkerEngine(ModelFacts):
             sequence.sink.sequence_finished(FinishReason.SHUTDOWN, len(sequence.history))
         self._spool.remove()
         self.vocabulary.close()
+
+    def health(self) -> EngineHealth:
+        return EngineHealth(
+            failure=self.failure,
+            restarting=self._link is None,
+            restarts=self.restarts,
+            breaker=self.breaker,
+            worker_deaths=self.worker_deaths,
+            breaker_opens=self.breaker_opens,
+            poisoned_generations=self.poisoned_generations,
+            prefix_cache=dataclasses.replace(self.prefix_stats),
+            cpu_extra_buffers=self.cpu_extra_buffers,
+        )
 
     # --- what tests and stats read ------------------------------------------------------
 
