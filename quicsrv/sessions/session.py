@@ -11,35 +11,34 @@ freed; it runs again once the reader drains below the low watermark.
 A session may also run *unattended* (a background response): while no stream reads it, a
 stand-in reader takes every frame at once, so the generation runs to its end; a stream that
 comes and goes meanwhile never pauses it.
+
+The session drives :mod:`.lifecycle`'s table and acts on what its parts answer: which frames its
+tokens become (:mod:`.transcript`), what its reader holds and how far the engine may run ahead of
+it (:mod:`.reader`), and the slot, turn, restart and retry of its engine runs (:mod:`.runner`).
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
-from collections import deque
-from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Protocol
+from collections.abc import Callable
+from dataclasses import dataclass
+from functools import partial
+from typing import TYPE_CHECKING
 
 import quicsrv_proto
 from quicsrv_proto import EndReason
 
 from ..engine import (
-    CannotReplay,
     Engine,
     EngineError,
-    EngineUnavailable,
     FinishReason,
     PausedState,
     PrefillPlan,
-    PromptTooLong,
     ResumePath,
     ResumePoint,
-    SequenceHandle,
 )
 from .admission import FairGate, Place, Slot
-from .flow import DeliveryMeter, tokens_ahead
 from .generation import RequestRejected
 from .inbox import LoopInbox
 from .keys import KeyRing
@@ -53,71 +52,26 @@ from .lifecycle import (
     allows,
     next_state,
 )
+from .ports import StreamPort, UnattendedPort
+from .reader import ReaderFlow
 from .record import SessionEnd, SessionRecord
+from .runner import FINISHES, GiveUp, Runner
 from .settings import FlowSettings
-from .snapshot import PrefixSigner
 from .store import SessionStore
-from .text import TextAssembler
+from .transcript import Transcript
 
 if TYPE_CHECKING:
     from ..metrics import GenerationTrace
 
-__all__ = ["Session", "StreamPort"]
-
-#: The engine's allowance advances in steps of the tokens ahead / ALLOWANCE_STEPS.
-ALLOWANCE_STEPS = 4
+__all__ = ["Session"]
 
 log = logging.getLogger(__name__)
 
 
-class StreamPort(Protocol):
-    """The transport's side of one response stream.
-
-    It is handed frames, not bytes, so that each transport encodes them its own way (CBOR on
-    the native stream, SSE events on the OpenAI one) without decoding anything back.
-    """
-
-    def send_frame(self, frame: quicsrv_proto.Frame, end_stream: bool) -> None: ...
-
-    def send_frames(self, frames: Sequence[quicsrv_proto.Frame]) -> None:
-        """Several frames in one write (on QUIC, one HTTP/3 DATA frame); the stream goes on."""
-
-    def sent_offset(self) -> int:
-        """Stream bytes written so far."""
-
-    def acked_offset(self) -> int:
-        """Stream bytes the peer acknowledged without a gap."""
-
-
-class _Unattended:
-    """The reader of an unattended session while no stream reads it: takes every frame at
-    once and drops it (the record keeps them), so the engine never waits."""
-
-    def __init__(self) -> None:
-        self._sent = 0
-
-    def send_frame(self, frame: quicsrv_proto.Frame, end_stream: bool) -> None:
-        self._sent += 1
-
-    def send_frames(self, frames: Sequence[quicsrv_proto.Frame]) -> None:
-        self._sent += len(frames)
-
-    def sent_offset(self) -> int:
-        return self._sent
-
-    def acked_offset(self) -> int:
-        return self._sent
-
-
-@dataclass(eq=False)
+@dataclass(frozen=True, slots=True)
 class _Attachment:
     port: StreamPort
-    next_index: int  # the next token index to send
-    acked_tokens: int  # tokens [0, acked_tokens) the reader holds or acknowledged
-    # (tokens, stream offset, when written) of each write not yet acknowledged
-    pending: deque[tuple[int, int, float]] = field(default_factory=deque)
-    blocked: bool = False
-    delivery: DeliveryMeter = field(default_factory=DeliveryMeter)  # rate and ACK delay (.flow)
+    reader: ReaderFlow  # what was sent and acknowledged, and the allowance that follows
 
 
 class Session:
@@ -141,30 +95,22 @@ class Session:
         trace: GenerationTrace,
     ) -> None:
         self.record = record
-        self._engine = engine
         self._store = store
         self._kv = kv
-        self._keys = keys
         self._flow = flow
         self._loop = loop
         self._inbox = inbox
-        self._gate = gate
         self._on_idle = on_idle
         self._trace = trace  # metrics and spans of this object's life
-        self._signer = PrefixSigner(
-            record.snapshot(upto=0).header(), record.generated, flow.checkpoint_every_tokens
+        self._transcript = Transcript(
+            record, keys=keys, every=flow.checkpoint_every_tokens, piece=engine.piece
         )
-        self._text = TextAssembler(record.spec.stop)
-        self._texts = [self._text.push(engine.piece(t)) for t in record.generated]
-        self._tail = self._end_tail() if record.end is not None else ""
+        self._runner = Runner(
+            record, engine=engine, sink=self, kv=kv, gate=gate, flow=flow, loop=loop
+        )
         self._state = SessionState.ENDED if record.end is not None else SessionState.CREATED
-        self._handle: SequenceHandle | None = None
         self._pump_posted = False  # a _pump waits in the inbox behind this burst's tokens
         self._attachment: _Attachment | None = None
-        self._retry: asyncio.TimerHandle | None = None
-        self._slot: Slot | None = None  # held while the engine runs (or is about to)
-        self._restarting: asyncio.Task[None] | None = None
-        self._in_line: asyncio.Task[None] | None = None  # a new generation waiting its turn
         self.client = ""
         """Who reads it now (an API key id, or a connection): its slots count against them."""
         self.resume_paths: list[ResumePath] = []
@@ -191,7 +137,7 @@ class Session:
     def attached(self) -> bool:
         """A stream reads it (the stand-in reader of an unattended session is none)."""
         attachment = self._attachment
-        return attachment is not None and not isinstance(attachment.port, _Unattended)
+        return attachment is not None and not isinstance(attachment.port, UnattendedPort)
 
     @property
     def stale(self) -> bool:
@@ -210,7 +156,7 @@ class Session:
     @property
     def acknowledged_tokens(self) -> int:
         """Tokens the attached reader has acknowledged (0 when detached)."""
-        return self._attachment.acked_tokens if self._attachment is not None else 0
+        return self._attachment.reader.acked_tokens if self._attachment is not None else 0
 
     # --- lifecycle, on the event loop ---------------------------------------------------
 
@@ -219,11 +165,11 @@ class Session:
         the loop's clock); raises EngineError (e.g. Overloaded) at once, the slot then given
         back."""
         self.client = slot.client
-        self._slot = slot
+        self._runner.hold(slot)
         try:
             self._submit(None)
         except BaseException:
-            self._release_slot()
+            self._runner.release()
             raise
         self._trace.started(len(self.record.spec.prompt_tokens), arrived_at)
 
@@ -234,15 +180,13 @@ class Session:
         in line, and the reader's return restarts the session ahead of new requests."""
         self._transition(SessionEvent.QUEUED)
         self.client = place.client
-        self._in_line = self._loop.create_task(self._wait_turn(place, arrived_at, timeout_s))
+        self._runner.enter_line(place, timeout_s, partial(self._turn_came, arrived_at=arrived_at))
 
     def planned_resume_path(self) -> ResumePath | None:
         """How the next engine start will rebuild the KV cells (None: nothing to rebuild)."""
-        if self.finished or self._state not in IDLE or not self.record.generated:
+        if self.finished or self._state not in IDLE:
             return None
-        if self._kv.has(self.session_id, len(self.record.generated)):
-            return ResumePath.KV_RESTORE
-        return ResumePath.REPREFILL if self._flow.inexact_reprefill else ResumePath.REPLAY
+        return self._runner.resume_path()
 
     def attach(self, port: StreamPort, from_index: int, client: str = "") -> None:
         """A stream of ``client`` reads this session's frames from token ``from_index`` on."""
@@ -253,12 +197,11 @@ class Session:
         if old is not None:
             # The newest attach wins; the old reader is told why its stream ends here.
             old.port.send_frame(quicsrv_proto.End(reason=EndReason.SUPERSEDED), True)
-        attachment = _Attachment(port=port, next_index=from_index, acked_tokens=from_index)
-        self._attachment = attachment
+        self._attachment = _Attachment(port, ReaderFlow(self._flow, from_index))
         self.idle.clear()
         self._store.touch(self.record)
         if from_index == 0:
-            port.send_frame(self._checkpoint(-1), False)
+            port.send_frame(self._transcript.checkpoint(-1), False)
         self._pump()
         self._maybe_run()
 
@@ -268,7 +211,7 @@ class Session:
         process picks it up again) or its end."""
         self.unattended = self.record.unattended = True
         if self._attachment is None and not self.finished and not self.stale:
-            self.attach(_Unattended(), len(self.record.generated))
+            self.attach(UnattendedPort(), len(self.record.generated))
 
     def detach(self, port: StreamPort, *, capture_kv: bool = True) -> None:
         """The stream went away: pause the engine (nobody reads) but keep the session; an
@@ -276,14 +219,14 @@ class Session:
         if self._attachment is None or self._attachment.port is not port:
             return
         if self.unattended and not (self.finished or self._shutting_down or self.stale):
-            next_index, self._attachment = self._attachment.next_index, None
-            self.attach(_Unattended(), next_index)
+            next_index, self._attachment = self._attachment.reader.next_index, None
+            self.attach(UnattendedPort(), next_index)
             return
         left = self._transition(SessionEvent.DETACHED)
         self._attachment = None
         self._store.touch(self.record)
         self._pause_sequence(left, capture_kv=capture_kv)
-        self._stop_restarting()
+        self._runner.stop_restarting()
         self._check_idle()
 
     def abandon(self) -> None:
@@ -293,7 +236,7 @@ class Session:
             return
         left = self._transition(SessionEvent.ABANDONED)
         self._pause_sequence(left, capture_kv=False)
-        self._leave_line()
+        self._runner.leave_line()
         self._check_idle()
 
     def cancel(self) -> None:
@@ -303,10 +246,10 @@ class Session:
         if self.finished:
             return
         left = self._transition(SessionEvent.CANCELLED)
-        if left in HOLDS_SEQUENCE and self._handle is not None:
-            self._handle.cancel()  # its late tokens are dropped: the record has ended
-        self._stop_restarting()
-        self._leave_line()
+        if left in HOLDS_SEQUENCE:
+            self._runner.cancel()  # its late tokens are dropped: the record has ended
+        self._runner.stop_restarting()
+        self._runner.leave_line()
         self._record_end(SessionEnd(EndReason.CANCELLED, len(self.record.generated)))
         self._pump()
         self._check_idle()
@@ -318,23 +261,18 @@ class Session:
         self._shutting_down = True
         left = self._transition(SessionEvent.SHUT_DOWN)
         self._pause_sequence(left, capture_kv=True)
-        self._stop_restarting()
-        self._leave_line()
+        self._runner.stop_restarting()
+        self._runner.leave_line()
         self._check_idle()  # a generation in line that nobody reads has nothing to wait for
 
     def end_for_shutdown(self) -> bool:
         """Tell the reader, if any, that the server is going: END(shutdown), which is no end
         (the session stays resumable from disk). Whether a stream was told."""
         attachment, self._attachment = self._attachment, None
-        if attachment is not None and isinstance(attachment.port, _Unattended):
+        if attachment is not None and isinstance(attachment.port, UnattendedPort):
             attachment = None  # nobody to tell
         if attachment is not None:
-            end = quicsrv_proto.End(
-                reason=EndReason.SHUTDOWN,
-                prompt_tokens=len(self.record.spec.prompt_tokens),
-                completion_tokens=attachment.next_index,
-                cached_tokens=self.record.cached_tokens,
-            )
+            end = self._transcript.shutdown(attachment.reader.next_index)
             attachment.port.send_frame(end, True)
         self._check_idle()
         return attachment is not None
@@ -363,31 +301,13 @@ class Session:
             )
             attachment.port.send_frame(frame, True)
         self._pause_sequence(left, capture_kv=False)
-        self._stop_restarting()
-        self._leave_line()
+        self._runner.stop_restarting()
+        self._runner.leave_line()
         self._check_idle()
 
     def on_transport_progress(self) -> None:
         """Acknowledgements arrived: update the reader's position and the engine's allowance."""
-        attachment = self._attachment
-        if attachment is None:
-            return
-        acked = attachment.port.acked_offset()
-        pending = attachment.pending
-        written_at = None  # of the newest write this acknowledgement covers
-        while pending and pending[0][1] <= acked:
-            attachment.acked_tokens, _, written_at = pending.popleft()
-        if written_at is not None:
-            attachment.delivery.acknowledged(written_at, self._loop.time())
-        unacked = attachment.port.sent_offset() - acked
-        if unacked >= self._flow.high_watermark_bytes:
-            attachment.blocked = True
-        elif unacked <= self._flow.low_watermark_bytes:
-            attachment.blocked = False
-        if self._state in HOLDS_SEQUENCE and self._handle is not None:
-            self._handle.allow(self._allowance(attachment))
-        else:
-            self._maybe_run()
+        self._progress(self._loop.time())
 
     # --- the engine's TokenSink (engine thread) -----------------------------------------
 
@@ -422,11 +342,9 @@ class Session:
             return  # a token decoded after a stop sequence matched: not part of the output
         self._store.append_token(record, token_id)  # persisted before anyone is sent it
         self._trace.token_recorded()
-        self._texts.append(self._text.push(piece))
-        if self._text.stopped:
+        if self._transcript.add(piece):
             self._transition(SessionEvent.STOP_MATCHED)
-            if self._handle is not None:
-                self._handle.cancel()
+            self._runner.cancel()
             self._record_end(SessionEnd(EndReason.STOP, index + 1))
         # Once for all the tokens of a burst (a worker message may carry several steps):
         # behind them in the inbox, so the frames still leave in the same loop turn.
@@ -437,7 +355,8 @@ class Session:
     def _posted_pump(self) -> None:
         self._pump_posted = False
         if self._attachment is not None:
-            self._attachment.delivery.recorded(len(self.record.generated), self._loop.time())
+            delivery = self._attachment.reader.delivery
+            delivery.recorded(len(self.record.generated), self._loop.time())
         self._pump()
 
     def _on_planned(self, plan: PrefillPlan) -> None:
@@ -455,33 +374,20 @@ class Session:
         self._store.save(record).result()
 
     def _on_finished(self, reason: FinishReason, completion_tokens: int) -> None:
-        self._transition(_FINISH_EVENTS[reason])
-        self._handle = None
-        self._release_slot()
-        if reason is FinishReason.FAILED:
-            self._fail_reader("the engine failed and could not be restarted; resume later")
+        finish = FINISHES[reason]
+        self._transition(finish.event)
+        self._runner.released()
+        if finish.failure is not None:
+            self._fail_reader(finish.failure)
             return
-        if reason is FinishReason.POISONED:
-            self._fail_reader(
-                "this generation crashed the engine worker again and again: it was stopped "
-                "so that the others could go on"
-            )
-            return
-        if self.finished:
-            pass  # a stop sequence or a cancel ended it first; the engine's reason came late
-        elif reason is FinishReason.LENGTH:
-            self._record_end(SessionEnd(EndReason.LENGTH, completion_tokens))
-        elif reason is FinishReason.EOS:
-            self._record_end(SessionEnd(EndReason.EOS, completion_tokens))
-        # CANCELLED follows a stop sequence (already recorded); SHUTDOWN leaves the session
-        # resumable by the next server process.
+        if finish.end is not None and not self.finished:  # a stop or a cancel may have come first
+            self._record_end(SessionEnd(finish.end, completion_tokens))
         self._pump()
         self._check_idle()
 
     def _on_paused(self, n_generated: int) -> None:
         self._transition(SessionEvent.ENGINE_PAUSED)
-        self._handle = None
-        self._release_slot()
+        self._runner.released()
         if self.finished:
             # A pause that crossed the end (a stop, a cancel): its cells, stored on the engine
             # thread after the end discarded the session's, are of no use to anyone.
@@ -495,8 +401,8 @@ class Session:
         recorded = len(self.record.generated)
         # The engine may have run past the record (tokens after a stop sequence, or decoded by
         # a stale copy): those have no checkpoint, and signing one raised here before.
-        if attachment is not None and attachment.next_index == recorded == n_generated:
-            attachment.port.send_frame(self._checkpoint(n_generated - 1), False)
+        if attachment is not None and attachment.reader.next_index == recorded == n_generated:
+            attachment.port.send_frame(self._transcript.checkpoint(n_generated - 1), False)
         self._maybe_run()
         self._check_idle()
 
@@ -530,36 +436,17 @@ class Session:
 
     def _pause_sequence(self, left: SessionState, *, capture_kv: bool) -> None:
         """Ask the engine to pause the sequence, if the state ``left`` held one."""
-        if left in HOLDS_SEQUENCE and self._handle is not None:
-            self._handle.pause(capture_kv=capture_kv)
+        if left in HOLDS_SEQUENCE:
+            self._runner.pause(capture_kv=capture_kv)
 
     def _record_end(self, end: SessionEnd) -> None:
         if self.stale:
             return  # the process that owns the session now records its end
         self.record.end = end
-        self._tail = self._end_tail()
+        self._transcript.close()
         self._store.save(self.record)
         self._store.close_log(self.record)
         self._kv.discard(self.session_id)
-
-    def _end_tail(self) -> str:
-        assert self.record.end is not None
-        return "" if self.record.end.reason is EndReason.STOP else self._text.finish()
-
-    def _allowance(self, attachment: _Attachment) -> int:
-        if attachment.blocked:
-            return len(self.record.generated)  # pause at the next step
-        # Moves in quarter-allowance steps, not per acknowledged token: with an engine worker
-        # every change is a message that wakes it (and a thread here) mid-decode. A reader
-        # keeping up still has 3/4 of the tokens ahead as headroom at the least.
-        ahead = self._tokens_ahead(attachment)
-        step = max(1, ahead // ALLOWANCE_STEPS)
-        return (attachment.acked_tokens + ahead) // step * step
-
-    def _tokens_ahead(self, attachment: _Attachment) -> int:
-        delivery = attachment.delivery
-        delay_s = self._flow.coalesce_s + delivery.ack_delay_s
-        return tokens_ahead(self._flow.max_tokens_ahead, delivery.tokens_per_s, delay_s)
 
     def _maybe_run(self) -> None:
         """Start (or restart) the engine sequence if a reader is there and has room."""
@@ -570,127 +457,62 @@ class Session:
             or not allows(self._state, SessionEvent.RESUME_QUEUED)
         ):
             return  # nobody to run for, or it runs, waits to, has ended or is stale
-        room = self._allowance(attachment) - len(self.record.generated)
-        # Hysteresis: a paused sequence restarts only once the reader has caught up by half
-        # the allowance, so a slow reader costs one restore per half allowance rather than one
-        # per token.
-        if room < max(1, self._tokens_ahead(attachment) // 2):
+        n_generated = len(self.record.generated)
+        if not attachment.reader.has_room(n_generated):
             return
         self._transition(SessionEvent.RESUME_QUEUED)
         self._trace.restart_wanted()
-        self._restarting = self._loop.create_task(self._restart())
+        self._runner.restart(self.client, self._restart_ready)
 
-    def _stop_restarting(self) -> None:
-        """The reader left while the restart waited for a slot or the KV blob: give up (the
-        event that called this has moved the state on already)."""
-        task, self._restarting = self._restarting, None
-        if task is not None and not task.done():
-            task.cancel()
+    def _turn_came(self, turn: Slot | RequestRejected, *, arrived_at: float | None) -> None:
+        """A new generation's wait in line is over (:meth:`enter_line`)."""
+        if isinstance(turn, RequestRejected):  # it ran out: nothing ran, nothing is lost
+            self._drop_start(GiveUp(turn.code, str(turn)))
+            return
+        self._runner.hold(turn)
+        if self._start_if_read(None):
+            self._trace.started(len(self.record.spec.prompt_tokens), arrived_at)
 
-    def _leave_line(self) -> None:
-        """Give up the new generation's place in line (the event that called this has moved
-        the state on already)."""
-        task, self._in_line = self._in_line, None
-        if task is not None and not task.done():
-            task.cancel()
+    def _restart_ready(self, resume: ResumePoint | None) -> None:
+        """A restart has its slot, and the KV blob if one was kept (:meth:`_maybe_run`)."""
+        if self._start_if_read(resume):
+            self._runner.restarted()
 
-    async def _wait_turn(self, place: Place, arrived_at: float | None, timeout_s: float) -> None:
-        try:
-            slot = await place.wait(timeout_s)
-        except RequestRejected as exc:  # the queue wait ran out: nothing ran, nothing is lost
-            self._in_line = None
-            self._transition(SessionEvent.RESUME_DROPPED)
-            self._fail_reader(str(exc), exc.code)
-            return
-        self._in_line = None
-        if self._attachment is None:
-            # Nobody reads (a proxy cut the stream while it waited): no compute for nobody.
-            slot.release()
-            self._transition(SessionEvent.RESUME_DROPPED)
-            self._check_idle()
-            return
-        self._slot = slot
-        try:
-            self._submit(None)
-        except EngineError as exc:
-            self._transition(SessionEvent.RESUME_DROPPED)
-            self._release_slot()
-            self._engine_refused(exc)
-            return
-        self._trace.started(len(self.record.spec.prompt_tokens), arrived_at)
-
-    def _engine_refused(self, exc: EngineError) -> None:
-        """The engine refused a (re)start: fail the reader if it is down for good, else try
-        again when it says."""
-        if isinstance(exc, EngineUnavailable):
-            self._fail_reader(str(exc))
-            return
-        if isinstance(exc, CannotReplay | PromptTooLong):  # this server's settings changed
-            code = (
-                quicsrv_proto.ErrorCode.PROMPT_TOO_LONG
-                if isinstance(exc, PromptTooLong)
-                else quicsrv_proto.ErrorCode.MODEL_CHANGED
-            )
-            self._fail_reader(str(exc), code)
-            return
-        retry = 1.0 if exc.retry_after_s is None else exc.retry_after_s
-        log.info("session %s waits to start: %s", self.session_id.hex(), exc)
-        self._retry = self._loop.call_later(retry, self._maybe_run)
-
-    async def _restart(self) -> None:
-        # A session coming back goes ahead of new requests, but waits its turn among the
-        # other returning sessions (and under its reader's per-client cap).
-        self._slot = await self._gate.acquire(self.client, resume=True)
-        n_generated = len(self.record.generated)
-        kv = None
-        if n_generated:
-            kv = await asyncio.to_thread(self._kv.get, self.session_id, n_generated)
-        self._restarting = None
+    def _start_if_read(self, resume: ResumePoint | None) -> bool:
+        """Submit under the slot held if a reader still waits for it; whether the engine took
+        it (a refusal fails the reader where no retry helps, else it is tried again later)."""
         if self._attachment is None or self.finished:
-            self._transition(SessionEvent.RESUME_DROPPED)  # the reader left meanwhile
-            self._release_slot()
-            self._check_idle()
-            return
-        resume = None  # no token yet (it never ran): a plain start, prefill and all
-        if n_generated:
-            resume = ResumePoint(
-                generated=tuple(self.record.generated),
-                kv_state=kv,
-                inexact_reprefill=self._flow.inexact_reprefill,
-            )
+            # The reader left meanwhile (or a proxy cut the stream while it waited in line):
+            # no compute for nobody; the turn goes to the next in line.
+            self._drop_start(None)
+            return False
         try:
             self._submit(resume)
         except EngineError as exc:
-            self._transition(SessionEvent.RESUME_DROPPED)
-            self._release_slot()
-            self._engine_refused(exc)
-            return
-        self._kv.discard(self.session_id)  # the engine holds the cells now
+            self._drop_start(self._runner.refused(exc, self._maybe_run))
+            return False
+        return True
+
+    def _drop_start(self, give_up: GiveUp | None) -> None:
+        """A (re)start that waited is given up; ``give_up``: the reader is told why."""
+        self._transition(SessionEvent.RESUME_DROPPED)
+        self._runner.release()
+        if give_up is not None:
+            self._fail_reader(give_up.message, give_up.code)
+        else:
+            self._check_idle()
 
     def _submit(self, resume: ResumePoint | None) -> None:
-        record = self.record
-        request = record.spec.request(
-            resume=resume,
-            prefill_plan=record.prefill_plan,
-            cache_scope="" if self._flow.prefix_cache_shared else record.owner,
-        )
-        self._handle = self._engine.submit(request, self)
+        self._runner.submit(resume)
         self._transition(SessionEvent.SUBMITTED)
         self.paused.clear()
         self.idle.clear()
-        attachment = self._attachment
-        if attachment is not None:
-            attachment.delivery.run_started()
-        self._handle.allow(
-            self._allowance(attachment)
-            if attachment is not None
-            else len(record.generated) + self._flow.max_tokens_ahead
-        )
-
-    def _release_slot(self) -> None:
-        slot, self._slot = self._slot, None
-        if slot is not None:
-            slot.release()
+        generated, attachment = len(self.record.generated), self._attachment
+        if attachment is None:
+            self._runner.allow(generated + self._flow.max_tokens_ahead)
+            return
+        attachment.reader.delivery.run_started()
+        self._runner.allow(attachment.reader.allowance(generated))
 
     def _pump(self, *, progress: bool = True) -> None:
         """Write every frame the attached reader has not been sent yet (then, with
@@ -698,49 +520,35 @@ class Session:
         attachment = self._attachment
         if attachment is None:
             return
-        generated, texts = self.record.generated, self._texts
-        every = self._flow.checkpoint_every_tokens
+        port, reader, record = attachment.port, attachment.reader, self.record
         # Only what the store holds durably goes out (the file store: every token at once).
-        sendable = min(len(texts), self._store.durable_tokens(self.record))
-        # A burst's frames leave in one write (one HTTP/3 DATA frame, one QUIC stream write),
-        # at most a checkpoint interval of them, so a long replay is still acknowledged piece
-        # by piece: the reader holds a chunk's tokens once the chunk's last byte is acked.
-        chunk: list[quicsrv_proto.Frame] = []
+        sendable = min(len(self._transcript), self._store.durable_tokens(record))
+        # A burst's frames leave in one write (one HTTP/3 DATA frame, one QUIC stream write)
+        # per checkpoint interval: the transcript's chunks.
         now = self._loop.time()
-        while attachment.next_index < sendable:
-            i = attachment.next_index
-            chunk.append(quicsrv_proto.Token(index=i, token_id=generated[i], text=texts[i]))
-            attachment.next_index = i + 1
-            at_checkpoint = (i + 1) % every == 0
-            if at_checkpoint:
-                chunk.append(self._checkpoint(i))
-            if at_checkpoint or i + 1 == sendable:
-                attachment.port.send_frames(chunk)
-                attachment.pending.append((i + 1, attachment.port.sent_offset(), now))
-                chunk = []
-        end = self.record.end
-        if end is not None and attachment.next_index >= len(generated):
-            frame_end = quicsrv_proto.End(
-                reason=end.reason,
-                prompt_tokens=len(self.record.spec.prompt_tokens),
-                completion_tokens=end.completion_tokens,
-                text=self._tail,
-                cached_tokens=self.record.cached_tokens,
-            )
+        for upto, frames in self._transcript.chunks(reader.next_index, sendable):
+            port.send_frames(frames)
+            reader.wrote(upto, port.sent_offset(), now)
+        if record.end is not None and reader.next_index >= len(record.generated):
             self._transition(SessionEvent.READER_ENDED)
-            attachment.port.send_frame(frame_end, True)
+            port.send_frame(self._transcript.end(), True)
             self._attachment = None
-            self._store.touch(self.record)
+            self._store.touch(record)
             self._check_idle()
             return
         if progress:
-            self.on_transport_progress()
+            self._progress(now)
 
-    def _checkpoint(self, index: int) -> quicsrv_proto.Checkpoint:
-        snapshot_hash = self._signer.mac(self._keys.current, index)
-        return quicsrv_proto.Checkpoint(
-            session_id=self.session_id, index=index, snapshot_hash=snapshot_hash
-        )
+    def _progress(self, now: float) -> None:
+        attachment = self._attachment
+        if attachment is None:
+            return
+        port, reader = attachment.port, attachment.reader
+        reader.acknowledged(port.acked_offset(), port.sent_offset(), now)
+        if self._state in HOLDS_SEQUENCE and self._runner.running:
+            self._runner.allow(reader.allowance(len(self.record.generated)))
+        else:
+            self._maybe_run()
 
     def _fail_reader(
         self,
@@ -759,22 +567,8 @@ class Session:
 
     def _check_idle(self) -> None:
         if self._attachment is None and self._state in IDLE:
-            self._release_slot()
-            if self._retry is not None:
-                self._retry.cancel()
-                self._retry = None
+            self._runner.settle()
             self._store.close_log(self.record)
             self.idle.set()
             self._trace.closed(self.record.end.reason.value if self.record.end else "detached")
             self._on_idle(self)
-
-
-# What each engine finish report is, for the lifecycle: the record ends only on a natural end.
-_FINISH_EVENTS = {
-    FinishReason.LENGTH: SessionEvent.ENGINE_COMPLETED,
-    FinishReason.EOS: SessionEvent.ENGINE_COMPLETED,
-    FinishReason.CANCELLED: SessionEvent.ENGINE_STOPPED,
-    FinishReason.SHUTDOWN: SessionEvent.ENGINE_STOPPED,
-    FinishReason.FAILED: SessionEvent.ENGINE_FAILED,
-    FinishReason.POISONED: SessionEvent.ENGINE_FAILED,
-}
