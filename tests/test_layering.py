@@ -205,9 +205,10 @@ def test_the_cycle_check_sees_a_cycle() -> None:
     assert any({"quicsrv.cli", "quicsrv.config"} <= set(cycle) for cycle in _cycles(graph))
 
 
-# The one front door: the router decides what a path is (routes.py holds the operator endpoints
-# the router hands their paths to); the transport has one request stream class and its table.
-PATH_DISPATCHERS = {"quicsrv/http/router.py", "quicsrv/transport/routes.py"}
+# The one front door: the router decides what a path is (operator.py holds the operator
+# endpoints the router hands their paths to); the transport has one request stream class and its
+# table.
+PATH_DISPATCHERS = {"quicsrv/http/router.py", "quicsrv/http/operator.py"}
 
 
 def _path_dispatches(source: str) -> list[str]:

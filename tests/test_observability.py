@@ -14,15 +14,15 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from quicsrv.apikeys import ApiKeys, new_key
 from quicsrv.engine import ResumePath
-from quicsrv.logs import JsonFormatter, log_handler, quiet_exception_handler
-from quicsrv.metrics import MAX_REFUSAL_SERIES, OTHER_CLIENTS, ServerMetrics
-from quicsrv.tracing import configure_exporter, configured_tracer
-from quicsrv.transport.routes import (
+from quicsrv.http.operator import (
     PlainRoutes,
     authorize_metrics,
     plain_endpoint,
     readiness,
 )
+from quicsrv.logs import JsonFormatter, log_handler, quiet_exception_handler
+from quicsrv.metrics import MAX_REFUSAL_SERIES, OTHER_CLIENTS, ServerMetrics
+from quicsrv.tracing import configure_exporter, configured_tracer
 from quicsrv_proto import ErrorCode
 
 

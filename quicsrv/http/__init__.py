@@ -4,5 +4,5 @@ One router (:mod:`.router`) for every path and transport, exchanging :mod:`.mess
 transports; :mod:`.native` reads native request frames and renders native refusals,
 :mod:`.openai_api` maps OpenAI's requests and shapes its answers, :mod:`.sse` writes a session's
 frames as events whose ids are :mod:`.cursor`\\ s, :mod:`.errors` is the one error table, and
-:mod:`.tcp` is the TCP listener (hypercorn) beside the HTTP/3 one.
+:mod:`.operator` holds the operators' endpoints (the listeners are the transport's).
 """

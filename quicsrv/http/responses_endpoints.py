@@ -26,7 +26,7 @@ from ..apikeys import ClientId
 from ..sessions.generation import PreparedRequest, PriorTurn
 from ..sessions.lifecycle import SessionState
 from ..sessions.manager import SessionManager
-from ..sessions.store import SessionRecord
+from ..sessions.record import SessionRecord
 from . import responses_api
 from .errors import ApiError, from_code
 from .messages import (
@@ -148,7 +148,7 @@ class ResponsesEndpoints:
             )
         prior = PriorTurn(
             messages=stored,
-            prompt_tokens=previous.prompt_tokens,
+            prompt_tokens=previous.spec.prompt_tokens,
             generated=tuple(previous.generated),
             answer=answer,
             # One function's stored tokens are its arguments only: rendered afresh.
@@ -192,7 +192,7 @@ class ResponsesEndpoints:
         # Checked as a message's index, the lowest a response's events give: a function call's
         # (one event fewer before its deltas) is only known from the record.
         lowest = responses_api.first_token_after(after)
-        session = await self._sessions.reattach_anywhere(session_id, lowest, key_id=who.key_id)
+        session = await self._sessions.reattach(session_id, lowest, key_id=who.key_id)
         record = session.record
         if not responses_api.is_response(record):
             raise ApiError(404, "no such response", code="not_found")
@@ -216,7 +216,7 @@ class ResponsesEndpoints:
     async def cancel(self, who: ClientId, session_id: bytes) -> FullResponse:
         """``POST /v1/responses/{id}/cancel``: the final object, with usage."""
         await self._stored_response(session_id, who, stored=False)
-        await self._sessions.cancel_anywhere(session_id, key_id=who.key_id)
+        await self._sessions.cancel(session_id, key_id=who.key_id)
         record = await self._sessions.lookup(session_id, key_id=who.key_id)
         view = ResponseView.of(record, self._sessions.text_of(record))
         return json_response(200, responses_api.response_object(view))
@@ -224,7 +224,7 @@ class ResponsesEndpoints:
     async def delete(self, who: ClientId, session_id: bytes) -> FullResponse:
         """``DELETE /v1/responses/{id}``."""
         await self._stored_response(session_id, who, stored=False)
-        await self._sessions.delete_anywhere(session_id, key_id=who.key_id)
+        await self._sessions.delete(session_id, key_id=who.key_id)
         return json_response(200, responses_api.deleted_body(session_id))
 
 

@@ -19,7 +19,7 @@ Routes:
   stream's events after that cursor; ``DELETE /v1/streams/{session}``: stop the generation;
 - ``GET /`` and ``/ui/...``: the chat page (:mod:`.webui`), no key needed;
 - ``GET /metrics``, ``/healthz``, ``/readyz``: handed to the operator endpoints
-  (``quicsrv.transport.routes.PlainRoutes``, given as ``plain``), with their own access rules.
+  (:class:`~.operator.PlainRoutes`, given as ``plain``), with their own access rules.
 
 Every other request needs an API key when keys are configured (401 before anything else is
 looked at). The 0-RTT policy is one rule here (RFC 8470): a request that arrived in early data
@@ -38,8 +38,7 @@ import logging
 import time
 import urllib.parse
 from collections import Counter
-from collections.abc import Callable, Mapping
-from typing import Protocol
+from collections.abc import Callable
 
 import quicsrv_proto
 from quicsrv_proto import ErrorCode, http3
@@ -69,11 +68,12 @@ from .messages import (
     event_stream,
     json_response,
 )
+from .operator import PLAIN_PATHS, PlainRoutes
 from .responses_endpoints import ResponsesEndpoints
 from .sse import KEEPALIVE_COMMENT, SseEncoder, StreamShape, collect_answer
 from .tool_calls import ToolChoice
 
-__all__ = ["STARTS_COMPUTE", "PlainHandler", "Router", "request_too_large"]
+__all__ = ["STARTS_COMPUTE", "Router", "request_too_large"]
 
 log = logging.getLogger(__name__)
 
@@ -90,15 +90,6 @@ _RESUME_PATH = http3.RESUME_PATH.decode()
 STARTS_COMPUTE = frozenset({"generate", "chat_completions", "completions", "responses"})
 
 
-class PlainHandler(Protocol):
-    """The operator endpoints (``transport.routes.PlainRoutes``): passed in, not imported, so
-    that this package never imports the transport that imports it."""
-
-    def handle(
-        self, method: bytes | None, path: bytes | None, headers: Mapping[bytes, bytes]
-    ) -> FullResponse: ...
-
-
 class Router:
     """See the module docstring."""
 
@@ -107,8 +98,7 @@ class Router:
         *,
         sessions: SessionManager,
         api_keys: ApiKeys,
-        plain: PlainHandler,
-        plain_paths: frozenset[bytes],
+        plain: PlainRoutes,
         metrics: ServerMetrics,
         model_id: str,
         accepting: Callable[[], bool],
@@ -118,7 +108,6 @@ class Router:
         self._sessions = sessions
         self._api_keys = api_keys
         self._plain = plain
-        self._plain_paths = plain_paths
         self._metrics = metrics
         self.model_id = model_id
         self._accepting = accepting
@@ -169,7 +158,7 @@ class Router:
 
     async def _answer(self, request: HttpRequest) -> Response:
         bare, _, query = request.path.partition("?")
-        if bare.encode("latin-1") in self._plain_paths:
+        if bare.encode("latin-1") in PLAIN_PATHS:
             return self._plain.handle(
                 request.method.encode(), bare.encode("latin-1"), request.headers
             )
@@ -253,12 +242,7 @@ class Router:
                 request.headers.get(SESSION_HEADER),
                 max_payload_bytes=self.max_body_bytes,
             )
-            if self._sessions.shared:  # the record is read from Redis, off the loop
-                session = await self._sessions.resume_shared(
-                    resume, header_session, key_id=who.key_id
-                )
-            else:
-                session = self._sessions.resume(resume, header_session, key_id=who.key_id)
+            session = await self._sessions.resume(resume, header_session, key_id=who.key_id)
             if request.early_data:
                 self.early_resumes += 1
                 headers += ((EARLY_DATA_HEADER, b"1"),)
@@ -370,9 +354,7 @@ class Router:
             )
         if not self._accepting():
             raise from_code(ErrorCode.SHUTTING_DOWN, "the server is shutting down")
-        session = await self._sessions.reattach_anywhere(
-            session_id, cursor.index + 1, key_id=who.key_id
-        )
+        session = await self._sessions.reattach(session_id, cursor.index + 1, key_id=who.key_id)
         record = session.record
         names = (record.api or {}).get("tools")
         shape = StreamShape(
@@ -396,7 +378,7 @@ class Router:
         )
 
     async def _stop(self, request: HttpRequest, who: ClientId, session_id: bytes) -> FullResponse:
-        end = await self._sessions.cancel_anywhere(session_id, key_id=who.key_id)
+        end = await self._sessions.cancel(session_id, key_id=who.key_id)
         body = {
             "id": session_id.hex(),
             "object": "stream",

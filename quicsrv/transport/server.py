@@ -53,17 +53,17 @@ from quicsrv_proto.http3 import (
 from ..apikeys import ApiKeys
 from ..config import ServerConfig
 from ..engine import Engine
+from ..http.operator import PlainRoutes, authorize_metrics, readiness
 from ..http.router import Router
-from ..http.tcp import TcpListener, open_tcp_socket, start_tcp_listener
 from ..metrics import TransportFacts
 from ..peer_errors import install_filters
 from ..sessions.manager import HandOver, SessionManager
 from ..sessions.redis_store import connect
 from . import aioquic_internals
 from .redis_tickets import RedisTicketStore
-from .routes import PLAIN_PATHS, PlainRoutes, authorize_metrics, readiness
 from .sockets import AppliedSocketOptions, open_udp_socket, serve_on_socket
 from .streams import RequestStreams
+from .tcp import TcpListener, open_tcp_socket, start_tcp_listener
 from .tickets import MemoryTicketStore, TicketStore
 
 __all__ = ["QuicServerApp", "RunningServer", "start_server"]
@@ -104,7 +104,6 @@ class QuicServerApp:
             sessions=sessions,
             api_keys=self.api_keys,
             plain=self.routes,
-            plain_paths=PLAIN_PATHS,
             metrics=self.metrics,
             model_id=model_id,
             accepting=lambda: self.accepting,

@@ -15,6 +15,7 @@ from quicsrv.apikeys import ApiKeys, hash_key, key_id
 from quicsrv.config import session_settings_for
 from quicsrv.http.messages import FullResponse, HttpRequest, SessionStream
 from quicsrv.http.native import FRAMES
+from quicsrv.http.operator import PlainRoutes
 from quicsrv.http.router import Router
 from quicsrv.sessions.manager import SessionManager
 from quicsrv_proto import ErrorCode, http_status_for
@@ -32,7 +33,7 @@ RESUME = quicsrv_proto.encode_frame(
 LIMIT = 4096
 
 
-class _NoPlainRoutes:
+class _NoPlainRoutes(PlainRoutes):
     def handle(self, method: object, path: object, headers: object) -> FullResponse:
         raise AssertionError("no operator endpoint is asked for here")
 
@@ -42,8 +43,9 @@ def _router(tmp_path: Path, *, keys: tuple[str, ...] = (), accepting: bool = Tru
     return Router(
         sessions=sessions,
         api_keys=ApiKeys(keys),
-        plain=_NoPlainRoutes(),
-        plain_paths=frozenset(),
+        plain=_NoPlainRoutes(
+            metrics=sessions.metrics, readiness=lambda: None, authorize_metrics=lambda _: True
+        ),
         metrics=sessions.metrics,
         model_id="fake",
         accepting=lambda: accepting,

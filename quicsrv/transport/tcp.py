@@ -27,8 +27,8 @@ from typing import Any
 from hypercorn.asyncio import serve
 from hypercorn.config import Config as HypercornConfig
 
-from .messages import FullResponse, HttpRequest, SessionStream
-from .router import Router, request_too_large
+from ..http.messages import FullResponse, HttpRequest, SessionStream
+from ..http.router import Router, request_too_large
 
 __all__ = ["TcpListener", "open_tcp_socket", "start_tcp_listener"]
 
@@ -122,7 +122,7 @@ async def start_tcp_listener(
     return TcpListener(task=task, stop=stop, port=port)
 
 
-class _BufferSink:
+class _WriteBuffer:
     """A session stream's body waiting for hypercorn (a ``messages.ByteSink``): the writer task
     hands it on; bounded by the session's flow control, which stops at the high watermark."""
 
@@ -227,7 +227,7 @@ async def _stream(stream: SessionStream, send: Send, disconnected: asyncio.Futur
             "headers": [(b"content-type", stream.content_type.encode()), *stream.headers],
         }
     )
-    sink = _BufferSink()
+    sink = _WriteBuffer()
     port = stream.open(sink)
     writer = asyncio.ensure_future(_write(sink, send, stream))
     try:
@@ -244,7 +244,7 @@ async def _stream(stream: SessionStream, send: Send, disconnected: asyncio.Futur
             raise cut  # hypercorn drops the connection
 
 
-async def _write(sink: _BufferSink, send: Send, stream: SessionStream) -> None:
+async def _write(sink: _WriteBuffer, send: Send, stream: SessionStream) -> None:
     while True:
         await sink.ready.wait()
         sink.ready.clear()

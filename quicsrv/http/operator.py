@@ -1,8 +1,8 @@
 """Plain HTTP endpoints for operators: ``GET /metrics``, ``GET /healthz``, ``GET /readyz``.
 
-Transport-independent: :meth:`PlainRoutes.handle` takes a method, a path and the request
-headers and returns a :class:`~quicsrv.http.messages.FullResponse` (plain text), so the HTTP/3
-server and any other listener serve the very same answers.
+Transport-independent: the router (:mod:`.router`) hands these paths to
+:meth:`PlainRoutes.handle`, which takes a method, a path and the request headers and returns a
+:class:`~.messages.FullResponse` (plain text), so every listener serves the very same answers.
 
 - ``/healthz``: 200 while the process runs (liveness).
 - ``/readyz``: 200 when the model is loaded, the engine worker is up and healthy and the server
@@ -22,9 +22,10 @@ from collections.abc import Callable, Mapping
 
 from ..apikeys import ApiKeys
 from ..engine import Engine
-from ..http.messages import FullResponse
 from ..metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
 from ..metrics import ServerMetrics
+from .errors import CHALLENGE
+from .messages import FullResponse
 
 __all__ = [
     "PLAIN_PATHS",
@@ -114,7 +115,7 @@ class PlainRoutes:
             return _text(
                 status=401,
                 body=b"an API key is required (authorization: Bearer <key>)\n",
-                headers=((b"www-authenticate", b'Bearer realm="quicsrv"'),),
+                headers=CHALLENGE,
             )
         return _text(status=200, body=self._metrics.render(), content_type=METRICS_CONTENT_TYPE)
 
