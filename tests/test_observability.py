@@ -13,7 +13,7 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from quicsrv.apikeys import ApiKeys, new_key
-from quicsrv.engine import ResumePath
+from quicsrv.engine import EngineHealth, ResumePath
 from quicsrv.http.operator import (
     PlainRoutes,
     authorize_metrics,
@@ -24,6 +24,7 @@ from quicsrv.logs import JsonFormatter, log_handler, quiet_exception_handler
 from quicsrv.metrics import MAX_REFUSAL_SERIES, OTHER_CLIENTS, ServerMetrics
 from quicsrv.tracing import configure_exporter, configured_tracer
 from quicsrv_proto import ErrorCode
+from tests.fakes import FakeEngine
 
 
 def samples(metrics: ServerMetrics) -> dict[tuple[str, frozenset[tuple[str, str]]], float]:
@@ -171,13 +172,13 @@ def test_metrics_authorization_follows_the_keys_and_metrics_public():
 
 
 def test_readiness_names_what_is_missing():
-    healthy = SimpleNamespace(failure=None, worker_pid=123)
-    assert readiness(healthy, accepting=True) is None  # type: ignore[arg-type]
-    assert readiness(healthy, accepting=False) == "shutting down"  # type: ignore[arg-type]
-    failed = SimpleNamespace(failure="crash loop", worker_pid=None)
-    assert "crash loop" in readiness(failed, accepting=True)  # type: ignore[arg-type,operator]
-    restarting = SimpleNamespace(failure=None, worker_pid=None)
-    assert "restarting" in readiness(restarting, accepting=True)  # type: ignore[arg-type,operator]
+    healthy = FakeEngine()
+    assert readiness(healthy, accepting=True) is None
+    assert readiness(healthy, accepting=False) == "shutting down"
+    failed = FakeEngine(state=EngineHealth(failure="crash loop", restarting=True))
+    assert "crash loop" in readiness(failed, accepting=True)  # type: ignore[operator]
+    restarting = FakeEngine(state=EngineHealth(restarting=True))
+    assert "restarting" in readiness(restarting, accepting=True)  # type: ignore[operator]
 
 
 def test_json_log_lines_carry_the_known_fields():

@@ -65,11 +65,11 @@ def readiness(engine: Engine, *, accepting: bool) -> str | None:
     """Why the server cannot take generations now, or None when it can."""
     if not accepting:
         return "shutting down"
-    failure = getattr(engine, "failure", None)
-    if failure is not None:
-        return f"the engine failed: {failure}"
+    health = engine.health()
+    if health.failure is not None:
+        return f"the engine failed: {health.failure}"
     # A worker engine between a worker's death and its replacement has no worker process.
-    if hasattr(engine, "worker_pid") and engine.worker_pid is None:
+    if health.restarting:
         return "the engine worker is restarting"
     return None
 
