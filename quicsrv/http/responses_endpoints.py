@@ -14,11 +14,10 @@ from __future__ import annotations
 import dataclasses
 import json
 import urllib.parse
-from collections.abc import Callable
 from typing import Any
 
 import quicsrv_proto
-from quicsrv_proto import ChatMessage, EndReason, ErrorCode
+from quicsrv_proto import ChatMessage, EndReason
 from quicsrv_proto.frames import MAX_MESSAGES
 from quicsrv_proto.http3 import SESSION_HEADER
 
@@ -28,7 +27,7 @@ from ..sessions.lifecycle import SessionState
 from ..sessions.manager import SessionManager
 from ..sessions.record import SessionRecord
 from . import responses_api
-from .errors import ApiError, from_code
+from .errors import ApiError
 from .messages import (
     FullResponse,
     HttpRequest,
@@ -41,7 +40,7 @@ from .responses_api import ResponseView
 from .responses_stream import ResponseEncoder
 from .sse import collect_answer
 
-__all__ = ["ResponsesEndpoints"]
+__all__ = ["ResponsesEndpoints", "streamed"]
 
 
 class ResponsesEndpoints:
@@ -52,19 +51,15 @@ class ResponsesEndpoints:
         *,
         sessions: SessionManager,
         model_id: str,
-        accepting: Callable[[], bool],
         keepalive: KeepAlive | None,
     ) -> None:
         self._sessions = sessions
         self._model_id = model_id
-        self._accepting = accepting
         self._keepalive = keepalive
 
     async def create(self, request: HttpRequest, who: ClientId) -> Response:
         """``POST /v1/responses``."""
         create = responses_api.parse_create(request.body, model_id=self._model_id)
-        if not self._accepting():
-            raise from_code(ErrorCode.SHUTTING_DOWN, "the server is shutting down")
         generate, prior = create.generate, None
         if create.previous_response_id is not None:
             generate, prior = await self._continue(create, who)
@@ -174,21 +169,21 @@ class ResponsesEndpoints:
             )
         return record
 
-    async def retrieve(
+    async def retrieve(self, who: ClientId, session_id: bytes) -> FullResponse:
+        """``GET /v1/responses/{id}``: the response object."""
+        record = await self._stored_response(session_id, who)
+        live = self._sessions.live(session_id)
+        queued = live is not None and live.state is SessionState.QUEUED
+        view = ResponseView.of(record, self._sessions.text_of(record), queued=queued)
+        return json_response(200, responses_api.response_object(view))
+
+    async def resume(
         self, request: HttpRequest, who: ClientId, session_id: bytes, query: str
     ) -> Response:
-        """``GET /v1/responses/{id}``, with ``?stream=true``: its events after a number."""
+        """``GET /v1/responses/{id}?stream=true`` (see :func:`streamed`): its events after
+        the number ``starting_after`` (or ``Last-Event-ID``) gives."""
         params = urllib.parse.parse_qs(query)
-        stream = _flag(params, "stream")
-        if not stream:
-            record = await self._stored_response(session_id, who)
-            live = self._sessions.live(session_id)
-            queued = live is not None and live.state is SessionState.QUEUED
-            view = ResponseView.of(record, self._sessions.text_of(record), queued=queued)
-            return json_response(200, responses_api.response_object(view))
         after = _starting_after(params, request.headers.get(b"last-event-id"))
-        if not self._accepting():
-            raise from_code(ErrorCode.SHUTTING_DOWN, "the server is shutting down")
         # Checked as a message's index, the lowest a response's events give: a function call's
         # (one event fewer before its deltas) is only known from the record.
         lowest = responses_api.first_token_after(after)
@@ -226,6 +221,12 @@ class ResponsesEndpoints:
         await self._stored_response(session_id, who, stored=False)
         await self._sessions.delete(session_id, key_id=who.key_id)
         return json_response(200, responses_api.deleted_body(session_id))
+
+
+def streamed(query: str) -> bool:
+    """Whether a ``GET /v1/responses/{id}`` with ``query`` asks for the response's events
+    (``stream=true``: :meth:`ResponsesEndpoints.resume`) rather than its object."""
+    return _flag(urllib.parse.parse_qs(query), "stream")
 
 
 def _flag(params: dict[str, list[str]], name: str) -> bool:

@@ -3,75 +3,62 @@ answered here, and nowhere else dispatches on a path.
 
 A transport hands over an :class:`~.messages.HttpRequest` and gets back a
 :class:`~.messages.FullResponse` or a :class:`~.messages.SessionStream` (see :mod:`.messages`).
-
-Routes:
+The router only dispatches; each API's endpoints are a class of their own, acting on the
+sessions:
 
 - ``POST /v1/generate``, ``POST /v1/resume`` (HTTP/3 only): the native frame API
-  (:mod:`.native`): a session stream of frames, refusals as an ERROR frame;
-- ``POST /v1/chat/completions``, ``POST /v1/completions``: a generation (``stream: true`` →
-  a session stream of SSE events, else one JSON body once it has ended);
-- ``POST /v1/responses``: OpenAI's Responses API (:mod:`.responses_api`): a generation, streamed
-  (events with sequence numbers), answered whole, or run in the background;
-  ``GET /v1/responses/{id}`` (the response object; with ``?stream=true&starting_after=N`` its
-  events after N), ``POST /v1/responses/{id}/cancel``, ``DELETE /v1/responses/{id}``;
-- ``GET /v1/models``;
-- ``GET /v1/streams/{session}`` with ``Last-Event-ID`` (header, or ``?last_event_id=``): the
-  stream's events after that cursor; ``DELETE /v1/streams/{session}``: stop the generation;
+  (:class:`~.native_endpoints.NativeEndpoints`): a session stream of frames, refusals as an
+  ERROR frame;
+- ``POST /v1/chat/completions``, ``POST /v1/completions``, ``GET /v1/models``, and
+  ``GET /v1/streams/{session}`` with ``Last-Event-ID`` (the stream's events after that cursor),
+  ``DELETE /v1/streams/{session}`` (stop the generation): OpenAI's completions
+  (:class:`~.completions_endpoints.CompletionsEndpoints`);
+- ``POST /v1/responses``, ``GET /v1/responses/{id}`` (with ``?stream=true``: its events),
+  ``POST /v1/responses/{id}/cancel``, ``DELETE /v1/responses/{id}``: OpenAI's Responses API
+  (:class:`~.responses_endpoints.ResponsesEndpoints`);
 - ``GET /`` and ``/ui/...``: the chat page (:mod:`.webui`), no key needed;
-- ``GET /metrics``, ``/healthz``, ``/readyz``: handed to the operator endpoints
-  (:class:`~.operator.PlainRoutes`, given as ``plain``), with their own access rules.
+- ``GET /metrics``, ``/healthz``, ``/readyz``: the operator endpoints
+  (:class:`~.operator.PlainRoutes`), with their own access rules.
 
 Every other request needs an API key when keys are configured (401 before anything else is
 looked at). The 0-RTT policy is one rule here (RFC 8470): a request that arrived in early data
 may be a replay, so a route that starts compute (:data:`STARTS_COMPUTE`) answers it
 ``too_early`` and the client sends it again after the handshake; reading, resuming or stopping
-what exists is harmless twice. Every refusal goes through the one error table
-(:func:`.errors.refusal_for`) and is rendered for its API: an ERROR frame on the native paths
-(and on unknown paths outside ``/v1/`` over HTTP/3), an OpenAI-style error elsewhere.
+what exists is harmless twice. Shutting down is one rule here too: once the server stops
+accepting, every route that starts or resumes a generation is refused ``shutting_down`` (the
+client resumes on the next process); reading and stopping what exists still work. Every
+refusal goes through the one error table (:func:`.errors.refusal_for`) and is rendered for its
+API: an ERROR frame on the native paths (and on unknown paths outside ``/v1/`` over HTTP/3), an
+OpenAI-style error elsewhere.
 """
 
 from __future__ import annotations
 
 import asyncio
 import dataclasses
+import functools
 import logging
-import time
-import urllib.parse
 from collections import Counter
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
 
 import quicsrv_proto
 from quicsrv_proto import ErrorCode, http3
-from quicsrv_proto.http3 import (
-    EARLY_DATA_HEADER,
-    PROTOCOL_HEADER,
-    RESUME_PATH_HEADER,
-    SESSION_HEADER,
-)
+from quicsrv_proto.http3 import PROTOCOL_HEADER
 
 from ..apikeys import ApiKeys, ClientId
 from ..metrics import ServerMetrics
 from ..sessions.generation import RequestRejected
 from ..sessions.manager import SessionManager
-from ..sessions.session import Session
-from . import native, openai_api, responses_api, webui
-from .cursor import InvalidCursor, decode_cursor
-from .errors import ApiError, Refusal, from_code, refusal_for
+from . import native, responses_api, responses_endpoints, webui
+from .completions_endpoints import CompletionsEndpoints
+from .errors import ApiError, Refusal, refusal_for
 from .faults import StreamFaults
-from .messages import (
-    FrameEncoder,
-    FullResponse,
-    HttpRequest,
-    KeepAlive,
-    Response,
-    SessionStream,
-    event_stream,
-    json_response,
-)
+from .messages import FullResponse, HttpRequest, KeepAlive, Response, SessionStream
+from .native_endpoints import NativeEndpoints
 from .operator import PLAIN_PATHS, PlainRoutes
 from .responses_endpoints import ResponsesEndpoints
-from .sse import KEEPALIVE_COMMENT, SseEncoder, StreamShape, collect_answer
-from .tool_calls import ToolChoice
+from .sse import KEEPALIVE_COMMENT
 
 __all__ = ["STARTS_COMPUTE", "Router", "request_too_large"]
 
@@ -88,6 +75,16 @@ _RESUME_PATH = http3.RESUME_PATH.decode()
 
 #: The endpoints whose request starts compute: a replay of its 0-RTT data would start it twice.
 STARTS_COMPUTE = frozenset({"generate", "chat_completions", "completions", "responses"})
+
+
+@dataclass(frozen=True, slots=True)
+class _Route:
+    """What a request was dispatched to."""
+
+    answer: Callable[[], Awaitable[Response]]
+    """The endpoint, its arguments bound."""
+    generates: bool = False
+    """Whether it starts or resumes a generation (refused while the server is not accepting)."""
 
 
 class Router:
@@ -112,21 +109,25 @@ class Router:
         self.model_id = model_id
         self._accepting = accepting
         self.max_body_bytes = max_body_bytes
-        self._sse_keepalive = (
-            KeepAlive(KEEPALIVE_COMMENT, sse_keepalive_s) if sse_keepalive_s > 0 else None
+        keepalive = KeepAlive(KEEPALIVE_COMMENT, sse_keepalive_s) if sse_keepalive_s > 0 else None
+        self._native = NativeEndpoints(sessions=sessions, max_body_bytes=max_body_bytes)
+        self._completions = CompletionsEndpoints(
+            sessions=sessions, model_id=model_id, keepalive=keepalive
         )
-        self._created = int(time.time())
         self._responses = ResponsesEndpoints(
-            sessions=sessions, model_id=model_id, accepting=accepting, keepalive=self._sse_keepalive
+            sessions=sessions, model_id=model_id, keepalive=keepalive
         )
         self.refusals: Counter[ErrorCode] = Counter()
         """Requests refused with a wire code, per code (401, 429, 503, 504, ...)."""
-        self.early_resumes = 0
-        """Native resumes answered from 0-RTT data."""
         self.early_starts_refused = 0
         """Requests that would start compute, refused ``too_early`` in 0-RTT data."""
         self.faults = StreamFaults()
         """Test faults: streams whose connection drops on demand."""
+
+    @property
+    def early_resumes(self) -> int:
+        """Native resumes answered from 0-RTT data."""
+        return self._native.early_resumes
 
     @property
     def body_limit_bytes(self) -> int:
@@ -178,11 +179,14 @@ class Router:
                     "send it again after the handshake",
                     0.0,
                 )
-            response: Response
             if is_native:
-                response = await self._native(request, who, bare)
+                route = self._native_route(request, who, bare)
             else:
-                response = await self._route(request, who, bare, query)
+                route = self._json_route(request, who, bare, query)
+            if route.generates and not self._accepting():
+                # The one "not accepting" guard: the hand-over to the next process has begun.
+                raise RequestRejected(ErrorCode.SHUTTING_DOWN, "the server is shutting down")
+            response = await route.answer()
         except asyncio.CancelledError:
             raise
         except ApiError as exc:
@@ -222,186 +226,52 @@ class Router:
             bare in (_GENERATE_PATH, _RESUME_PATH) or not bare.startswith("/v1/")
         )
 
-    async def _native(self, request: HttpRequest, who: ClientId, path: str) -> SessionStream:
+    def _native_route(self, request: HttpRequest, who: ClientId, path: str) -> _Route:
         if path not in (_GENERATE_PATH, _RESUME_PATH):
             raise RequestRejected(ErrorCode.NOT_FOUND, f"no such path: {path!r}")
         if request.method != "POST":
             raise RequestRejected(ErrorCode.METHOD_NOT_ALLOWED, f"{path!r} takes POST")
-        if not self._accepting():
-            raise RequestRejected(ErrorCode.SHUTTING_DOWN, "the server is shutting down")
-        headers: tuple[tuple[bytes, bytes], ...] = ()
         if path == _GENERATE_PATH:
-            frame = native.read_generate(request.body, max_payload_bytes=self.max_body_bytes)
-            session = await self._sessions.open_generation(
-                frame, client=who.name, owner=who.key_id or "", arrived_at=request.arrived_at
-            )
-            from_index, fresh = 0, True
-        else:
-            resume, header_session = native.read_resume(
-                request.body,
-                request.headers.get(SESSION_HEADER),
-                max_payload_bytes=self.max_body_bytes,
-            )
-            session = await self._sessions.resume(resume, header_session, key_id=who.key_id)
-            if request.early_data:
-                self.early_resumes += 1
-                headers += ((EARLY_DATA_HEADER, b"1"),)
-            planned = session.planned_resume_path()
-            shown = b"none" if planned is None else planned.value.encode()
-            headers += ((RESUME_PATH_HEADER, shown),)
-            from_index, fresh = resume.last_index + 1, False
-        return SessionStream(
-            session=session,
-            from_index=from_index,
-            encode=native.encode_frames,
-            content_type=native.FRAMES,
-            headers=((SESSION_HEADER, session.session_id.hex().encode()), *headers),
-            client=who.name,
-            fresh=fresh,
-        )
+            return _Route(functools.partial(self._native.generate, request, who), generates=True)
+        return _Route(functools.partial(self._native.resume, request, who), generates=True)
 
-    async def _route(self, request: HttpRequest, who: ClientId, path: str, query: str) -> Response:
+    def _json_route(self, request: HttpRequest, who: ClientId, path: str, query: str) -> _Route:
         if len(request.body) > self.max_body_bytes:
             raise request_too_large(self.max_body_bytes)
         if path == _MODELS_PATH:
             _allow(request, "GET")
-            return json_response(200, openai_api.models_body(self.model_id, self._created))
+            return _Route(self._completions.models)
         if path in (_CHAT_PATH, _TEXT_PATH):
             _allow(request, "POST")
-            return await self._complete(request, who, chat=path == _CHAT_PATH)
+            chat = path == _CHAT_PATH
+            create = functools.partial(self._completions.create, request, who, chat=chat)
+            return _Route(create, generates=True)
         if path == _RESPONSES_PATH:
             _allow(request, "POST")
-            return await self._responses.create(request, who)
+            return _Route(functools.partial(self._responses.create, request, who), generates=True)
         if path.startswith(_RESPONSES_PREFIX):
             name, _, action = path[len(_RESPONSES_PREFIX) :].partition("/")
             session_id = responses_api.from_response_id(name)
             if action == "cancel":
                 _allow(request, "POST")
-                return await self._responses.cancel(who, session_id)
+                return _Route(functools.partial(self._responses.cancel, who, session_id))
             if action:
                 raise ApiError(404, f"no such endpoint: {path}", code="not_found")
             if request.method == "DELETE":
-                return await self._responses.delete(who, session_id)
+                return _Route(functools.partial(self._responses.delete, who, session_id))
             _allow(request, "GET", "DELETE")
-            return await self._responses.retrieve(request, who, session_id, query)
+            if responses_endpoints.streamed(query):
+                events = functools.partial(self._responses.resume, request, who, session_id, query)
+                return _Route(events, generates=True)
+            return _Route(functools.partial(self._responses.retrieve, who, session_id))
         if path.startswith(_STREAMS_PREFIX):
             session_id = _session_id(path[len(_STREAMS_PREFIX) :])
             if request.method == "DELETE":
-                return await self._stop(request, who, session_id)
+                return _Route(functools.partial(self._completions.stop, who, session_id))
             _allow(request, "GET", "DELETE")
-            return await self._resume(request, who, session_id, query)
+            resume = functools.partial(self._completions.resume, request, who, session_id, query)
+            return _Route(resume, generates=True)
         raise ApiError(404, f"no such endpoint: {path}", code="not_found")
-
-    async def _complete(self, request: HttpRequest, who: ClientId, *, chat: bool) -> Response:
-        completion = openai_api.parse_completion(request.body, chat=chat, model_id=self.model_id)
-        if not self._accepting():
-            raise from_code(ErrorCode.SHUTTING_DOWN, "the server is shutting down")
-        tools = completion.tools
-        session = await self._sessions.open_generation(
-            completion.generate,
-            client=who.name,
-            owner=who.key_id or "",
-            arrived_at=request.arrived_at,
-            # A resumed stream renders the call the same way: the record says it is one.
-            api=None if tools is None else lambda _: {"kind": "chat", "tools": tools.stored()},
-        )
-        shape = StreamShape(
-            session_id=session.session_id,
-            chat=chat,
-            include_usage=completion.include_usage,
-            model=self.model_id,
-            created=int(session.record.created_at_s),
-            tools=tools,
-        )
-        if completion.stream:
-            encoder = SseEncoder(shape, mac_key=self._sessions.keys.current)
-            return self._event_stream(session, 0, encoder.encode_all, client=who.name, fresh=True)
-        answer = await collect_answer(session, who.name)
-        body = openai_api.completion_body(
-            session_id=shape.session_id,
-            chat=chat,
-            model=shape.model,
-            created=shape.created,
-            text=answer.text,
-            end=answer.end,
-            tools=tools,
-        )
-        return json_response(200, body, ((SESSION_HEADER, session.session_id.hex().encode()),))
-
-    async def _resume(
-        self, request: HttpRequest, who: ClientId, session_id: bytes, query: str
-    ) -> SessionStream:
-        last = request.headers.get(b"last-event-id")
-        text = last.decode("latin-1").strip() if last is not None else _query_value(query)
-        if not text:
-            raise ApiError(
-                400,
-                "resuming a stream needs the last event id it received (Last-Event-ID)",
-                code="missing_last_event_id",
-                param="Last-Event-ID",
-            )
-        keys = self._sessions.keys.verifying_keys(time.time())
-        try:
-            cursor = decode_cursor(text, keys)
-        except InvalidCursor as exc:
-            raise ApiError(403, str(exc), code="invalid_cursor", param="Last-Event-ID") from None
-        if cursor.session_id != session_id:
-            raise ApiError(
-                403,
-                "the cursor belongs to another stream",
-                code="invalid_cursor",
-                param="Last-Event-ID",
-            )
-        if not self._accepting():
-            raise from_code(ErrorCode.SHUTTING_DOWN, "the server is shutting down")
-        session = await self._sessions.reattach(session_id, cursor.index + 1, key_id=who.key_id)
-        record = session.record
-        names = (record.api or {}).get("tools")
-        shape = StreamShape(
-            session_id=session_id,
-            chat=cursor.chat,
-            include_usage=cursor.include_usage,
-            model=self.model_id,
-            created=int(record.created_at_s),
-            tools=None if names is None else ToolChoice.from_stored(names),
-        )
-        # Past the last token (the finishing or usage event): only the END is left to send.
-        from_index = min(cursor.index + 1, len(record.generated))
-        encoder = SseEncoder(
-            shape,
-            mac_key=self._sessions.keys.current,
-            after=cursor.index,
-            text_before=self._sessions.text_of(record, upto=from_index) if names else "",
-        )
-        return self._event_stream(
-            session, from_index, encoder.encode_all, client=who.name, fresh=False
-        )
-
-    async def _stop(self, request: HttpRequest, who: ClientId, session_id: bytes) -> FullResponse:
-        end = await self._sessions.cancel(session_id, key_id=who.key_id)
-        body = {
-            "id": session_id.hex(),
-            "object": "stream",
-            "status": "cancelled"
-            if end.reason is quicsrv_proto.EndReason.CANCELLED
-            else "finished",
-            "finish_reason": openai_api.finish_reason(end.reason),
-            "completion_tokens": end.completion_tokens,
-        }
-        return json_response(200, body)
-
-    def _event_stream(
-        self,
-        session: Session,
-        from_index: int,
-        encode: FrameEncoder,
-        *,
-        client: str,
-        fresh: bool,
-    ) -> SessionStream:
-        return event_stream(
-            session, from_index, encode, client=client, fresh=fresh, keepalive=self._sse_keepalive
-        )
 
     def _refused(
         self, request: HttpRequest, endpoint: str, status: int, code: str, message: str
@@ -457,8 +327,3 @@ def _session_id(text: str) -> bytes:
     if len(session_id) != quicsrv_proto.SESSION_ID_BYTES:
         raise ApiError(404, "no such stream", code="unknown_session")
     return session_id
-
-
-def _query_value(query: str) -> str:
-    values = urllib.parse.parse_qs(query).get("last_event_id", [])
-    return values[0].strip() if values else ""

@@ -1,0 +1,170 @@
+"""OpenAI's chat and text completions endpoints: what ``POST /v1/chat/completions``,
+``POST /v1/completions``, ``GET /v1/models`` and ``GET``/``DELETE /v1/streams/{session}`` do,
+on the sessions (the router dispatches here; :mod:`.openai_api` reads the requests and shapes
+the bodies, :mod:`.sse` encodes a stream).
+
+A completion is a session. Streamed, each of its events has a signed cursor as its id
+(:mod:`.cursor`), so that ``GET /v1/streams/{session}`` with that id in ``Last-Event-ID`` (or
+``?last_event_id=``) continues the stream after it, on any process, and ``DELETE`` stops the
+generation. Both go through the session manager's checks: the record exists and has not
+expired, and the API key that made it is the one asking.
+"""
+
+from __future__ import annotations
+
+import time
+import urllib.parse
+
+import quicsrv_proto
+from quicsrv_proto.http3 import SESSION_HEADER
+
+from ..apikeys import ClientId
+from ..sessions.manager import SessionManager
+from . import openai_api
+from .cursor import InvalidCursor, decode_cursor
+from .errors import ApiError
+from .messages import (
+    FullResponse,
+    HttpRequest,
+    KeepAlive,
+    Response,
+    SessionStream,
+    event_stream,
+    json_response,
+)
+from .sse import SseEncoder, StreamShape, collect_answer
+from .tool_calls import ToolChoice
+
+__all__ = ["CompletionsEndpoints"]
+
+
+class CompletionsEndpoints:
+    """See the module docstring."""
+
+    def __init__(
+        self, *, sessions: SessionManager, model_id: str, keepalive: KeepAlive | None
+    ) -> None:
+        self._sessions = sessions
+        self._model_id = model_id
+        self._keepalive = keepalive
+        self._created = int(time.time())
+
+    async def models(self) -> FullResponse:
+        """``GET /v1/models``: the one model this server runs."""
+        return json_response(200, openai_api.models_body(self._model_id, self._created))
+
+    async def create(self, request: HttpRequest, who: ClientId, *, chat: bool) -> Response:
+        """``POST /v1/chat/completions`` (``chat``) or ``POST /v1/completions``: a stream of
+        events (``stream: true``), else one body once the generation has ended."""
+        completion = openai_api.parse_completion(request.body, chat=chat, model_id=self._model_id)
+        tools = completion.tools
+        session = await self._sessions.open_generation(
+            completion.generate,
+            client=who.name,
+            owner=who.key_id or "",
+            arrived_at=request.arrived_at,
+            # A resumed stream renders the call the same way: the record says it is one.
+            api=None if tools is None else lambda _: {"kind": "chat", "tools": tools.stored()},
+        )
+        shape = StreamShape(
+            session_id=session.session_id,
+            chat=chat,
+            include_usage=completion.include_usage,
+            model=self._model_id,
+            created=int(session.record.created_at_s),
+            tools=tools,
+        )
+        if completion.stream:
+            encoder = SseEncoder(shape, mac_key=self._sessions.keys.current)
+            return event_stream(
+                session,
+                0,
+                encoder.encode_all,
+                client=who.name,
+                fresh=True,
+                keepalive=self._keepalive,
+            )
+        answer = await collect_answer(session, who.name)
+        body = openai_api.completion_body(
+            session_id=shape.session_id,
+            chat=chat,
+            model=shape.model,
+            created=shape.created,
+            text=answer.text,
+            end=answer.end,
+            tools=tools,
+        )
+        return json_response(200, body, ((SESSION_HEADER, session.session_id.hex().encode()),))
+
+    async def resume(
+        self, request: HttpRequest, who: ClientId, session_id: bytes, query: str
+    ) -> SessionStream:
+        """``GET /v1/streams/{session}``: the stream's events after the one its
+        ``Last-Event-ID`` names."""
+        last = request.headers.get(b"last-event-id")
+        text = last.decode("latin-1").strip() if last is not None else _query_value(query)
+        if not text:
+            raise ApiError(
+                400,
+                "resuming a stream needs the last event id it received (Last-Event-ID)",
+                code="missing_last_event_id",
+                param="Last-Event-ID",
+            )
+        keys = self._sessions.keys.verifying_keys(time.time())
+        try:
+            cursor = decode_cursor(text, keys)
+        except InvalidCursor as exc:
+            raise ApiError(403, str(exc), code="invalid_cursor", param="Last-Event-ID") from None
+        if cursor.session_id != session_id:
+            raise ApiError(
+                403,
+                "the cursor belongs to another stream",
+                code="invalid_cursor",
+                param="Last-Event-ID",
+            )
+        session = await self._sessions.reattach(session_id, cursor.index + 1, key_id=who.key_id)
+        record = session.record
+        names = (record.api or {}).get("tools")
+        shape = StreamShape(
+            session_id=session_id,
+            chat=cursor.chat,
+            include_usage=cursor.include_usage,
+            model=self._model_id,
+            created=int(record.created_at_s),
+            tools=None if names is None else ToolChoice.from_stored(names),
+        )
+        # Past the last token (the finishing or usage event): only the END is left to send.
+        from_index = min(cursor.index + 1, len(record.generated))
+        encoder = SseEncoder(
+            shape,
+            mac_key=self._sessions.keys.current,
+            after=cursor.index,
+            text_before=self._sessions.text_of(record, upto=from_index) if names else "",
+        )
+        return event_stream(
+            session,
+            from_index,
+            encoder.encode_all,
+            client=who.name,
+            fresh=False,
+            keepalive=self._keepalive,
+        )
+
+    async def stop(self, who: ClientId, session_id: bytes) -> FullResponse:
+        """``DELETE /v1/streams/{session}``: stop the generation; its end, as a stream object."""
+        end = await self._sessions.cancel(session_id, key_id=who.key_id)
+        body = {
+            "id": session_id.hex(),
+            "object": "stream",
+            "status": "cancelled"
+            if end.reason is quicsrv_proto.EndReason.CANCELLED
+            else "finished",
+            "finish_reason": openai_api.finish_reason(end.reason),
+            "completion_tokens": end.completion_tokens,
+        }
+        return json_response(200, body)
+
+
+def _query_value(query: str) -> str:
+    values = urllib.parse.parse_qs(query).get("last_event_id", [])
+    return values[0].strip() if values else ""
