@@ -25,6 +25,7 @@ from ..engine import (
     Engine,
     EngineError,
     FinishReason,
+    PrefillPlan,
     ResumePath,
     ResumePoint,
     SequenceHandle,
@@ -37,12 +38,14 @@ from .kvstore import KVStore
 from .lifecycle import SessionEvent
 from .record import SessionRecord
 from .settings import FlowSettings
+from .sink import LoopSink
 
 __all__ = [
     "DEFAULT_RETRY_S",
     "FINISHES",
     "Finish",
     "GiveUp",
+    "Ready",
     "Retry",
     "Runner",
     "after_refusal",
@@ -118,16 +121,21 @@ FINISHES: Mapping[FinishReason, Finish] = MappingProxyType(
 """Each report of a sequence's end: the record ends only on a natural one."""
 
 
+Ready = ResumePoint | GiveUp | None
+"""A wait for a slot is over: the slot held, the sequence starts from scratch (None) or picks up
+at a resume point; or a :class:`GiveUp`, the wait in line having run out."""
+
+
 class Runner:
-    """See the module docstring. On the event loop. Submits ``record``'s sequence to ``engine``
-    with ``sink`` taking its output; ``name`` names the session in the log."""
+    """See the module docstring. On the event loop. Submits ``record``'s sequence to
+    ``engine``, whose reports ``sink`` takes."""
 
     def __init__(
         self,
         record: SessionRecord,
-        *,
         engine: Engine,
-        sink: TokenSink,
+        sink: LoopSink,
+        *,
         kv: KVStore,
         gate: FairGate,
         flow: FlowSettings,
@@ -151,9 +159,15 @@ class Runner:
         """The engine holds the sequence (it was submitted and has not been let go)."""
         return self._handle is not None
 
-    def hold(self, slot: Slot) -> None:
-        """The engine is about to run under ``slot``."""
+    def start(self, slot: Slot, submit: Callable[[ResumePoint | None], None]) -> None:
+        """Run a new generation under ``slot`` at once, ``submit`` handing it to the engine;
+        the slot goes back if that raises (EngineError: refused)."""
         self._slot = slot
+        try:
+            submit(None)
+        except BaseException:
+            self.release()
+            raise
 
     def release(self) -> None:
         """The engine holds nothing (or never will): give the slot back."""
@@ -161,16 +175,22 @@ class Runner:
         if slot is not None:
             slot.release()
 
-    def submit(self, resume: ResumePoint | None) -> None:
+    def submit(self, resume: ResumePoint | None, target: TokenSink) -> None:
         """Hand the engine the sequence (``resume``: where a restart picks it up) under the slot
-        held; raises EngineError when it refuses."""
+        held, its reports going to ``target`` on the loop; raises EngineError when it
+        refuses."""
         record = self._record
         request = record.spec.request(
             resume=resume,
             prefill_plan=record.prefill_plan,
             cache_scope="" if self._flow.prefix_cache_shared else record.owner,
         )
-        self._handle = self._engine.submit(request, self._sink)
+        self._sink.target = target
+        try:
+            self._handle = self._engine.submit(request, self._sink)
+        except BaseException:
+            self._sink.target = None  # nothing will report
+            raise
 
     def allow(self, n_tokens: int) -> None:
         """Let the running sequence generate ``n_tokens`` tokens in all."""
@@ -188,9 +208,49 @@ class Runner:
             self._handle.cancel()
 
     def released(self) -> None:
-        """The engine let the sequence go (paused or ended): the slot goes back."""
+        """The engine let the sequence go (it ended, or paused): the slot goes back."""
         self._handle = None
         self.release()
+
+    def paused(self, n_generated: int, *, after_end: bool) -> None:
+        """The engine paused the sequence after ``n_generated`` tokens, and let it go.
+        ``after_end``: the record had ended first (a stop, a cancel), so the cells of the
+        pause, stored on the engine thread after the end discarded the session's, are of no
+        use to anyone."""
+        self.released()
+        if after_end:
+            self.ended()
+        log.debug("session %s paused at %d tokens", self._record.session_id.hex(), n_generated)
+
+    def ended(self) -> None:
+        """The record ended: nothing restarts, the cells kept for it go."""
+        self._kv.discard(self._record.session_id)
+
+    def resumed(self, path: ResumePath) -> None:
+        """The engine has the sequence's cells back, rebuilt by ``path``."""
+        session_id = self._record.session_id.hex()
+        log.info(
+            "session %s resumed by %s at %d tokens",
+            session_id,
+            path.value,
+            len(self._record.generated),
+            extra={"event": "session_resumed", "session_id": session_id, "resume_path": path.value},
+        )
+
+    def planned(self, plan: PrefillPlan) -> bool:
+        """The engine computes a new generation's prompt cells as ``plan`` says: keep it with
+        the record (a replay must follow it to be exact; a cold start needs none). Whether the
+        record changed: it must then be on disk before the first token is sent, or a crash
+        would replay the prompt another way, and the continuation could differ from what the
+        reader holds. A resume follows the plan on record."""
+        record = self._record
+        if record.generated:
+            return False
+        kept = None if plan.is_cold(record.spec.prefill_chunk) and not plan.reused else plan
+        if kept == record.prefill_plan:
+            return False
+        record.prefill_plan = kept
+        return True
 
     def resume_path(self) -> ResumePath | None:
         """How a restart now would rebuild the KV cells (None: nothing to rebuild)."""
@@ -201,11 +261,9 @@ class Runner:
             return ResumePath.KV_RESTORE
         return ResumePath.REPREFILL if self._flow.inexact_reprefill else ResumePath.REPLAY
 
-    def enter_line(
-        self, place: Place, timeout_s: float, then: Callable[[Slot | RequestRejected], None]
-    ) -> None:
-        """Wait for ``place``'s turn, at most ``timeout_s``; then hand ``then`` the slot (not
-        held yet: :meth:`hold` it to run), or the refusal when the wait ran out."""
+    def enter_line(self, place: Place, timeout_s: float, then: Callable[[Ready], None]) -> None:
+        """Wait for ``place``'s turn, at most ``timeout_s``; then call ``then``, the slot held
+        (``None``: a plain start), or told why not when the wait ran out."""
         self._in_line = self._loop.create_task(self._wait_turn(place, timeout_s, then))
 
     def leave_line(self) -> None:
@@ -214,7 +272,7 @@ class Runner:
         if task is not None and not task.done():
             task.cancel()
 
-    def restart(self, client: str, then: Callable[[ResumePoint | None], None]) -> None:
+    def restart(self, client: str, then: Callable[[Ready], None]) -> None:
         """Wait for a slot of ``client``'s, then read the KV blob of the tokens generated (on a
         worker thread); then hand ``then`` where the sequence picks up, the slot held."""
         self._restarting = self._loop.create_task(self._restart(client, then))
@@ -240,24 +298,27 @@ class Runner:
         return None
 
     def settle(self) -> None:
-        """Nothing runs or waits for the session now: give the slot back, forget a retry."""
+        """Nothing runs or waits for the session now: give the slot back, forget a retry, and
+        take no report (none can come: the engine let the sequence go)."""
         self.release()
+        self._sink.target = None
         if self._retry is not None:
             self._retry.cancel()
             self._retry = None
 
     async def _wait_turn(
-        self, place: Place, timeout_s: float, then: Callable[[Slot | RequestRejected], None]
+        self, place: Place, timeout_s: float, then: Callable[[Ready], None]
     ) -> None:
-        turn: Slot | RequestRejected
         try:
-            turn = await place.wait(timeout_s)
+            self._slot = await place.wait(timeout_s)
         except RequestRejected as exc:  # the queue wait ran out: nothing ran, nothing is lost
-            turn = exc
+            self._in_line = None
+            then(GiveUp(exc.code, str(exc)))
+            return
         self._in_line = None
-        then(turn)
+        then(None)
 
-    async def _restart(self, client: str, then: Callable[[ResumePoint | None], None]) -> None:
+    async def _restart(self, client: str, then: Callable[[Ready], None]) -> None:
         # A session coming back goes ahead of new requests, but waits its turn among the
         # other returning sessions (and under its reader's per-client cap).
         self._slot = await self._gate.acquire(client, resume=True)

@@ -1,4 +1,5 @@
-"""Which frames a session's tokens become: TOKEN and signed CHECKPOINT frames, and the END.
+"""Which frames a session's tokens become: TOKEN and signed CHECKPOINT frames, and the END
+(and the other frames that end a reader's stream).
 
 A function of the record (its tokens, spec and end), the tokens' pieces and the MAC key: every
 reader, now or after a restart, on this process or another, is sent the same frames for the same
@@ -84,6 +85,15 @@ class Transcript:
             session_id=record.session_id, index=index, snapshot_hash=snapshot_hash
         )
 
+    def pause_checkpoint(self, sent: int, paused_at: int) -> quicsrv_proto.Checkpoint | None:
+        """The CHECKPOINT that tells a reader sent the tokens before ``sent`` that the engine
+        paused after ``paused_at`` tokens: only where both are the recorded tokens' end. The
+        engine may have run past the record (tokens after a stop sequence, or decoded by a
+        stale copy): those have no checkpoint."""
+        if sent == len(self._record.generated) == paused_at:
+            return self.checkpoint(paused_at - 1)
+        return None
+
     def end(self) -> quicsrv_proto.End:
         """The END of the ended record, after its last token."""
         record = self._record
@@ -95,6 +105,14 @@ class Transcript:
             text=self._tail,
             cached_tokens=record.cached_tokens,
         )
+
+    def superseded(self, failure: str | None = None) -> quicsrv_proto.Frame:
+        """What ends a reader's stream when a newer reader took the session (here, or in another
+        process): END(superseded); or, with ``failure``, ERROR(store_unavailable) when the shared
+        store failed (the reader may resume once it is back)."""
+        if failure is None:
+            return quicsrv_proto.End(reason=EndReason.SUPERSEDED)
+        return quicsrv_proto.Error(code=quicsrv_proto.ErrorCode.STORE_UNAVAILABLE, message=failure)
 
     def shutdown(self, sent: int) -> quicsrv_proto.End:
         """END(shutdown) for a reader sent the tokens before ``sent``: no end, the session stays
