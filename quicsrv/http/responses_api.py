@@ -50,7 +50,7 @@ import quicsrv_proto
 from quicsrv_proto import ChatMessage, EndReason
 from quicsrv_proto.frames import MAX_MESSAGES, MAX_PROMPT_CHARS
 
-from ..sessions.store import SessionRecord
+from ..sessions.record import SessionRecord
 from . import openai_api
 from .errors import ApiError
 from .tool_calls import CallText, ToolChoice, call_id, parse_tool_choice
@@ -194,7 +194,7 @@ class ResponseView:
             created_at=int(record.created_at_s),
             fields=_fields_of(record),
             text=text,
-            input_tokens=len(record.prompt_tokens),
+            input_tokens=len(record.spec.prompt_tokens),
             cached_tokens=record.cached_tokens,
             output_tokens=len(record.generated),
             end=None if record.end is None else record.end.reason,

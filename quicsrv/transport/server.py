@@ -57,7 +57,8 @@ from ..http.operator import PlainRoutes, authorize_metrics, readiness
 from ..http.router import Router
 from ..metrics import TransportFacts
 from ..peer_errors import install_filters
-from ..sessions.manager import HandOver, SessionManager
+from ..sessions.handover import HandOver
+from ..sessions.manager import SessionManager
 from ..sessions.redis_store import connect
 from . import aioquic_internals
 from .redis_tickets import RedisTicketStore
@@ -314,7 +315,8 @@ async def start_server(
     configuration.load_cert_chain(config.cert_path, config.key_path)
     if sessions is None:
         sessions = SessionManager(engine, config.session_settings())
-    if tickets is None and sessions.redis is not None:  # shared, like the sessions
+    if tickets is None and sessions.settings.store_url not in ("", "file"):
+        # Shared, like the sessions.
         # A client of its own: aioquic asks for tickets on the event loop, so a Redis that
         # stalls must cost a handshake its 0-RTT within half a second, never retried.
         tickets = RedisTicketStore(
