@@ -15,7 +15,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import secrets
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import quicsrv_proto
@@ -171,20 +171,17 @@ def build_request(
 
 
 async def prepare_off_loop(
-    engine: Engine,
+    prepare: Callable[..., PreparedRequest],
     frame: quicsrv_proto.Generate,
-    *,
-    max_tokens_limit: int,
     prior: PriorTurn | None = None,
 ) -> PreparedRequest:
-    """:func:`build_request` on a thread, except for a short prompt: tokenizing one takes tens
-    of microseconds, the trip to a thread and back a millisecond or more of the time to first
-    token (measured on 2 busy cores). A long one would hold up every other stream."""
+    """``prepare(frame, prior)`` (:func:`build_request` with the server's limits) on a thread,
+    except for a short prompt: tokenizing one takes tens of microseconds, the trip to a thread
+    and back a millisecond or more of the time to first token (measured on 2 busy cores). A long
+    one would hold up every other stream."""
     if prompt_chars(frame) <= INLINE_PROMPT_CHARS and prior is None and not frame.json_schema:
-        return build_request(engine, frame, max_tokens_limit=max_tokens_limit)
-    return await asyncio.to_thread(
-        build_request, engine, frame, max_tokens_limit=max_tokens_limit, prior=prior
-    )
+        return prepare(frame)
+    return await asyncio.to_thread(prepare, frame, prior)
 
 
 def _chat_prompt(

@@ -132,9 +132,7 @@ class SessionManager:
         record (``api``: made from the prepared request, saved with the record's first write)
         and have the session run to its end with nobody reading (``unattended``).
         """
-        prepared = await prepare_off_loop(
-            self._engine, frame, max_tokens_limit=self.settings.max_tokens_limit, prior=prior
-        )
+        prepared = await prepare_off_loop(self.prepare, frame, prior)
         self.check_accepting()
         place = self.gate.queue(client)
         try:

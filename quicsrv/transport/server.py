@@ -92,6 +92,7 @@ class QuicServerApp:
         self.connections: set[_H3ServerProtocol] = set()
         self.accepting = True
         self.metrics = sessions.metrics
+        self.metrics.bind_sessions(sessions)
         self.metrics.bind_engine(engine)
         self.metrics.bind_transport(_AppFacts(self))
         self.routes = PlainRoutes(

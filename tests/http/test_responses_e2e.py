@@ -149,9 +149,9 @@ async def test_previous_response_id_continues_from_the_stored_tokens_and_reuses_
     assert two.previous_response_id == one.id and three.previous_response_id == two.id
     for before, after in zip(records, records[1:], strict=False):
         # The next prompt starts with the previous turn's own tokens, prompt and answer.
-        head = (*before.prompt_tokens, *before.generated)
-        assert after.prompt_tokens[: len(head)] == head
-        assert len(after.prompt_tokens) > len(head)
+        head = (*before.spec.prompt_tokens, *before.generated)
+        assert after.spec.prompt_tokens[: len(head)] == head
+        assert len(after.spec.prompt_tokens) > len(head)
     for before, after in ((one, two), (two, three)):
         assert after.usage.input_tokens_details.cached_tokens > 0
         assert after.usage.input_tokens > before.usage.input_tokens + before.usage.output_tokens

@@ -257,7 +257,7 @@ async def test_a_short_prompt_is_tokenized_on_the_loop_and_a_long_one_on_a_threa
         quicsrv_proto.Generate(messages=tuple(many_empty), max_tokens=4),
     ]
     for frame in frames:
-        request = await prepare_off_loop(engine, frame, max_tokens_limit=64)
+        request = await prepare_off_loop(manager.prepare, frame)
         assert request.spec.prompt_tokens == manager.prepare(frame).spec.prompt_tokens
     on_loop = [thread == loop_thread for thread in engine.tokenized_on[::2]]
     assert on_loop == [True, False, True, False]
