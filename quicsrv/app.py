@@ -1,9 +1,13 @@
 """The composition root: one server process built from a :class:`~quicsrv.config.ServerConfig`.
 
 ``quicsrv serve`` runs :func:`run` in its own process; ``quicsrv serve --workers N`` runs
-:func:`serve` in each worker process (:mod:`quicsrv.workers`). Nothing else wires the engine,
-the sessions and the transport together. This module needs the ``server`` extra (llama.cpp,
-Redis, Prometheus, hypercorn): the command line imports it only to serve.
+:func:`serve` in each worker process (:mod:`quicsrv.workers`). Nothing else wires the parts
+together: :func:`serve` makes the engine, :func:`start` the session store, key ring and KV store
+(:func:`~quicsrv.sessions.persistence.open_persistence`), the metrics, the session manager, the
+API keys, the router with the operator endpoints, the ticket store and the listeners (QUIC and
+TCP, :func:`quicsrv.transport.start_server`), each from its settings (:mod:`quicsrv.settings`).
+This module needs the ``server`` extra (llama.cpp, Redis, Prometheus, hypercorn): the command line
+imports it only to serve.
 """
 
 from __future__ import annotations
@@ -16,15 +20,24 @@ from pathlib import Path
 
 import redis
 
+from .apikeys import ApiKeys
 from .config import ServerConfig, redact_store_url
 from .datadir import DataDirBusy, DataDirLock
-from .engine import EngineUnavailable, default_model_path
+from .engine import Engine, EngineUnavailable, default_model_path
 from .engine.supervisor import WorkerEngine
+from .http.operator import PlainRoutes, authorize_metrics, readiness
+from .http.router import Router
 from .logs import quiet_exception_handler
+from .metrics import ServerMetrics
+from .sessions.manager import SessionManager
+from .sessions.persistence import open_persistence
 from .sessions.redis_store import connect
-from .transport import start_server
+from .settings import engine_settings, session_settings, socket_options, supervisor_settings
+from .transport import RunningServer, start_server, tickets_path
+from .transport.redis_tickets import RedisTicketStore
+from .transport.tickets import MemoryTicketStore, TicketStore
 
-__all__ = ["preflight", "run", "serve"]
+__all__ = ["preflight", "run", "serve", "start"]
 
 log = logging.getLogger("quicsrv")
 
@@ -76,7 +89,7 @@ async def serve(config: ServerConfig, announce: Callable[[int], None] | None = N
     try:
         # Blocks until the worker loaded the model and passed its canary (safe mode decided).
         engine = await asyncio.to_thread(
-            WorkerEngine, config.engine_settings(model_path), config.supervisor_settings()
+            WorkerEngine, engine_settings(config, model_path), supervisor_settings(config)
         )
     except BaseException:
         if locking.done() and not locking.cancelled() and locking.exception() is None:
@@ -101,7 +114,7 @@ async def _serve_with(
     model_path: Path,
     announce: Callable[[int], None] | None,
 ) -> None:
-    running = await start_server(engine, config)
+    running = await start(engine, config, model_id=config.model_name or model_path.stem)
     if announce is not None:
         announce(running.port)
     else:
@@ -121,3 +134,82 @@ async def _serve_with(
     log.info("store usage at exit: %s", running.sessions.usage())
     await asyncio.to_thread(engine.close)
     log.info("stopped")
+
+
+async def start(
+    engine: Engine,
+    config: ServerConfig,
+    sessions: SessionManager | None = None,
+    tickets: TicketStore | None = None,
+    *,
+    model_id: str | None = None,
+) -> RunningServer:
+    """Build one server around ``engine`` and have it listen (``config.port`` 0: an ephemeral
+    port). ``sessions`` (default: opened from ``config``) and ``tickets`` (default: shared in
+    Redis when the sessions are, else kept in memory and left in the data dir for the next
+    process) may be given, as tests and benchmarks do; ``model_id``: what ``/v1/models`` lists
+    (default: ``config.model_name``, else the model file's stem, else "quicsrv")."""
+    if sessions is None:
+        settings = session_settings(config)
+        sessions = SessionManager(
+            engine, settings, persistence=open_persistence(settings), metrics=ServerMetrics()
+        )
+    metrics = sessions.metrics
+    metrics.bind_sessions(sessions.facts)
+    metrics.bind_engine(engine)
+    api_keys = ApiKeys([config.api_key] if config.api_key else [], keys_file=config.api_keys_file)
+    router = Router(
+        sessions=sessions,
+        api_keys=api_keys,
+        plain=PlainRoutes(
+            metrics=metrics,
+            readiness=lambda: readiness(engine, accepting=sessions.accepting),
+            authorize_metrics=lambda headers: authorize_metrics(
+                headers, api_keys=api_keys, metrics_public=config.metrics_public
+            ),
+        ),
+        metrics=metrics,
+        model_id=model_id
+        or config.model_name
+        or (config.model_path.stem if config.model_path else "quicsrv"),
+        max_body_bytes=config.max_request_bytes,
+        sse_keepalive_s=config.sse_keepalive_s,
+    )
+    running = await start_server(
+        router=router,
+        sessions=sessions,
+        metrics=metrics,
+        config=config,
+        udp_options=socket_options(config),
+        tickets=tickets if tickets is not None else _tickets(config, sessions),
+        on_closed=lambda: metrics.unbind_engine(engine),
+    )
+    if api_keys.enabled:
+        log.info("API keys: %d accepted; requests without one get 401", len(api_keys))
+    else:
+        log.warning(
+            "NO API KEY CONFIGURED: anyone who reaches %s can generate "
+            "(set --api-key, QUICSRV_API_KEY or api_keys_file)",
+            config.address(running.port),
+        )
+    log.info("session store: %s", sessions.usage())
+    restarted = sessions.run_unattended_again()
+    if restarted:
+        log.info("background responses: %d unfinished ones started again", restarted)
+    return running
+
+
+def _tickets(config: ServerConfig, sessions: SessionManager) -> TicketStore:
+    """0-RTT tickets: shared in Redis when the sessions are, else this process's own."""
+    if sessions.settings.store_url not in ("", "file"):
+        # A client of its own: aioquic asks for tickets on the event loop, so a Redis that
+        # stalls must cost a handshake its 0-RTT within half a second, never retried.
+        return RedisTicketStore(
+            connect(sessions.settings.store_url, timeout_s=0.5, retries=0),
+            ttl_s=config.ticket_ttl_s,
+        )
+    tickets = MemoryTicketStore(ttl_s=config.ticket_ttl_s, max_tickets=config.max_tickets)
+    taken = tickets.load(tickets_path(config))
+    if taken:
+        log.info("session tickets: %d taken over from the previous process", taken)
+    return tickets

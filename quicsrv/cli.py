@@ -251,7 +251,7 @@ def _serve(args: argparse.Namespace) -> int:
     overrides = {f.name: getattr(args, f.name, None) for f in dataclasses.fields(ServerConfig)}
     try:
         config = ServerConfig.load(args.config, **overrides)
-        config.flow_settings()  # cross-field checks, before anything starts
+        config.check()  # across fields, before anything starts
         configure_logging(config.log_format)
         configure_exporter(config.otel_exporter)
     except (ConfigError, ValueError, OSError, tomllib.TOMLDecodeError) as exc:

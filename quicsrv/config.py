@@ -1,8 +1,9 @@
 """The one typed server configuration: defaults, then a TOML file, then QUICSRV_* variables.
 
 Every default the server has is written here, once, with its reason; the engine, session,
-supervisor and socket settings are derived from a :class:`ServerConfig` (``*_settings()``) and
-have no defaults of their own for what it configures. Values from TOML, the environment or the
+supervisor and socket settings are derived from a :class:`ServerConfig` by :mod:`quicsrv.settings`
+and have no defaults of their own for what it configures. This module imports none of quicsrv's
+packages: it is the floor they all stand on. Values from TOML, the environment or the
 command line are parsed strictly: a boolean is true/false, yes/no, on/off or 1/0; a choice is
 one of its enum's values; anything else is a :class:`ConfigError` naming the key.
 """
@@ -17,18 +18,10 @@ import typing
 from dataclasses import dataclass, fields
 from enum import Enum, StrEnum
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
-from .engine import CpuExtraBuffers
 from .logs import LogFormat
-from .sessions.lifecycle import ResumeConflict
 from .tracing import OtelExporter
-
-if TYPE_CHECKING:
-    from .engine.llama import EngineSettings
-    from .engine.supervisor import SupervisorSettings
-    from .sessions.settings import FlowSettings, SessionSettings
-    from .transport.sockets import SocketOptions
 
 __all__ = [
     "CongestionControl",
@@ -38,17 +31,29 @@ __all__ = [
     "OtelExporter",
     "ResumeConflict",
     "ServerConfig",
-    "engine_settings_for",
-    "probe_cpu_extra_buffers",
     "redact_store_url",
-    "session_settings_for",
-    "socket_options_for",
-    "supervisor_settings_for",
 ]
 
 
 class ConfigError(ValueError):
     """A configuration value that cannot be used: names the key and what it accepts."""
+
+
+class CpuExtraBuffers(StrEnum):
+    """llama.cpp's extra CPU weight buffers (AMX, repacked layouts): a setting of the engine
+    worker's supervisor."""
+
+    AUTO = "auto"  # on, unless the canary (or two kernel faults in a row) say otherwise
+    ON = "on"
+    OFF = "off"
+
+
+class ResumeConflict(StrEnum):
+    """What a resume does to a session another stream is still reading (reader events change
+    no state: this decides whether the new reader attaches at all)."""
+
+    SUPERSEDE = "supersede"  # the newest attach wins; the old stream ends with `superseded`
+    REFUSE = "refuse"  # the resume gets `session_busy`
 
 
 class CongestionControl(StrEnum):
@@ -192,135 +197,21 @@ class ServerConfig:
         }
         return " ".join(f"{k}={v}" for k, v in shown.items())
 
+    def check(self) -> None:
+        """The checks across fields (or of a range) that parsing one value cannot make; raises
+        :class:`ConfigError`. :mod:`quicsrv.settings` makes them before deriving anything."""
+        if not 0 <= self.token_coalesce_ms <= MAX_TOKEN_COALESCE_MS:
+            raise ConfigError(f"token_coalesce_ms must be in 0..{MAX_TOKEN_COALESCE_MS:g}")
+        if self.worker_poison_strikes < 1:
+            raise ConfigError("worker_poison_strikes must be at least 1")
+        if self.send_low_watermark_bytes >= self.send_high_watermark_bytes:
+            raise ConfigError("send_low_watermark_bytes must be below send_high_watermark_bytes")
+
     def address(self, port: int) -> str:
         """``host:port`` as one writes it, an IPv6 host in brackets (``[::]:4433``); ``port``
         is the bound one (``self.port`` may be 0)."""
         host = f"[{self.host}]" if ":" in self.host else self.host
         return f"{host}:{port}"
-
-    def engine_settings(self, model_path: Path) -> EngineSettings:
-        from .engine.llama import EngineSettings
-
-        return EngineSettings(
-            model_path=model_path,
-            n_seq_max=self.n_seq_max,
-            context_per_sequence=self.context_per_sequence,
-            n_batch=self.n_batch,
-            prefill_chunk=self.prefill_chunk_tokens,
-            n_threads=self.n_threads,
-            max_queued=self.max_queued_requests,
-            batch_invariant=self.batch_invariant,
-            flash_attn=self.flash_attn,
-            kv_unified=self.kv_unified,
-            prefix_cache=self.prefix_cache,
-            prefix_cache_max_bytes=self.prefix_cache_max_bytes,
-            prefix_cache_dir=(self.kv_shared_dir or self.data_dir) / "prefix-cache",
-            prefix_cache_disk_bytes=self.prefix_cache_disk_bytes,
-        )
-
-    def supervisor_settings(self) -> SupervisorSettings:
-        from .engine.supervisor import SupervisorSettings
-
-        if not 0 <= self.token_coalesce_ms <= MAX_TOKEN_COALESCE_MS:
-            raise ConfigError(f"token_coalesce_ms must be in 0..{MAX_TOKEN_COALESCE_MS:g}")
-        if self.worker_poison_strikes < 1:
-            raise ConfigError("worker_poison_strikes must be at least 1")
-        return SupervisorSettings(
-            cpu_extra_buffers=self.cpu_extra_buffers,
-            start_timeout_s=self.worker_start_timeout_s,
-            stall_timeout_s=self.worker_stall_timeout_s,
-            max_restarts=self.worker_max_restarts,
-            restart_window_s=self.worker_restart_window_s,
-            breaker_cooldown_s=self.worker_breaker_cooldown_s,
-            breaker_max_cooldown_s=self.worker_breaker_max_cooldown_s,
-            breaker_probation_steps=self.worker_breaker_probation_steps,
-            poison_strikes=self.worker_poison_strikes,
-            token_coalesce_s=self.token_coalesce_ms / 1000,
-        )
-
-    def session_settings(self) -> SessionSettings:
-        from .sessions.settings import SessionSettings
-
-        return SessionSettings(
-            data_dir=self.data_dir,
-            ttl_s=self.session_ttl_s,
-            max_sessions=self.max_sessions,
-            max_disk_bytes=self.max_session_disk_bytes,
-            kv_memory_budget_bytes=self.kv_memory_budget_bytes,
-            kv_disk_budget_bytes=self.kv_disk_budget_bytes,
-            max_tokens_limit=self.max_tokens_limit,
-            on_conflict=self.resume_conflict,
-            mac_key=bytes.fromhex(self.mac_key_hex) if self.mac_key_hex else None,
-            max_active_per_client=self.max_active_per_client,
-            max_queued_per_client=self.max_queued_per_client,
-            max_queue_wait_s=self.max_queue_wait_s,
-            store_url=self.store,
-            lease_s=self.store_lease_s,
-            kv_redis_max_bytes=self.kv_redis_max_bytes,
-            kv_shared_dir=self.kv_shared_dir,
-            flow=self.flow_settings(),
-        )
-
-    def flow_settings(self) -> FlowSettings:
-        from .sessions.settings import FlowSettings
-
-        if self.send_low_watermark_bytes >= self.send_high_watermark_bytes:
-            raise ConfigError("send_low_watermark_bytes must be below send_high_watermark_bytes")
-        return FlowSettings(
-            max_tokens_ahead=self.max_tokens_ahead,
-            high_watermark_bytes=self.send_high_watermark_bytes,
-            low_watermark_bytes=self.send_low_watermark_bytes,
-            checkpoint_every_tokens=self.checkpoint_every_tokens,
-            inexact_reprefill=self.inexact_reprefill,
-            coalesce_s=self.token_coalesce_ms / 1000,
-            prefix_cache_shared=self.prefix_cache_shared,
-        )
-
-    def socket_options(self) -> SocketOptions:
-        from .transport.sockets import SocketOptions
-
-        return SocketOptions(
-            recv_buffer_bytes=self.udp_recv_buffer_bytes,
-            send_buffer_bytes=self.udp_send_buffer_bytes,
-            pmtu_probe=self.udp_pmtu_probe,
-            reuse_port=self.udp_reuse_port,
-        )
-
-
-def engine_settings_for(model_path: Path, **changes: Any) -> EngineSettings:
-    """The default configuration's engine settings for ``model_path``, with ``changes`` (for
-    tools and tests that drive an engine without a server)."""
-    # Without a server there is no data directory: no shelf unless one is named.
-    changes.setdefault("prefix_cache_dir", None)
-    return dataclasses.replace(ServerConfig().engine_settings(model_path), **changes)
-
-
-def supervisor_settings_for(**changes: Any) -> SupervisorSettings:
-    """The default configuration's supervisor settings, with ``changes``."""
-    return dataclasses.replace(ServerConfig().supervisor_settings(), **changes)
-
-
-def session_settings_for(data_dir: Path, **changes: Any) -> SessionSettings:
-    """The default configuration's session settings under ``data_dir``, with ``changes``;
-    :class:`~quicsrv.sessions.FlowSettings` fields may be given among them."""
-    base = ServerConfig(data_dir=data_dir).session_settings()
-    flow_fields = {f.name for f in fields(base.flow)}
-    flow = {k: changes.pop(k) for k in list(changes) if k in flow_fields}
-    return dataclasses.replace(base, flow=dataclasses.replace(base.flow, **flow), **changes)
-
-
-def socket_options_for(**changes: Any) -> SocketOptions:
-    """The default configuration's UDP socket options, with ``changes``."""
-    return dataclasses.replace(ServerConfig().socket_options(), **changes)
-
-
-def probe_cpu_extra_buffers(model_path: Path, config: ServerConfig | None = None) -> bool:
-    """Whether llama.cpp's extra CPU buffers survive the start-up canary on this machine (a
-    worker process takes the risk: :func:`quicsrv.engine.supervisor.probe_cpu_extra_buffers`)."""
-    from .engine.supervisor import probe_cpu_extra_buffers as probe
-
-    config = config or ServerConfig()
-    return probe(config.engine_settings(model_path), config.supervisor_settings())
 
 
 def _redact(name: str, value: Any) -> Any:

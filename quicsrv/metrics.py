@@ -16,12 +16,15 @@ Every name starts with ``quicsrv_``; the README's Observability section lists th
 from __future__ import annotations
 
 import time
-from collections.abc import Callable, Iterable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
+
+from quicsrv_proto import ErrorCode
 
 from .peer_errors import PEER_ERRORS
 from .tracing import GenerationSpans, configured_tracer
@@ -29,9 +32,8 @@ from .tracing import GenerationSpans, configured_tracer
 if TYPE_CHECKING:
     from .engine import Engine, ResumePath
     from .engine.prefix_cache import PrefixStats
-    from .sessions.manager import SessionManager
 
-__all__ = ["CONTENT_TYPE", "GenerationTrace", "ServerMetrics", "TransportFacts"]
+__all__ = ["CONTENT_TYPE", "GenerationTrace", "ServerMetrics", "SessionFacts", "TransportFacts"]
 
 #: Prometheus text exposition format 0.0.4.
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
@@ -42,6 +44,29 @@ _BATCH_BUCKETS = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 64)
 #: Refusal series with a client label of their own; the rest are summed under OTHER_CLIENTS.
 MAX_REFUSAL_SERIES = 100
 OTHER_CLIENTS = "(others)"
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class SessionFacts:
+    """The sessions' state at one scrape (the session manager tells it: this module imports
+    nothing of the sessions)."""
+
+    active: int
+    """Engine slots in use."""
+    queued: int
+    """Requests and resumes waiting for a slot."""
+    live: int
+    """Sessions running or read now (in memory)."""
+    paused: int
+    """Live, unfinished sessions whose engine sequence is paused."""
+    stored: int
+    """Sessions in the store."""
+    kv_bytes: tuple[int, int]
+    """Paused sessions' KV blobs' bytes: in memory, on disk."""
+    kv_blobs: tuple[int, int]
+    """...and their count: in memory, on disk."""
+    refusals: Mapping[tuple[ErrorCode, str], int]
+    """New requests refused at admission, by code and client."""
 
 
 class TransportFacts:
@@ -138,8 +163,9 @@ class ServerMetrics:
 
     # --- binding the parts whose state is read at scrape time ---------------------------
 
-    def bind_sessions(self, sessions: SessionManager) -> None:
-        self._state.sessions = sessions
+    def bind_sessions(self, facts: Callable[[], SessionFacts]) -> None:
+        """Read the sessions' state when scraped, from ``facts()``."""
+        self._state.sessions = facts
 
     def bind_engine(self, engine: Engine) -> None:
         """Read the engine's health when scraped, and count the decode steps it reports."""
@@ -250,7 +276,7 @@ class _StateCollector(Collector):
     """Gauges and counters read from their owners when scraped."""
 
     def __init__(self) -> None:
-        self.sessions: SessionManager | None = None
+        self.sessions: Callable[[], SessionFacts] | None = None
         self.engine: Engine | None = None
         self.transport = TransportFacts()
 
@@ -260,38 +286,35 @@ class _StateCollector(Collector):
         yield from self._transport()
 
     def _sessions(self) -> Iterator[Metric]:
-        sessions = self.sessions
-        if sessions is None:
+        if self.sessions is None:
             return
-        gate = sessions.gate
-        yield _gauge("quicsrv_generations_active", "Engine slots in use", gate.active)
+        facts = self.sessions()
+        yield _gauge("quicsrv_generations_active", "Engine slots in use", facts.active)
         yield _gauge(
-            "quicsrv_generations_queued", "Requests and resumes waiting for a slot", gate.queued
+            "quicsrv_generations_queued", "Requests and resumes waiting for a slot", facts.queued
         )
-        live = sessions.live_sessions()
-        yield _gauge("quicsrv_sessions_live", "Sessions running or read now (in memory)", len(live))
+        yield _gauge(
+            "quicsrv_sessions_live", "Sessions running or read now (in memory)", facts.live
+        )
         yield _gauge(
             "quicsrv_sessions_paused",
             "Live, unfinished sessions whose engine sequence is paused",
-            sum(1 for s in live if s.paused.is_set() and not s.finished),
+            facts.paused,
         )
-        yield _gauge(
-            "quicsrv_sessions_stored", "Sessions in the store", sessions.store.usage().sessions
-        )
-        kv = sessions.kv.usage()
+        yield _gauge("quicsrv_sessions_stored", "Sessions in the store", facts.stored)
         yield _labelled(
             GaugeMetricFamily,
             "quicsrv_kv_store_bytes",
             "Paused sessions' KV blobs, by where they are",
             "where",
-            [("memory", kv.memory_bytes), ("disk", kv.disk_bytes)],
+            [("memory", facts.kv_bytes[0]), ("disk", facts.kv_bytes[1])],
         )
         yield _labelled(
             GaugeMetricFamily,
             "quicsrv_kv_store_blobs",
             "Paused sessions' KV blobs, by where they are",
             "where",
-            [("memory", kv.memory_blobs), ("disk", kv.disk_blobs)],
+            [("memory", facts.kv_blobs[0]), ("disk", facts.kv_blobs[1])],
         )
         refusals = CounterMetricFamily(
             "quicsrv_refusals",
@@ -300,7 +323,7 @@ class _StateCollector(Collector):
         )
         # Every connection is a client on an open server: the busiest few get series of their
         # own, the rest are summed per code, so a scrape's size stays bounded.
-        ranked = sorted(sessions.gate.refusals.items(), key=lambda item: (-item[1], item[0]))
+        ranked = sorted(facts.refusals.items(), key=lambda item: (-item[1], item[0]))
         others: dict[str, float] = {}
         for rank, ((code, client), count) in enumerate(ranked):
             if rank < MAX_REFUSAL_SERIES:

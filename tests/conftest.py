@@ -25,8 +25,8 @@ def model_path() -> Path:
 def engine(model_path: Path) -> Iterator[object]:
     """The engine as ``quicsrv serve`` runs it: llama.cpp in a supervised worker process,
     started once for the whole session."""
-    from quicsrv.config import engine_settings_for, supervisor_settings_for
     from quicsrv.engine.supervisor import WorkerEngine
+    from quicsrv.settings import engine_settings_for, supervisor_settings_for
 
     engine = WorkerEngine(
         engine_settings_for(model_path, n_seq_max=8, max_queued=8), supervisor_settings_for()

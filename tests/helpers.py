@@ -18,13 +18,15 @@ from aioquic.quic.configuration import QuicConfiguration
 from aioquic.quic.events import QuicEvent
 
 import quicsrv_proto
-from quicsrv.config import ServerConfig, session_settings_for
+from quicsrv.app import start
+from quicsrv.config import ServerConfig
 from quicsrv.devcerts import DevCertPaths
 from quicsrv.engine import Engine
 from quicsrv.sessions.manager import SessionManager
 from quicsrv.sessions.settings import SessionSettings
+from quicsrv.settings import session_settings_for
 from quicsrv.spawn import spawn_server_async
-from quicsrv.transport import RunningServer, start_server
+from quicsrv.transport import RunningServer
 
 
 def session_settings(data_dir: Path, **changes: Any) -> SessionSettings:
@@ -77,7 +79,7 @@ async def running_server(
             sessions = session_settings(Path(scratch))
         if isinstance(sessions, SessionSettings):
             sessions = SessionManager(engine, sessions)
-        server = await start_server(engine, settings, sessions)
+        server = await start(engine, settings, sessions)
         try:
             yield server
         finally:

@@ -23,6 +23,13 @@ from quicsrv.config import (
 from quicsrv.engine.llama import EngineSettings
 from quicsrv.engine.supervisor import SupervisorSettings
 from quicsrv.sessions.settings import FlowSettings, SessionSettings
+from quicsrv.settings import (
+    engine_settings,
+    flow_settings,
+    session_settings,
+    socket_options,
+    supervisor_settings,
+)
 from quicsrv.transport.sockets import SocketOptions
 
 #: Settings fields ServerConfig does not configure, so they may keep a default of their own.
@@ -37,11 +44,11 @@ NOT_CONFIGURED = {
 
 def _derived(config: ServerConfig) -> dict[type, Any]:
     return {
-        EngineSettings: config.engine_settings(Path("model.gguf")),
-        SupervisorSettings: config.supervisor_settings(),
-        SessionSettings: config.session_settings(),
-        FlowSettings: config.flow_settings(),
-        SocketOptions: config.socket_options(),
+        EngineSettings: engine_settings(config, Path("model.gguf")),
+        SupervisorSettings: supervisor_settings(config),
+        SessionSettings: session_settings(config),
+        FlowSettings: flow_settings(config),
+        SocketOptions: socket_options(config),
     }
 
 

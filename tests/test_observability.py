@@ -7,7 +7,7 @@ import asyncio
 import json
 import logging
 import sys
-from types import SimpleNamespace
+from typing import Any
 
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
@@ -21,7 +21,7 @@ from quicsrv.http.operator import (
     readiness,
 )
 from quicsrv.logs import JsonFormatter, log_handler, quiet_exception_handler
-from quicsrv.metrics import MAX_REFUSAL_SERIES, OTHER_CLIENTS, ServerMetrics
+from quicsrv.metrics import MAX_REFUSAL_SERIES, OTHER_CLIENTS, ServerMetrics, SessionFacts
 from quicsrv.tracing import configure_exporter, configured_tracer
 from quicsrv_proto import ErrorCode
 from tests.fakes import FakeEngine
@@ -83,22 +83,24 @@ def test_a_generation_trace_observes_ttft_once_and_resumes_by_path():
     assert ("quicsrv_resume_seconds_count", frozenset({("path", "replay")})) not in values
 
 
+def _facts(**given: Any) -> SessionFacts:
+    nothing: dict[str, Any] = dict(
+        active=0, queued=0, live=0, paused=0, stored=0, kv_bytes=(0, 0), kv_blobs=(0, 0)
+    )
+    return SessionFacts(**{**nothing, **given})
+
+
 def test_refusals_are_exported_per_code_and_client():
     metrics = ServerMetrics()
-    gate = SimpleNamespace(
+    facts = _facts(
         active=1,
         queued=2,
+        stored=5,
+        kv_bytes=(10, 0),
+        kv_blobs=(1, 0),
         refusals={(ErrorCode.CLIENT_LIMIT, "key:alice"): 3, (ErrorCode.OVERLOADED, "conn:7"): 1},
     )
-    usage = SimpleNamespace(memory_blobs=1, memory_bytes=10, disk_blobs=0, disk_bytes=0)
-    metrics.bind_sessions(
-        SimpleNamespace(  # type: ignore[arg-type]
-            gate=gate,
-            live_sessions=list,
-            store=SimpleNamespace(usage=lambda: SimpleNamespace(sessions=5)),
-            kv=SimpleNamespace(usage=lambda: usage),
-        )
-    )
+    metrics.bind_sessions(lambda: facts)
     values = samples(metrics)
     labels = frozenset({("code", "client_limit"), ("client", "key:alice")})
     assert values["quicsrv_refusals_total", labels] == 3
@@ -114,15 +116,8 @@ def test_refusal_series_are_bounded_whatever_the_clients():
     metrics = ServerMetrics()
     refusals = {(ErrorCode.OVERLOADED, f"conn:{i}"): 1 for i in range(MAX_REFUSAL_SERIES + 50)}
     refusals[ErrorCode.CLIENT_LIMIT, "conn:hog"] = 9
-    usage = SimpleNamespace(memory_blobs=0, memory_bytes=0, disk_blobs=0, disk_bytes=0)
-    metrics.bind_sessions(
-        SimpleNamespace(  # type: ignore[arg-type]
-            gate=SimpleNamespace(active=0, queued=0, refusals=refusals),
-            live_sessions=list,
-            store=SimpleNamespace(usage=lambda: SimpleNamespace(sessions=0)),
-            kv=SimpleNamespace(usage=lambda: usage),
-        )
-    )
+    facts = _facts(refusals=refusals)
+    metrics.bind_sessions(lambda: facts)
     series = {k: v for k, v in samples(metrics).items() if k[0] == "quicsrv_refusals_total"}
     assert len(series) == MAX_REFUSAL_SERIES + 1
     assert (

@@ -46,9 +46,10 @@ from loadtest.bench.servers import (
     quicsrv_server,
 )
 from loadtest.bench.stats import LoadResult, StreamResult, summarise
-from quicsrv.config import ServerConfig, probe_cpu_extra_buffers
+from quicsrv.config import ServerConfig
 from quicsrv.devcerts import ensure_dev_certs
 from quicsrv.engine import default_model_path
+from quicsrv.settings import probe_cpu_extra_buffers
 
 DESCRIPTION = "Side-by-side benchmark: raw llama.cpp, quicsrv over QUIC, llama-cpp-python server."
 LLAMA_SERVER = "llama-cpp-python server"

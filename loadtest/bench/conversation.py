@@ -52,10 +52,11 @@ from loadtest.bench.llama_server import llama_server, llama_server_argv
 from loadtest.bench.llama_server_build import cmake_options, find_llama_server
 from loadtest.bench.machine import CpuMeter, Quiet
 from loadtest.bench.servers import ServerSettings, quicsrv_server
-from quicsrv.config import ServerConfig, probe_cpu_extra_buffers
+from quicsrv.config import ServerConfig
 from quicsrv.devcerts import ensure_dev_certs
 from quicsrv.engine import default_model_path
 from quicsrv.engine.vocab import Vocabulary
+from quicsrv.settings import probe_cpu_extra_buffers
 
 __all__ = ["main"]
 

@@ -30,9 +30,9 @@ from pathlib import Path
 from loadtest.bench.load import run_quicsrv_load
 from loadtest.bench.machine import threads_cpu_s
 from loadtest.bench.servers import Child, ServerSettings, quicsrv_server
-from quicsrv.config import probe_cpu_extra_buffers
 from quicsrv.devcerts import ensure_dev_certs
 from quicsrv.engine import default_model_path
+from quicsrv.settings import probe_cpu_extra_buffers
 
 __all__ = ["ServerSpec", "main", "parse_spec"]
 

@@ -14,7 +14,6 @@ import time
 from pathlib import Path
 
 from loadtest.bench.stats import PROMPTS
-from quicsrv.config import engine_settings_for, probe_cpu_extra_buffers
 from quicsrv.engine import (
     FinishReason,
     PausedState,
@@ -24,6 +23,7 @@ from quicsrv.engine import (
     default_model_path,
 )
 from quicsrv.engine.llama import LlamaEngine
+from quicsrv.settings import engine_settings_for, probe_cpu_extra_buffers
 
 
 class _Sink:

@@ -24,10 +24,11 @@ from pathlib import Path
 from loadtest.bench.machine import CpuMeter, wait_until_quiet
 from loadtest.bench.report import pick
 from loadtest.bench.stats import PROMPTS, percentile
-from quicsrv.config import ServerConfig, engine_settings_for, probe_cpu_extra_buffers
+from quicsrv.config import ServerConfig
 from quicsrv.engine import FinishReason, SamplingParams, SequenceRequest
 from quicsrv.engine import default_model_path as _default_model_path
 from quicsrv.engine.llama import LlamaEngine
+from quicsrv.settings import engine_settings_for, probe_cpu_extra_buffers
 
 WAIT_S = 120.0
 """Upper bound on any one wait; a run that needs longer is broken, not slow."""

@@ -26,7 +26,6 @@ import time
 from pathlib import Path
 
 from loadtest.bench.stats import PROMPTS
-from quicsrv.config import engine_settings_for, probe_cpu_extra_buffers
 from quicsrv.engine import (
     FinishReason,
     PausedState,
@@ -38,6 +37,7 @@ from quicsrv.engine import (
     default_model_path,
 )
 from quicsrv.engine.llama import LlamaEngine
+from quicsrv.settings import engine_settings_for, probe_cpu_extra_buffers
 
 FOLLOW_UPS = ("Tell me more about that.", "Can you sum it up in one sentence?", "Why?")
 REPLAY_FROM = 8

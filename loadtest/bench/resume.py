@@ -31,18 +31,15 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from quicsrv.config import (
-    ServerConfig,
-    engine_settings_for,
-    probe_cpu_extra_buffers,
-    session_settings_for,
-)
+from quicsrv.app import start
+from quicsrv.config import ServerConfig
 from quicsrv.devcerts import ensure_dev_certs
 from quicsrv.engine import default_model_path
 from quicsrv.engine.llama import LlamaEngine
 from quicsrv.sessions.manager import SessionManager
 from quicsrv.sessions.settings import SessionSettings
-from quicsrv.transport import RunningServer, start_server
+from quicsrv.settings import engine_settings_for, probe_cpu_extra_buffers, session_settings_for
+from quicsrv.transport import RunningServer
 from quicsrv_client import Client, SessionStarted, TokenReceived
 
 PROMPT = "Write a long, detailed history of the city of Rome, century by century."
@@ -114,7 +111,7 @@ async def _scratch_latency(server: RunningServer, ca: Path, context: int) -> flo
 async def _paused_memory(engine: LlamaEngine, certs: Any, context: int) -> dict[str, float]:
     with tempfile.TemporaryDirectory() as scratch:
         sessions = SessionManager(engine, _settings(Path(scratch), "kv-restore", 64))
-        server = await start_server(engine, _config(certs), sessions)
+        server = await start(engine, _config(certs), sessions)
         try:
             _position, live = await _cut_at(server, certs.ca_cert, context)
             usage = sessions.kv.usage()
@@ -153,7 +150,7 @@ async def run(contexts: list[int], runs: int) -> dict[str, Any]:
             for path in PATHS:
                 with tempfile.TemporaryDirectory() as scratch:
                     sessions = SessionManager(engine, _settings(Path(scratch), path, 64))
-                    server = await start_server(engine, _config(certs), sessions)
+                    server = await start(engine, _config(certs), sessions)
                     try:
                         for context in contexts:
                             for _ in range(runs):
@@ -165,7 +162,7 @@ async def run(contexts: list[int], runs: int) -> dict[str, Any]:
                         await server.shutdown(5.0)
             with tempfile.TemporaryDirectory() as scratch:
                 sessions = SessionManager(engine, _settings(Path(scratch), "kv-restore", 64))
-                server = await start_server(engine, _config(certs), sessions)
+                server = await start(engine, _config(certs), sessions)
                 try:
                     for context in contexts:
                         for _ in range(runs):

@@ -19,8 +19,8 @@ from loadtest.bench.machine import CpuMeter
 from loadtest.bench.raw import _RawEngine
 from loadtest.bench.servers import ServerSettings
 from loadtest.bench.stats import PROMPTS, percentile
-from quicsrv.config import probe_cpu_extra_buffers
 from quicsrv.engine import default_model_path
+from quicsrv.settings import probe_cpu_extra_buffers
 
 LAYOUTS: dict[str, list[int]] = {
     "8 ids 0..7 in order": [0, 1, 2, 3, 4, 5, 6, 7],

@@ -16,7 +16,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from quicsrv.config import engine_settings_for
+from quicsrv.settings import engine_settings_for
 from quicsrv.spawn import ServerDidNotStart, spawn_server_async
 
 if TYPE_CHECKING:

@@ -27,7 +27,6 @@ from datetime import UTC, datetime
 from pathlib import Path
 
 from loadtest.bench.stats import PROMPTS
-from quicsrv.config import engine_settings_for, probe_cpu_extra_buffers
 from quicsrv.engine import (
     FinishReason,
     PausedState,
@@ -38,6 +37,7 @@ from quicsrv.engine import (
     default_model_path,
 )
 from quicsrv.engine.llama import LlamaEngine
+from quicsrv.settings import engine_settings_for, probe_cpu_extra_buffers
 
 
 class _Sink:

@@ -34,9 +34,9 @@ from typing import Any
 import httpx
 
 from loadtest.bench.servers import ServerSettings, quicsrv_server
-from quicsrv.config import probe_cpu_extra_buffers
 from quicsrv.devcerts import ensure_dev_certs
 from quicsrv.engine import default_model_path
+from quicsrv.settings import probe_cpu_extra_buffers
 
 __all__ = ["main"]
 

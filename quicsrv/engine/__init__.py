@@ -3,7 +3,6 @@
 from ._api import (
     CONSTRAINED_SAMPLING,
     CannotReplay,
-    CpuExtraBuffers,
     Engine,
     EngineError,
     EngineHealth,
@@ -29,7 +28,6 @@ from .model import default_model_path
 __all__ = [
     "CONSTRAINED_SAMPLING",
     "CannotReplay",
-    "CpuExtraBuffers",
     "Engine",
     "EngineError",
     "EngineHealth",

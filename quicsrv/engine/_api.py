@@ -19,7 +19,6 @@ if TYPE_CHECKING:
 
 __all__ = [
     "CannotReplay",
-    "CpuExtraBuffers",
     "Engine",
     "EngineError",
     "EngineHealth",
@@ -38,15 +37,6 @@ __all__ = [
     "StepListener",
     "TokenSink",
 ]
-
-
-class CpuExtraBuffers(StrEnum):
-    """llama.cpp's extra CPU weight buffers (AMX, repacked layouts): a setting of the engine
-    worker's supervisor, here so that the configuration can name it without loading llama.cpp."""
-
-    AUTO = "auto"  # on, unless the canary (or two kernel faults in a row) say otherwise
-    ON = "on"
-    OFF = "off"
 
 
 class FinishReason(StrEnum):

@@ -56,10 +56,10 @@ from collections import deque
 from dataclasses import dataclass
 from pathlib import Path
 
+from ..config import CpuExtraBuffers
 from ..logs import current_log_format
 from ._api import (
     CannotReplay,
-    CpuExtraBuffers,
     EngineError,
     EngineHealth,
     EngineUnavailable,

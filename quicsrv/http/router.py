@@ -98,7 +98,6 @@ class Router:
         plain: PlainRoutes,
         metrics: ServerMetrics,
         model_id: str,
-        accepting: Callable[[], bool],
         max_body_bytes: int,
         sse_keepalive_s: float = 0.0,
     ) -> None:
@@ -107,7 +106,6 @@ class Router:
         self._plain = plain
         self._metrics = metrics
         self.model_id = model_id
-        self._accepting = accepting
         self.max_body_bytes = max_body_bytes
         keepalive = KeepAlive(KEEPALIVE_COMMENT, sse_keepalive_s) if sse_keepalive_s > 0 else None
         self._native = NativeEndpoints(sessions=sessions, max_body_bytes=max_body_bytes)
@@ -183,9 +181,9 @@ class Router:
                 route = self._native_route(request, who, bare)
             else:
                 route = self._json_route(request, who, bare, query)
-            if route.generates and not self._accepting():
+            if route.generates:
                 # The one "not accepting" guard: the hand-over to the next process has begun.
-                raise RequestRejected(ErrorCode.SHUTTING_DOWN, "the server is shutting down")
+                self._sessions.check_accepting()
             response = await route.answer()
         except asyncio.CancelledError:
             raise

@@ -14,8 +14,8 @@ import hmac
 import quicsrv_proto
 from quicsrv_proto import ErrorCode
 
+from ..config import ResumeConflict
 from .generation import RequestRejected
-from .lifecycle import ResumeConflict
 from .record import SessionRecord
 
 __all__ = ["check_admit", "check_hash", "check_owner", "reattach_index"]

@@ -28,7 +28,7 @@ Expiry is no state here: the manager expires only records that no live session o
 from __future__ import annotations
 
 from collections.abc import Mapping
-from enum import Enum, StrEnum
+from enum import Enum
 from types import MappingProxyType
 
 __all__ = [
@@ -38,20 +38,11 @@ __all__ = [
     "TRANSITIONS",
     "WAITING",
     "IllegalTransition",
-    "ResumeConflict",
     "allows",
     "SessionEvent",
     "SessionState",
     "next_state",
 ]
-
-
-class ResumeConflict(StrEnum):
-    """What a resume does to a session another stream is still reading (reader events change
-    no state: this decides whether the new reader attaches at all)."""
-
-    SUPERSEDE = "supersede"  # the newest attach wins; the old stream ends with `superseded`
-    REFUSE = "refuse"  # the resume gets `session_busy`
 
 
 class SessionState(Enum):

@@ -9,9 +9,9 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import Iterator
-from typing import TYPE_CHECKING
 
 from ..engine import Engine
+from ..metrics import ServerMetrics, SessionFacts
 from .admission import FairGate
 from .inbox import LoopInbox
 from .keys import KeyRing
@@ -20,9 +20,6 @@ from .record import SessionRecord
 from .session import Session
 from .settings import FlowSettings
 from .store import AppendOutcome, SessionStore
-
-if TYPE_CHECKING:
-    from ..metrics import ServerMetrics
 
 __all__ = ["LiveSessions"]
 
@@ -63,6 +60,21 @@ class LiveSessions:
 
     def get(self, session_id: bytes) -> Session | None:
         return self._table.get(session_id)
+
+    def facts(self) -> SessionFacts:
+        """The sessions' state as the metrics show it."""
+        live = list(self._table.values())
+        kv = self._kv.usage()
+        return SessionFacts(
+            active=self._gate.active,
+            queued=self._gate.queued,
+            live=len(live),
+            paused=sum(1 for s in live if s.paused.is_set() and not s.finished),
+            stored=self._store.usage().sessions,
+            kv_bytes=(kv.memory_bytes, kv.disk_bytes),
+            kv_blobs=(kv.memory_blobs, kv.disk_blobs),
+            refusals=self._gate.refusals,
+        )
 
     def make(self, record: SessionRecord) -> Session:
         """A session object for ``record``, not (yet) in the table: :meth:`add` it once it

@@ -23,7 +23,7 @@ import quicsrv_proto
 from quicsrv_proto import ErrorCode
 
 from ..engine import Engine
-from ..metrics import ServerMetrics
+from ..metrics import ServerMetrics, SessionFacts
 from .admission import FairGate, Place, Slot
 from .authorization import check_admit, check_hash, check_owner, reattach_index
 from .custody import Custody
@@ -82,15 +82,12 @@ class SessionManager:
             metrics=self.metrics,
         )
         self._custody = Custody(store=self.store, live=self._live, kv=self.kv, clock=clock)
-        self._shutting_down = False
+        self.accepting = True
+        """Whether generations open and resume here: until the hand-over begins."""
 
     def live(self, session_id: bytes) -> Session | None:
         """The session's live object, if it runs or is attached (tests and stats)."""
         return self._live.get(session_id)
-
-    def live_sessions(self) -> list[Session]:
-        """Every session running or read now (metrics)."""
-        return list(self._live)
 
     def usage(self) -> str:
         return (
@@ -99,8 +96,12 @@ class SessionManager:
 
     def check_accepting(self) -> None:
         """Raise ``shutting_down`` once the hand-over began: the one place that says it."""
-        if self._shutting_down:
+        if not self.accepting:
             raise RequestRejected(ErrorCode.SHUTTING_DOWN, "the server is shutting down")
+
+    def facts(self) -> SessionFacts:
+        """The state the metrics show, read at each scrape."""
+        return self._live.facts()
 
     # --- new generations ----------------------------------------------------------------
 
@@ -423,7 +424,7 @@ class SessionManager:
     def shutdown(self) -> None:
         """Pause every engine sequence with its KV cells captured, never to restart here; no
         generation opens from now on. :meth:`hand_over` finishes the job."""
-        self._shutting_down = True
+        self.accepting = False
         for session in list(self._live):
             session.pause_for_shutdown()
 

@@ -6,9 +6,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 from pathlib import Path
 
+from ..config import ResumeConflict
 from ..engine import Engine
 from .admission import AdmissionLimits
-from .lifecycle import ResumeConflict
 
 __all__ = ["FlowSettings", "SessionSettings"]
 

@@ -26,6 +26,7 @@ import itertools
 import logging
 import socket
 from collections import Counter
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -50,68 +51,42 @@ from quicsrv_proto.http3 import (
     H3_REQUEST_CANCELLED,
 )
 
-from ..apikeys import ApiKeys
 from ..config import ServerConfig
-from ..engine import Engine
-from ..http.operator import PlainRoutes, authorize_metrics, readiness
 from ..http.router import Router
-from ..metrics import TransportFacts
+from ..metrics import ServerMetrics, TransportFacts
 from ..peer_errors import install_filters
 from ..sessions.handover import HandOver
 from ..sessions.manager import SessionManager
-from ..sessions.redis_store import connect
 from . import aioquic_internals
-from .redis_tickets import RedisTicketStore
-from .sockets import AppliedSocketOptions, open_udp_socket, serve_on_socket
+from .sockets import AppliedSocketOptions, SocketOptions, open_udp_socket, serve_on_socket
 from .streams import RequestStreams
 from .tcp import TcpListener, open_tcp_socket, start_tcp_listener
 from .tickets import MemoryTicketStore, TicketStore
 
-__all__ = ["QuicServerApp", "RunningServer", "start_server"]
+__all__ = ["QuicServerApp", "RunningServer", "start_server", "tickets_path"]
 
 log = logging.getLogger("quicsrv")
 
 
 class QuicServerApp:
-    """What every connection shares: the sessions, the config, and the live connections."""
+    """What every connection shares: the router, the sessions (for the hand-over) and the live
+    connections."""
 
     def __init__(
         self,
-        engine: Engine,
-        config: ServerConfig,
-        sessions: SessionManager,
-        api_keys: ApiKeys | None = None,
         *,
-        model_id: str = "quicsrv",
+        router: Router,
+        sessions: SessionManager,
+        metrics: ServerMetrics,
+        config: ServerConfig,
     ) -> None:
-        self.engine = engine
-        self.config = config
+        self.router = router
         self.sessions = sessions
-        self.api_keys = api_keys if api_keys is not None else ApiKeys()
+        self.metrics = metrics
+        self.config = config
         self.connection_ids = itertools.count(1)
         self.connections: set[_H3ServerProtocol] = set()
-        self.accepting = True
-        self.metrics = sessions.metrics
-        self.metrics.bind_sessions(sessions)
-        self.metrics.bind_engine(engine)
-        self.metrics.bind_transport(_AppFacts(self))
-        self.routes = PlainRoutes(
-            metrics=self.metrics,
-            readiness=lambda: readiness(self.engine, accepting=self.accepting),
-            authorize_metrics=lambda headers: authorize_metrics(
-                headers, api_keys=self.api_keys, metrics_public=self.config.metrics_public
-            ),
-        )
-        self.router = Router(
-            sessions=sessions,
-            api_keys=self.api_keys,
-            plain=self.routes,
-            metrics=self.metrics,
-            model_id=model_id,
-            accepting=lambda: self.accepting,
-            max_body_bytes=config.max_request_bytes,
-            sse_keepalive_s=config.sse_keepalive_s,
-        )
+        metrics.bind_transport(_AppFacts(self))
 
     @property
     def refusals(self) -> Counter[ErrorCode]:
@@ -131,7 +106,6 @@ class QuicServerApp:
     async def hand_over(self, grace_s: float) -> HandOver:
         """Stop accepting, pause every generation with its KV cells saved for the next
         process, then end every open stream with END(shutdown) (resume elsewhere)."""
-        self.accepting = False
         self.sessions.shutdown()
         handed = await self.sessions.hand_over(grace_s)
         for connection in list(self.connections):
@@ -155,7 +129,7 @@ class _AppFacts(TransportFacts):
         return self._app.early_generates_refused
 
     def accepting(self) -> bool:
-        return self._app.accepting
+        return self._app.sessions.accepting
 
 
 class _H3ServerProtocol(QuicConnectionProtocol):
@@ -257,6 +231,8 @@ class RunningServer:
     tickets: TicketStore
     tcp: TcpListener | None = None
     """HTTP/1.1 + HTTP/2 on the same port number (None when ``tcp_listener`` is off)."""
+    on_closed: Callable[[], None] = lambda: None
+    """Called once everything is stopped (the composition root lets go of the engine)."""
     _shut_down: bool = False
 
     @property
@@ -290,19 +266,25 @@ class RunningServer:
             await self.tcp.shutdown(grace_s)
         self.server.close()
         if isinstance(self.tickets, MemoryTicketStore):
-            saved = self.tickets.save(_tickets_path(self.app.config))
+            saved = self.tickets.save(tickets_path(self.app.config))
             log.info("session tickets: %d saved for the next process", saved)
         await self.app.sessions.aclose()
-        self.app.metrics.unbind_engine(self.app.engine)
+        self.on_closed()
 
 
 async def start_server(
-    engine: Engine,
+    *,
+    router: Router,
+    sessions: SessionManager,
+    metrics: ServerMetrics,
     config: ServerConfig,
-    sessions: SessionManager | None = None,
-    tickets: TicketStore | None = None,
+    udp_options: SocketOptions,
+    tickets: TicketStore,
+    on_closed: Callable[[], None] = lambda: None,
 ) -> RunningServer:
-    """Listen on ``config.host:config.port`` (port 0: an ephemeral one)."""
+    """Listen on ``config.host:config.port`` (port 0: an ephemeral one), UDP for HTTP/3 and, on
+    the same port number, TCP, every request going to ``router``; ``on_closed`` once stopped.
+    :func:`quicsrv.app.start` builds the parts."""
     install_filters()  # a peer's errors on these listeners: counted, rarely logged
     configuration = QuicConfiguration(
         is_client=False,
@@ -314,22 +296,7 @@ async def start_server(
         max_stream_data=config.max_stream_data_bytes,
     )
     configuration.load_cert_chain(config.cert_path, config.key_path)
-    if sessions is None:
-        sessions = SessionManager(engine, config.session_settings())
-    if tickets is None and sessions.settings.store_url not in ("", "file"):
-        # Shared, like the sessions.
-        # A client of its own: aioquic asks for tickets on the event loop, so a Redis that
-        # stalls must cost a handshake its 0-RTT within half a second, never retried.
-        tickets = RedisTicketStore(
-            connect(sessions.settings.store_url, timeout_s=0.5, retries=0),
-            ttl_s=config.ticket_ttl_s,
-        )
-    if tickets is None:
-        tickets = MemoryTicketStore(ttl_s=config.ticket_ttl_s, max_tickets=config.max_tickets)
-        taken = tickets.load(_tickets_path(config))
-        if taken:
-            log.info("session tickets: %d taken over from the previous process", taken)
-    sock, applied, tcp_sock = _open_sockets(config)
+    sock, applied, tcp_sock = _open_sockets(config, udp_options)
     log.info("socket: %s", applied.describe())
     for warning in applied.warnings:
         log.warning("socket: %s", warning)
@@ -343,16 +310,7 @@ async def start_server(
         config.ticket_ttl_s,
         config.max_tickets,
     )
-    api_keys = ApiKeys([config.api_key] if config.api_key else [], keys_file=config.api_keys_file)
-    if api_keys.enabled:
-        log.info("API keys: %d accepted; requests without one get 401", len(api_keys))
-    else:
-        log.warning(
-            "NO API KEY CONFIGURED: anyone who reaches %s can generate "
-            "(set --api-key, QUICSRV_API_KEY or api_keys_file)",
-            config.address(sock.getsockname()[1]),
-        )
-    app = QuicServerApp(engine, config, sessions, api_keys, model_id=_model_id(config, engine))
+    app = QuicServerApp(router=router, sessions=sessions, metrics=metrics, config=config)
     server = await serve_on_socket(
         sock,
         configuration=configuration,
@@ -365,14 +323,10 @@ async def start_server(
     sweeper = asyncio.get_running_loop().create_task(
         sessions.run_sweeper(config.session_sweep_interval_s)
     )
-    log.info("session store: %s", sessions.usage())
-    restarted = sessions.run_unattended_again()
-    if restarted:
-        log.info("background responses: %d unfinished ones started again", restarted)
     tcp = None
     if tcp_sock is not None:
         tcp = await start_tcp_listener(
-            app.router,
+            router,
             tcp_sock,
             cert_path=str(config.cert_path),
             key_path=str(config.key_path),
@@ -381,19 +335,24 @@ async def start_server(
         )
         log.info("HTTP/1.1 + HTTP/2 on TCP port %d (alt-svc: h3)", tcp.port)
     return RunningServer(
-        server=server, app=app, sweeper=sweeper, socket_options=applied, tickets=tickets, tcp=tcp
+        server=server,
+        app=app,
+        sweeper=sweeper,
+        socket_options=applied,
+        tickets=tickets,
+        tcp=tcp,
+        on_closed=on_closed,
     )
 
 
 def _open_sockets(
-    config: ServerConfig,
+    config: ServerConfig, options: SocketOptions
 ) -> tuple[socket.socket, AppliedSocketOptions, socket.socket | None]:
     """The UDP socket, and the TCP one on the same port number when the TCP listener is on.
 
     With port 0 the kernel picks the UDP port, which TCP may already use elsewhere: then both
     are tried again with another number (a few times; a fixed port is not retried).
     """
-    options = config.socket_options()
     attempts = 20 if config.port == 0 else 1
     for attempt in range(attempts):
         sock, applied = open_udp_socket(config.host, config.port, options)
@@ -411,15 +370,6 @@ def _open_sockets(
     raise AssertionError("unreachable")
 
 
-def _tickets_path(config: ServerConfig) -> Path:
+def tickets_path(config: ServerConfig) -> Path:
     """Where a process on ``config.data_dir`` leaves its unused session tickets to the next."""
     return config.data_dir / "tickets.cbor"
-
-
-def _model_id(config: ServerConfig, engine: Engine) -> str:
-    """The id ``/v1/models`` lists: the configured name, else the model file's stem."""
-    if config.model_name:
-        return config.model_name
-    settings = getattr(engine, "settings", None)
-    path = config.model_path or getattr(settings, "model_path", None)
-    return Path(path).stem if path is not None else "quicsrv"

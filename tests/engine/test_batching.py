@@ -7,7 +7,6 @@ import threading
 
 import pytest
 
-from quicsrv.config import engine_settings_for
 from quicsrv.engine import (
     FinishReason,
     Overloaded,
@@ -17,6 +16,7 @@ from quicsrv.engine import (
     SequenceRequest,
 )
 from quicsrv.engine.llama import LlamaEngine
+from quicsrv.settings import engine_settings_for
 
 pytestmark = pytest.mark.model
 

@@ -5,12 +5,12 @@ from __future__ import annotations
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from quicsrv.config import engine_settings_for
 from quicsrv.engine import EngineHealth
 from quicsrv.engine.llama import LlamaEngine
 from quicsrv.engine.prefix_cache import PrefixStats
 from quicsrv.engine.restarts import Breaker
 from quicsrv.metrics import ServerMetrics
+from quicsrv.settings import engine_settings_for
 from tests.fakes import FakeEngine
 
 

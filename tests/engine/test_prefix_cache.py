@@ -224,9 +224,9 @@ def test_the_shelf_drops_the_oldest_past_its_budget(tmp_path):
 def test_a_recorded_plan_this_engine_cannot_follow_is_refused_not_replayed_otherwise(
     model_path,
 ):
-    from quicsrv.config import engine_settings_for
     from quicsrv.engine import CannotReplay, ResumePoint, SamplingParams, SequenceRequest
     from quicsrv.engine.llama import check_request
+    from quicsrv.settings import engine_settings_for
 
     settings = engine_settings_for(model_path)  # steps of at most n_batch - n_seq_max (504)
     request = SequenceRequest(

@@ -8,7 +8,6 @@ from pathlib import Path
 
 import pytest
 
-from quicsrv.config import engine_settings_for
 from quicsrv.engine import (
     FinishReason,
     ResumePath,
@@ -17,6 +16,7 @@ from quicsrv.engine import (
     SequenceRequest,
 )
 from quicsrv.engine.llama import LlamaEngine
+from quicsrv.settings import engine_settings_for
 from tests.engine.sinks import RecordingSink
 
 pytestmark = pytest.mark.model

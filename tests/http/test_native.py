@@ -12,12 +12,12 @@ import pytest
 
 import quicsrv_proto
 from quicsrv.apikeys import ApiKeys, hash_key, key_id
-from quicsrv.config import session_settings_for
 from quicsrv.http.messages import FullResponse, HttpRequest, SessionStream
 from quicsrv.http.native import FRAMES
 from quicsrv.http.operator import PlainRoutes
 from quicsrv.http.router import Router
 from quicsrv.sessions.manager import SessionManager
+from quicsrv.settings import session_settings_for
 from quicsrv_proto import ErrorCode, http_status_for
 from tests.fakes import FakeEngine
 
@@ -40,6 +40,7 @@ class _NoPlainRoutes(PlainRoutes):
 
 def _router(tmp_path: Path, *, keys: tuple[str, ...] = (), accepting: bool = True) -> Router:
     sessions = SessionManager(FakeEngine(), session_settings_for(tmp_path, max_tokens_limit=64))
+    sessions.accepting = accepting
     return Router(
         sessions=sessions,
         api_keys=ApiKeys(keys),
@@ -48,7 +49,6 @@ def _router(tmp_path: Path, *, keys: tuple[str, ...] = (), accepting: bool = Tru
         ),
         metrics=sessions.metrics,
         model_id="fake",
-        accepting=lambda: accepting,
         max_body_bytes=LIMIT,
     )
 

@@ -6,8 +6,8 @@ import asyncio
 
 import pytest
 
-from quicsrv.config import engine_settings_for
 from quicsrv.engine.llama import LlamaEngine
+from quicsrv.settings import engine_settings_for
 from quicsrv_client import Client, ServerError, SessionStarted
 from quicsrv_proto import ErrorCode
 from tests.helpers import running_server

@@ -12,7 +12,7 @@ import logging
 
 import pytest
 
-from quicsrv.engine import CpuExtraBuffers
+from quicsrv.config import CpuExtraBuffers
 from quicsrv.engine.restarts import Breaker
 from quicsrv.engine.worker import FAULT_ENV
 from quicsrv_client import Client, GenerationEnded, ServerError

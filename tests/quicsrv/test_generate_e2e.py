@@ -106,8 +106,8 @@ async def test_stop_sequence_is_not_emitted(engine, certs):
 
 
 async def test_cancel_by_breaking_out_frees_the_engine(model_path, certs, cpu_extra_buffers):
-    from quicsrv.config import engine_settings_for
     from quicsrv.engine.llama import LlamaEngine
+    from quicsrv.settings import engine_settings_for
 
     # One slot and one queue place: the next request can only run once the first is freed.
     solo = LlamaEngine(

@@ -220,10 +220,10 @@ async def test_health_readiness_and_metrics_access(engine, certs):
             refused = await c.get("/metrics")
             c.api_key = key
             allowed = await c.get("/metrics?name=quicsrv_requests_total")
-            server.app.accepting = False  # what shutdown sets first
+            server.sessions.accepting = False  # what shutdown sets first
             draining = await c.get("/readyz")
             still_alive = await c.get("/healthz")
-            server.app.accepting = True
+            server.sessions.accepting = True
         async with raw_connection(server.port, certs.ca_cert) as raw:
             post = await raw.request("POST", "/metrics", b"")
             # A body nobody reads: the answer comes anyway, the peer is told to stop sending.

@@ -13,8 +13,8 @@ from pathlib import Path
 
 import pytest
 
-from quicsrv.config import engine_settings_for, supervisor_settings_for
 from quicsrv.engine.supervisor import WorkerEngine
+from quicsrv.settings import engine_settings_for, supervisor_settings_for
 from quicsrv_client import Client, GenerationEnded, TokenReceived
 from tests.helpers import running_server
 from tests.quicsrv.test_metrics_e2e import delta, scrape, value

@@ -9,8 +9,8 @@ from dataclasses import dataclass, field
 import pytest
 
 import quicsrv_proto
+from quicsrv.config import ResumeConflict
 from quicsrv.sessions.flow import MAX_AHEAD_FACTOR
-from quicsrv.sessions.lifecycle import ResumeConflict
 from quicsrv.sessions.manager import SessionManager
 from quicsrv_client import (
     CheckpointReceived,

@@ -17,11 +17,12 @@ from pathlib import Path
 
 import pytest
 
-from quicsrv.config import engine_settings_for, supervisor_settings_for
-from quicsrv.engine import CpuExtraBuffers, EngineUnavailable
+from quicsrv.config import CpuExtraBuffers
+from quicsrv.engine import EngineUnavailable
 from quicsrv.engine.restarts import Breaker
 from quicsrv.engine.supervisor import WorkerEngine
 from quicsrv.engine.worker import FAULT_ENV
+from quicsrv.settings import engine_settings_for, supervisor_settings_for
 from quicsrv_client import Client, GenerationEnded, ServerError, SessionStarted, TokenReceived
 from quicsrv_proto import ErrorCode
 from tests.helpers import running_server

@@ -9,7 +9,6 @@ from collections.abc import Sequence
 import pytest
 
 import quicsrv_proto
-from quicsrv.config import session_settings_for
 from quicsrv.engine import CannotReplay, FinishReason, PromptTooLong
 from quicsrv.sessions.admission import Slot
 from quicsrv.sessions.generation import (
@@ -19,6 +18,7 @@ from quicsrv.sessions.generation import (
     prepare_off_loop,
 )
 from quicsrv.sessions.manager import SessionManager
+from quicsrv.settings import session_settings_for
 from tests.fakes import FakeEngine
 
 

@@ -21,7 +21,6 @@ from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
 import quicsrv_proto
-from quicsrv.config import session_settings_for
 from quicsrv.engine import EngineUnavailable, FinishReason, PausedState, SequenceRequest, TokenSink
 from quicsrv.sessions.admission import Slot
 from quicsrv.sessions.lifecycle import (
@@ -37,6 +36,7 @@ from quicsrv.sessions.lifecycle import (
     next_state,
 )
 from quicsrv.sessions.manager import SessionManager
+from quicsrv.settings import session_settings_for
 from tests.fakes import FakeEngine, FakeHandle
 
 S = SessionState

@@ -8,7 +8,6 @@ from pathlib import Path
 
 import pytest
 
-from quicsrv.config import session_settings_for
 from quicsrv.engine import (
     CannotReplay,
     EngineError,
@@ -34,6 +33,7 @@ from quicsrv.sessions.runner import (
     after_refusal,
 )
 from quicsrv.sessions.spec import GenerationSpec
+from quicsrv.settings import session_settings_for
 from quicsrv_proto import EndReason, ErrorCode
 
 

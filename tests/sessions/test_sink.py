@@ -12,10 +12,10 @@ from collections.abc import Sequence
 import pytest
 
 import quicsrv_proto
-from quicsrv.config import session_settings_for
 from quicsrv.engine import FinishReason, PausedState, PrefillPlan, ResumePath
 from quicsrv.sessions.manager import SessionManager
 from quicsrv.sessions.sink import LoopSink
+from quicsrv.settings import session_settings_for
 from tests.fakes import FakeEngine
 
 SESSION = b"s" * 16

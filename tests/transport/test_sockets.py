@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from quicsrv.config import socket_options_for
+from quicsrv.settings import socket_options_for
 from quicsrv.transport.sockets import open_udp_socket
 
 pytestmark = pytest.mark.skipif(

@@ -20,8 +20,8 @@ from aioquic.quic.configuration import QuicConfiguration
 from aioquic.quic.events import HandshakeCompleted, QuicEvent, StreamDataReceived
 from aioquic.tls import CipherSuite, SessionTicket
 
-from quicsrv.config import socket_options_for
 from quicsrv.devcerts import DevCertPaths
+from quicsrv.settings import socket_options_for
 from quicsrv.transport.sockets import open_udp_socket, serve_on_socket
 from quicsrv.transport.tickets import MemoryTicketStore, TicketStore
 from quicsrv_client._tickets import TicketCache, ticket_cache_key
