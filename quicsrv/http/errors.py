@@ -1,7 +1,8 @@
 """Every refusal, whatever raised it, as one wire code: the one table, and its two renderings.
 
-:func:`refusal_for` maps an exception from the engine (``Overloaded``, ``PromptTooLong``...),
-the sessions (:class:`~quicsrv.sessions.generation.RequestRejected`), access control
+:func:`refusal_for` maps an exception from the engine (``Overloaded``, ``PromptTooLong``...:
+the sessions' table, :func:`~quicsrv.sessions.errors.engine_error_code`), the sessions
+(:class:`~quicsrv.sessions.errors.RequestRejected`), access control
 (:class:`~quicsrv.apikeys.AccessDenied`) or the wire format (``quicsrv_proto`` errors) to a
 :class:`Refusal`: its stable :class:`~quicsrv_proto.ErrorCode`, which fixes the HTTP status and
 OpenAI's error ``type``, its message, and its retry hint (a typed field on each of those errors,
@@ -14,7 +15,6 @@ which request validation also raises directly with OpenAI's own codes (``unknown
 from __future__ import annotations
 
 import json
-from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -22,22 +22,13 @@ import quicsrv_proto
 from quicsrv_proto import ErrorCode, http_status_for
 
 from ..apikeys import AccessDenied
-from ..engine import CannotReplay, EngineError, EngineUnavailable, Overloaded, PromptTooLong
-from ..sessions.generation import RequestRejected
+from ..engine import EngineError
+from ..sessions.errors import RequestRejected, engine_error_code
 
 __all__ = ["CHALLENGE", "ApiError", "Refusal", "error_type_for", "from_code", "refusal_for"]
 
 # Who gets a Bearer challenge (RFC 6750 §3) with a 401.
 CHALLENGE = ((b"www-authenticate", b'Bearer realm="quicsrv"'),)
-
-# The engine's refusals, most specific first (EngineError itself: the engine is shutting down).
-_ENGINE_CODES: Mapping[type[EngineError], ErrorCode] = {
-    PromptTooLong: ErrorCode.PROMPT_TOO_LONG,
-    CannotReplay: ErrorCode.MODEL_CHANGED,
-    EngineUnavailable: ErrorCode.ENGINE_UNAVAILABLE,
-    Overloaded: ErrorCode.OVERLOADED,
-    EngineError: ErrorCode.SHUTTING_DOWN,
-}
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -83,7 +74,7 @@ def refusal_for(exc: BaseException) -> Refusal | None:
     if isinstance(exc, AccessDenied):
         return Refusal(code=ErrorCode.UNAUTHORIZED, message=exc.message, headers=CHALLENGE)
     if isinstance(exc, EngineError):
-        code = next(c for kind, c in _ENGINE_CODES.items() if isinstance(exc, kind))
+        code = engine_error_code(exc)
         return Refusal(code=code, message=str(exc), retry_after_s=exc.retry_after_s)
     return None
 

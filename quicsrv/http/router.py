@@ -48,7 +48,7 @@ from quicsrv_proto.http3 import PROTOCOL_HEADER
 
 from ..apikeys import ApiKeys, ClientId
 from ..metrics import ServerMetrics
-from ..sessions.generation import RequestRejected
+from ..sessions.errors import RequestRejected
 from ..sessions.manager import SessionManager
 from . import native, responses_api, responses_endpoints, webui
 from .completions_endpoints import CompletionsEndpoints

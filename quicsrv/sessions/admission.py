@@ -26,7 +26,7 @@ from dataclasses import dataclass, field
 
 from quicsrv_proto import ErrorCode
 
-from .generation import RequestRejected
+from .errors import RequestRejected
 
 __all__ = ["AdmissionLimits", "FairGate", "Place", "Slot"]
 

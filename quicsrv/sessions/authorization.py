@@ -4,7 +4,7 @@ unauthenticated peer nothing.
 Unknown or expired session first (the id alone is unguessable; :class:`~.manager.SessionManager`
 answers those, since an expiry changes the store), then the snapshot hash (constant-time, every
 live key), and only then what the hash holder may learn: key mismatch, model changed, index beyond
-the snapshot, session busy. Each check raises :class:`~.generation.RequestRejected`.
+the snapshot, session busy. Each check raises :class:`~.errors.RequestRejected`.
 """
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ import quicsrv_proto
 from quicsrv_proto import ErrorCode
 
 from ..config import ResumeConflict
-from .generation import RequestRejected
+from .errors import RequestRejected
 from .record import SessionRecord
 
 __all__ = ["check_admit", "check_hash", "check_owner", "reattach_index"]

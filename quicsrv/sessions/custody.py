@@ -16,7 +16,7 @@ from collections.abc import Awaitable, Callable
 
 from quicsrv_proto import ErrorCode
 
-from .generation import RequestRejected
+from .errors import RequestRejected
 from .kvstore import KVStore
 from .live import LiveSessions
 from .record import SessionRecord

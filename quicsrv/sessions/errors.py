@@ -1,7 +1,9 @@
-"""The engine's refusals as wire codes: the one table, most specific class first.
+"""The sessions' refusals, each with its wire code: :class:`RequestRejected`, and the one table
+that gives the engine's refusals theirs (most specific class first).
 
 Every place that tells a peer why the engine would not run something (a refused request, a
-resume whose restart was refused) takes the code from :func:`engine_error_code`.
+resume whose restart was refused) takes the code from :func:`engine_error_code`; the front door
+renders both (:mod:`quicsrv.http.errors`).
 """
 
 from __future__ import annotations
@@ -13,7 +15,18 @@ from quicsrv_proto import ErrorCode
 
 from ..engine import CannotReplay, EngineError, EngineUnavailable, Overloaded, PromptTooLong
 
-__all__ = ["ENGINE_CODES", "engine_error_code"]
+__all__ = ["ENGINE_CODES", "RequestRejected", "engine_error_code"]
+
+
+class RequestRejected(Exception):
+    """A request the server refuses before any token, with its wire code."""
+
+    def __init__(self, code: ErrorCode, message: str, retry_after_s: float | None = None) -> None:
+        super().__init__(message)
+        self.code = code
+        self.message = message
+        self.retry_after_s = retry_after_s
+
 
 ENGINE_CODES: Mapping[type[EngineError], ErrorCode] = MappingProxyType(
     {

@@ -22,6 +22,7 @@ import quicsrv_proto
 from quicsrv_proto import ChatMessage, ErrorCode, Truncation
 
 from ..engine import Engine, InvalidSchema, SamplingParams
+from .errors import RequestRejected
 from .overflow import fit_history
 from .spec import GenerationSpec
 
@@ -29,7 +30,6 @@ __all__ = [
     "INLINE_PROMPT_CHARS",
     "PreparedRequest",
     "PriorTurn",
-    "RequestRejected",
     "build_request",
     "prepare_off_loop",
     "prompt_chars",
@@ -41,16 +41,6 @@ log = logging.getLogger(__name__)
 #: on a thread (tokenizing takes about half a microsecond per character).
 INLINE_PROMPT_CHARS = 256
 _MESSAGE_OVERHEAD_CHARS = 32  # what a chat template adds around each message, roughly
-
-
-class RequestRejected(Exception):
-    """A request the server refuses before any token, with its wire code."""
-
-    def __init__(self, code: ErrorCode, message: str, retry_after_s: float | None = None) -> None:
-        super().__init__(message)
-        self.code = code
-        self.message = message
-        self.retry_after_s = retry_after_s
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)

@@ -27,10 +27,10 @@ from ..metrics import ServerMetrics, SessionFacts
 from .admission import FairGate, Place, Slot
 from .authorization import check_admit, check_hash, check_owner, reattach_index
 from .custody import Custody
+from .errors import RequestRejected
 from .generation import (
     PreparedRequest,
     PriorTurn,
-    RequestRejected,
     build_request,
     prepare_off_loop,
 )

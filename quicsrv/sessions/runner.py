@@ -32,8 +32,7 @@ from ..engine import (
     TokenSink,
 )
 from .admission import FairGate, Place, Slot
-from .errors import engine_error_code
-from .generation import RequestRejected
+from .errors import RequestRejected, engine_error_code
 from .kvstore import KVStore
 from .lifecycle import SessionEvent
 from .record import SessionRecord

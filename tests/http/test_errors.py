@@ -8,7 +8,7 @@ import quicsrv_proto
 from quicsrv.apikeys import AccessDenied
 from quicsrv.engine import EngineError, EngineUnavailable, Overloaded, PromptTooLong
 from quicsrv.http.errors import CHALLENGE, refusal_for
-from quicsrv.sessions.generation import RequestRejected
+from quicsrv.sessions.errors import RequestRejected
 from quicsrv_proto import ErrorCode
 
 

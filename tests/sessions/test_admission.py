@@ -13,7 +13,7 @@ from quicsrv.sessions.admission import (
     FairGate,
     Slot,
 )
-from quicsrv.sessions.generation import RequestRejected
+from quicsrv.sessions.errors import RequestRejected
 from quicsrv_proto import ErrorCode
 
 pytestmark = pytest.mark.asyncio

@@ -10,7 +10,8 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 import quicsrv_proto
-from quicsrv.sessions.generation import RequestRejected, build_request
+from quicsrv.sessions.errors import RequestRejected
+from quicsrv.sessions.generation import build_request
 from quicsrv.sessions.overflow import fit_history
 from quicsrv_proto import ChatMessage, Truncation
 from tests.fakes import FakeEngine
