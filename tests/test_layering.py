@@ -260,3 +260,96 @@ def test_the_transport_has_one_request_stream_class() -> None:
         and re.search(r"Stream|Port|Exchange|Answering|Sink|Intake", node.name)
     }
     assert classes == {"RequestStream", "RequestStreams"}
+
+
+# The inner doors: each room imports only the rooms below it (type-only imports count too).
+# transport -> http -> sessions -> engine; metrics sits under the sessions, config under all;
+# the composition root (app, settings) and the command line are above every room.
+_ROOT_AND_CLI = {"quicsrv.app", "quicsrv.settings", "quicsrv.cli", "quicsrv.workers"}
+ROOMS_ABOVE = {
+    "quicsrv.transport": _ROOT_AND_CLI,
+    "quicsrv.http": {"quicsrv.transport"} | _ROOT_AND_CLI,
+    "quicsrv.sessions": {"quicsrv.http", "quicsrv.transport", "quicsrv.apikeys"} | _ROOT_AND_CLI,
+    "quicsrv.metrics": {"quicsrv.sessions", "quicsrv.http", "quicsrv.transport"} | _ROOT_AND_CLI,
+    "quicsrv.engine": {
+        "quicsrv.sessions",
+        "quicsrv.http",
+        "quicsrv.transport",
+        "quicsrv.metrics",
+        "quicsrv.apikeys",
+    }
+    | _ROOT_AND_CLI,
+    "quicsrv.config": {
+        "quicsrv.engine",
+        "quicsrv.sessions",
+        "quicsrv.http",
+        "quicsrv.transport",
+        "quicsrv.metrics",
+    }
+    | _ROOT_AND_CLI,
+}
+
+
+def _upward_imports(module: str, source: str, is_package: bool) -> list[str]:
+    """The imports in ``source`` (module ``module``) of a room above its own."""
+    here = module.split(".") if is_package else module.split(".")[:-1]
+    above = next(
+        (
+            banned
+            for room, banned in ROOMS_ABOVE.items()
+            if module == room or module.startswith(room + ".")
+        ),
+        set(),
+    )
+    found = []
+    for node in ast.walk(ast.parse(source)):
+        targets: list[str] = []
+        if isinstance(node, ast.Import):
+            targets = [alias.name for alias in node.names]
+        elif isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:
+                prefix = here[: len(here) - node.level + 1]
+                base = ".".join(prefix + ([node.module] if node.module else []))
+            targets = [base]
+        found += [
+            f"{node.lineno}: {target}"
+            for target in targets
+            if any(target == room or target.startswith(room + ".") for room in above)
+        ]
+    return found
+
+
+def test_every_room_imports_only_the_rooms_below_it() -> None:
+    offenders = {}
+    for path in sorted((ROOT / "quicsrv").rglob("*.py")):
+        parts = path.relative_to(ROOT).with_suffix("").parts
+        is_package = parts[-1] == "__init__"
+        module = ".".join(parts[:-1] if is_package else parts)
+        if found := _upward_imports(module, path.read_text(), is_package):
+            offenders[module] = found
+    assert offenders == {}
+
+
+def test_the_room_check_sees_an_upward_import() -> None:
+    """Not vacuous: the engine naming the sessions, even for types only, is caught; the
+    sessions naming the engine is not."""
+    source = "from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    from ..sessions import x\n"
+    assert _upward_imports("quicsrv.engine.llama", source, False) == ["3: quicsrv.sessions"]
+    assert _upward_imports("quicsrv.sessions.session", "from ..engine import y\n", False) == []
+    assert _upward_imports("quicsrv.config", "from .metrics import z\n", False) == [
+        "1: quicsrv.metrics"
+    ]
+
+
+#: The style guide splits a module by its decisions before it reaches this size.
+MAX_MODULE_LINES = 700
+
+
+def test_no_module_is_past_the_size_the_style_guide_splits_at() -> None:
+    sizes = {
+        str(path.relative_to(ROOT)): len(path.read_text().splitlines())
+        for folder in ("quicsrv", "proto", "client")
+        for path in (ROOT / folder).rglob("*.py")
+    }
+    assert {path: n for path, n in sizes.items() if n > MAX_MODULE_LINES} == {}
