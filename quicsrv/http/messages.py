@@ -106,7 +106,7 @@ class KeepAlive:
 
 class SessionPort:
     """A session's reader that writes its frames, encoded, to a transport's sink (a
-    ``sessions.session.StreamPort``), and its keep-alive while nothing else is written."""
+    ``sessions.attachment.StreamPort``), and its keep-alive while nothing else is written."""
 
     def __init__(
         self,
