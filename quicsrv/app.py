@@ -22,6 +22,7 @@ import redis
 
 from .apikeys import ApiKeys
 from .config import ServerConfig, redact_store_url
+from .cpus import usable_cpus
 from .datadir import DataDirBusy, DataDirLock
 from .engine import Engine, EngineUnavailable, default_model_path
 from .engine.supervisor import WorkerEngine
@@ -32,7 +33,13 @@ from .metrics import ServerMetrics
 from .sessions.manager import SessionManager
 from .sessions.persistence import open_persistence
 from .sessions.redis_store import connect
-from .settings import engine_settings, session_settings, socket_options, supervisor_settings
+from .settings import (
+    engine_settings,
+    engine_threads,
+    session_settings,
+    socket_options,
+    supervisor_settings,
+)
 from .transport import RunningServer, start_server, tickets_path
 from .transport.redis_tickets import RedisTicketStore
 from .transport.tickets import MemoryTicketStore, TicketStore
@@ -86,6 +93,9 @@ async def serve(config: ServerConfig, announce: Callable[[int], None] | None = N
     locking = asyncio.ensure_future(
         DataDirLock.acquire(config.data_dir, wait_s=config.data_dir_wait_s)
     )
+    threads = engine_threads(config)
+    chosen = "--threads" if config.n_threads > 0 else usable_cpus().describe()
+    log.info("engine threads: %d (%s)", threads, chosen, extra={"event": "engine_threads"})
     try:
         # Blocks until the worker loaded the model and passed its canary (safe mode decided).
         engine = await asyncio.to_thread(

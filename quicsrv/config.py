@@ -80,7 +80,9 @@ class ServerConfig:
     context_per_sequence: int = 2048
     n_batch: int = 512
     prefill_chunk_tokens: int = 64
-    n_threads: int = 2
+    # 0: every CPU this process may use (affinity mask, cgroup quota: quicsrv.cpus), split
+    # across --workers; threads past that only wait for each other at llama.cpp's barriers.
+    n_threads: int = 0
     max_queued_requests: int = 64
     # Access and fair shares.
     api_key: str = ""  # one accepted key (QUICSRV_API_KEY); empty and no file: open server
@@ -204,6 +206,8 @@ class ServerConfig:
             raise ConfigError(f"token_coalesce_ms must be in 0..{MAX_TOKEN_COALESCE_MS:g}")
         if self.worker_poison_strikes < 1:
             raise ConfigError("worker_poison_strikes must be at least 1")
+        if self.n_threads < 0:
+            raise ConfigError("n_threads must be 0 (every CPU this process may use) or more")
         if self.send_low_watermark_bytes >= self.send_high_watermark_bytes:
             raise ConfigError("send_low_watermark_bytes must be below send_high_watermark_bytes")
 

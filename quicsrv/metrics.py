@@ -345,6 +345,13 @@ class _StateCollector(Collector):
         )
         restarts.add_metric([], health.restarts)
         yield restarts
+        if health.threads:
+            yield _gauge(
+                "quicsrv_engine_threads",
+                "llama.cpp threads the engine decodes with (by default every CPU this process "
+                "may use: its affinity mask and cgroup quota, split across --workers)",
+                health.threads,
+            )
         if health.breaker is not None:  # a worker engine (engine/restarts.py, engine/suspects.py)
             yield _gauge(
                 "quicsrv_engine_breaker_state",

@@ -14,6 +14,7 @@ from pathlib import Path
 from typing import Any
 
 from .config import ServerConfig
+from .cpus import CpuBudget, usable_cpus
 from .engine.llama import EngineSettings
 from .engine.supervisor import SupervisorSettings
 from .engine.supervisor import probe_cpu_extra_buffers as _probe
@@ -22,6 +23,7 @@ from .transport.sockets import SocketOptions
 
 __all__ = [
     "engine_settings",
+    "engine_threads",
     "engine_settings_for",
     "flow_settings",
     "probe_cpu_extra_buffers",
@@ -41,7 +43,7 @@ def engine_settings(config: ServerConfig, model_path: Path) -> EngineSettings:
         context_per_sequence=config.context_per_sequence,
         n_batch=config.n_batch,
         prefill_chunk=config.prefill_chunk_tokens,
-        n_threads=config.n_threads,
+        n_threads=engine_threads(config),
         max_queued=config.max_queued_requests,
         batch_invariant=config.batch_invariant,
         flash_attn=config.flash_attn,
@@ -51,6 +53,15 @@ def engine_settings(config: ServerConfig, model_path: Path) -> EngineSettings:
         prefix_cache_dir=(config.kv_shared_dir or config.data_dir) / "prefix-cache",
         prefix_cache_disk_bytes=config.prefix_cache_disk_bytes,
     )
+
+
+def engine_threads(config: ServerConfig, cpus: CpuBudget | None = None) -> int:
+    """llama.cpp's thread count: ``n_threads`` when set, else every CPU this process may use
+    (``cpus``, default :func:`~quicsrv.cpus.usable_cpus`) split across the ``workers``."""
+    if config.n_threads > 0:
+        return config.n_threads
+    budget = cpus if cpus is not None else usable_cpus()
+    return max(1, budget.count // max(1, config.workers))
 
 
 def supervisor_settings(config: ServerConfig) -> SupervisorSettings:

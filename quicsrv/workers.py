@@ -22,6 +22,7 @@ from multiprocessing.context import SpawnProcess
 from typing import Any
 
 from .config import ServerConfig
+from .cpus import usable_cpus
 from .spawn import die_with_parent
 
 __all__ = ["run_workers", "worker_configs"]
@@ -37,7 +38,8 @@ def worker_configs(config: ServerConfig, port: int) -> list[ServerConfig]:
     """What each of ``config.workers`` processes runs: the same port with SO_REUSEPORT, its
     own data directory (local KV spill), the engine threads split between them."""
     n = config.workers
-    threads = max(1, min(config.n_threads, (os.cpu_count() or 1) // n))
+    budget = max(1, usable_cpus().count // n)
+    threads = min(config.n_threads, budget) if config.n_threads > 0 else budget
     shared_kv = config.kv_shared_dir or config.data_dir / "kv-shared"
     return [
         dataclasses.replace(

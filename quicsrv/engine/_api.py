@@ -259,6 +259,8 @@ class EngineHealth:
     cpu_extra_buffers: bool | None = None
     """Whether the running worker uses llama.cpp's extra CPU buffers (False: the safe mode);
     None: not reported (no worker process)."""
+    threads: int = 0
+    """llama.cpp threads it decodes with (0: not reported)."""
 
     @property
     def up(self) -> bool:

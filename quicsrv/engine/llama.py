@@ -318,7 +318,11 @@ class LlamaEngine(ModelFacts):
 
     def health(self) -> EngineHealth:
         failure = "the engine thread failed; see the server log" if self._failed else None
-        return EngineHealth(failure=failure, prefix_cache=dataclasses.replace(self.prefix_stats))
+        return EngineHealth(
+            failure=failure,
+            prefix_cache=dataclasses.replace(self.prefix_stats),
+            threads=self.settings.n_threads,
+        )
 
     def close(self) -> None:
         """Finish every sequence with SHUTDOWN and stop the worker."""

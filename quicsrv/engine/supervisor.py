@@ -308,6 +308,7 @@ class WorkerEngine(ModelFacts):
             poisoned_generations=self.poisoned_generations,
             prefix_cache=dataclasses.replace(self.prefix_stats),
             cpu_extra_buffers=self.cpu_extra_buffers,
+            threads=self.settings.n_threads,
         )
 
     # --- what tests and stats read ------------------------------------------------------

@@ -49,6 +49,7 @@ def test_every_field_of_the_health_is_a_metric():
             poisoned_generations=2,
             prefix_cache=prefix,
             cpu_extra_buffers=False,
+            threads=6,
         )
     )
     metrics.bind_engine(engine)
@@ -56,6 +57,7 @@ def test_every_field_of_the_health_is_a_metric():
     assert _engine_samples(metrics) == {
         "quicsrv_engine_up": 0.0,
         "quicsrv_engine_worker_restarts_total": 5.0,
+        "quicsrv_engine_threads": 6.0,
         "quicsrv_engine_breaker_state": 1.0,
         "quicsrv_engine_worker_deaths_total": 6.0,
         "quicsrv_engine_breaker_opens_total": 1.0,
@@ -101,6 +103,7 @@ def test_the_worker_engine_reports_a_running_worker(engine):
     assert (health.restarts, health.worker_deaths) == (engine.restarts, engine.worker_deaths)
     assert health.poisoned_generations == engine.poisoned_generations
     assert health.cpu_extra_buffers == engine.cpu_extra_buffers
+    assert health.threads == engine.settings.n_threads > 0
     # A copy: what the engine counts later does not change an answer already given.
     assert health.prefix_cache == engine.prefix_stats
     assert health.prefix_cache is not engine.prefix_stats
@@ -112,7 +115,7 @@ def test_the_in_process_engine_reports_its_prefix_cache_only(model_path, cpu_ext
     engine = LlamaEngine(settings)
     try:
         health = engine.health()
-        assert health == EngineHealth(prefix_cache=engine.prefix_stats)
+        assert health == EngineHealth(prefix_cache=engine.prefix_stats, threads=settings.n_threads)
         assert health.prefix_cache is not engine.prefix_stats
     finally:
         engine.close()
