@@ -40,7 +40,7 @@ from .settings import (
     socket_options,
     supervisor_settings,
 )
-from .transport import RunningServer, start_server, tickets_path
+from .transport import RunningServer, start_server
 from .transport.redis_tickets import RedisTicketStore
 from .transport.tickets import MemoryTicketStore, TicketStore
 
@@ -218,8 +218,12 @@ def _tickets(config: ServerConfig, sessions: SessionManager) -> TicketStore:
             connect(sessions.settings.store_url, timeout_s=0.5, retries=0),
             ttl_s=config.ticket_ttl_s,
         )
-    tickets = MemoryTicketStore(ttl_s=config.ticket_ttl_s, max_tickets=config.max_tickets)
-    taken = tickets.load(tickets_path(config))
+    # Left in the data dir by the previous process, and for the next one when this one stops.
+    kept_at = config.data_dir / "tickets.cbor"
+    tickets = MemoryTicketStore(
+        ttl_s=config.ticket_ttl_s, max_tickets=config.max_tickets, keep_at=kept_at
+    )
+    taken = tickets.load(kept_at)
     if taken:
         log.info("session tickets: %d taken over from the previous process", taken)
     return tickets

@@ -60,5 +60,9 @@ class RedisTicketStore:
             log.warning("ignoring an unreadable session ticket: %s", exc)
             return None
 
+    def close(self) -> None:
+        """The tickets stay in Redis for the other processes; only the client goes."""
+        self._redis.close()
+
     def _key(self, label: bytes) -> str:
         return self._prefix + label.hex()

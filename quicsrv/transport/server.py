@@ -28,7 +28,6 @@ import socket
 from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
 from aioquic.asyncio.protocol import QuicConnectionProtocol
@@ -61,9 +60,9 @@ from . import aioquic_internals
 from .sockets import AppliedSocketOptions, SocketOptions, open_udp_socket, serve_on_socket
 from .streams import RequestStreams
 from .tcp import TcpListener, open_tcp_socket, start_tcp_listener
-from .tickets import MemoryTicketStore, TicketStore
+from .tickets import TicketStore
 
-__all__ = ["QuicServerApp", "RunningServer", "start_server", "tickets_path"]
+__all__ = ["QuicServerApp", "RunningServer", "start_server"]
 
 log = logging.getLogger("quicsrv")
 
@@ -265,9 +264,7 @@ class RunningServer:
         if self.tcp is not None:
             await self.tcp.shutdown(grace_s)
         self.server.close()
-        if isinstance(self.tickets, MemoryTicketStore):
-            saved = self.tickets.save(tickets_path(self.app.config))
-            log.info("session tickets: %d saved for the next process", saved)
+        self.tickets.close()
         await self.app.sessions.aclose()
         self.on_closed()
 
@@ -368,8 +365,3 @@ def _open_sockets(
             if exc.errno != errno.EADDRINUSE or attempt == attempts - 1:
                 raise
     raise AssertionError("unreachable")
-
-
-def tickets_path(config: ServerConfig) -> Path:
-    """Where a process on ``config.data_dir`` leaves its unused session tickets to the next."""
-    return config.data_dir / "tickets.cbor"

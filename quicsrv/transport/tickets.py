@@ -65,6 +65,11 @@ class TicketStore(Protocol):
         """
         ...
 
+    def close(self) -> None:
+        """The server stops: leave what the next process may use (a memory store saves its
+        unused tickets where it was told to keep them) and let go of what is held."""
+        ...
+
 
 @dataclass(frozen=True, slots=True)
 class _Entry:
@@ -87,6 +92,7 @@ class MemoryTicketStore:
         ttl_s: float = TICKET_LIFETIME_S,
         max_tickets: int = 10_000,
         clock: Callable[[], float] = time.monotonic,
+        keep_at: Path | None = None,
     ) -> None:
         if ttl_s <= 0:
             raise ValueError("ttl_s must be positive")
@@ -101,6 +107,7 @@ class MemoryTicketStore:
         # aioquic calls from the event loop thread only; the lock is for a store shared by
         # servers running on several loops/threads in one process.
         self._lock = threading.Lock()
+        self._keep_at = keep_at
 
     def add(self, ticket: SessionTicket) -> None:
         """Keep ``ticket``; evicts the oldest ticket when ``max_tickets`` are held."""
@@ -146,6 +153,12 @@ class MemoryTicketStore:
             f.write(data)
         os.replace(tmp, path)
         return len(tickets)
+
+    def close(self) -> None:
+        """Save the unused tickets at ``keep_at`` (when given) for the next process."""
+        if self._keep_at is not None:
+            saved = self.save(self._keep_at)
+            log.info("session tickets: %d saved for the next process", saved)
 
     def load(self, path: Path) -> int:
         """Take the tickets a previous process saved at ``path``, and remove the file: each
