@@ -16,8 +16,12 @@ __all__ = [
     "CpuMeter",
     "Quiet",
     "busy_share",
+    "describe_machine",
+    "machine_busy_s",
+    "machine_name",
     "process_cpu_s",
     "threads_cpu_s",
+    "tree_cpu_s",
     "wait_until_quiet",
 ]
 
@@ -32,6 +36,12 @@ def _machine_busy_s() -> float:
     # user nice system idle iowait irq softirq steal [guest guest_nice: already in user/nice]
     idle = fields[3] + fields[4]
     return (sum(fields[:8]) - idle) / _TICKS_PER_S
+
+
+def machine_busy_s() -> float:
+    """Seconds of CPU the whole machine spent busy since boot (all cores), for callers that
+    sample it themselves."""
+    return _machine_busy_s()
 
 
 def process_cpu_s(pid: int) -> float:
@@ -85,6 +95,12 @@ def _with_descendants(pids: Iterable[int]) -> list[int]:
     return found
 
 
+def tree_cpu_s(pid: int) -> float:
+    """User + system CPU seconds of ``pid`` and its live descendants (a process that has
+    exited no longer counts: sample a tree whose members live through the interval)."""
+    return sum(process_cpu_s(member) for member in _with_descendants([pid]))
+
+
 class CpuMeter:
     """CPU time used by processes other than ``ours`` (and their descendants) between
     construction and :meth:`stop`."""
@@ -135,3 +151,46 @@ class Quiet:
         if self.patience_s <= 0:
             return 0.0
         return wait_until_quiet(self.below, self.patience_s)
+
+
+def describe_machine(cpuinfo: str, meminfo: str, usable_cpus: int) -> str:
+    """One line naming a machine from its ``/proc/cpuinfo`` and ``/proc/meminfo`` text: the
+    CPU model, the matrix units llama.cpp may use (AMX, AVX-512), the CPUs this process may run
+    on and of how many, the memory. A virtual CPU often calls itself only "Intel(R) Xeon(R)
+    Processor", so the flags say more than the name."""
+    model = "unknown CPU"
+    flags: set[str] = set()
+    logical = 0
+    for line in cpuinfo.splitlines():
+        key, _, value = line.partition(":")
+        key = key.strip()
+        if key == "processor":
+            logical += 1
+        elif key == "model name" and model == "unknown CPU":
+            model = " ".join(value.split())
+        elif key == "flags" and not flags:
+            flags = set(value.split())
+    units = [
+        name
+        for name, flag in (("AMX", "amx_tile"), ("AVX-512", "avx512f"), ("AVX2", "avx2"))
+        if flag in flags
+    ]
+    memory = ""
+    for line in meminfo.splitlines():
+        if line.startswith("MemTotal:"):
+            memory = f", {int(line.split()[1]) / 2**20:.1f} GiB"
+            break
+    with_units = f" with {'/'.join(units)}" if units else ""
+    return f"{model}{with_units}, {usable_cpus} of {logical or usable_cpus} CPUs usable{memory}"
+
+
+def machine_name() -> str:
+    """:func:`describe_machine` of this machine (the CPUs this process may run on)."""
+    with open("/proc/cpuinfo") as f:
+        cpuinfo = f.read()
+    try:
+        with open("/proc/meminfo") as f:
+            meminfo = f.read()
+    except OSError:
+        meminfo = ""
+    return describe_machine(cpuinfo, meminfo, len(os.sched_getaffinity(0)))
