@@ -5,7 +5,7 @@ VENV ?= .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: venv certs demo demo-resume test lint bench clean system-deps
+.PHONY: venv certs demo demo-resume test lint bench bench-aiperf aiperf-venv clean system-deps
 
 # The strict editable install links every file under its installed name (proto/ is quicsrv_proto,
 # client/ is quicsrv_client): mypy and plain imports see them without setuptools' import hook. A
@@ -31,6 +31,22 @@ demo-resume: certs
 
 bench: certs
 	$(BIN)/python -m loadtest.bench
+
+# AIPerf (NVIDIA's LLM benchmark, PyPI) in a venv of its own outside the repository, so that its
+# dependencies (transformers, pandas, numpy 2...) never touch .venv; `gguf` reads the model's
+# vocabulary for the tokenizer AIPerf needs (made offline: loadtest/bench/aiperf_tokenizer.py).
+# Never run by `make test` or CI. bench-aiperf also builds llama-server once (~12 min on 2
+# cores; at once when cached). Flags: make bench-aiperf AIPERF_ARGS="--concurrency 1,8".
+AIPERF_HOME ?= $(HOME)/.cache/quicsrv/aiperf
+AIPERF_ARGS ?=
+
+aiperf-venv:
+	test -x $(AIPERF_HOME)/venv/bin/python || $(PYTHON) -m venv $(AIPERF_HOME)/venv
+	$(AIPERF_HOME)/venv/bin/python -m pip install --quiet 'aiperf==0.13.0' 'gguf==0.19.0'
+
+bench-aiperf: venv aiperf-venv
+	$(BIN)/python -m loadtest.bench.llama_server_build
+	QUICSRV_AIPERF_HOME=$(AIPERF_HOME) $(BIN)/python -m loadtest.bench.aiperf_run $(AIPERF_ARGS)
 
 # redis-server (the shared store's tests start their own) and iproute2 (`ip netns`: the two-node
 # test), from Debian's packages. Needs root; skipped when both are already there. A failed install
