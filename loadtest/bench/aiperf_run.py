@@ -35,7 +35,7 @@ import os
 import signal
 import sys
 import time
-from collections.abc import AsyncIterator, Mapping, Sequence
+from collections.abc import AsyncIterator, Callable, Mapping, Sequence
 from dataclasses import asdict, dataclass, field
 from datetime import UTC, datetime
 from pathlib import Path
@@ -378,7 +378,10 @@ async def _measure(
     tokenizer: Path,
     cells: Sequence[Cell],
     out: Path,
+    save: Callable[[Sequence[RunResult]], object],
 ) -> list[RunResult]:
+    """Every workload against every server; ``save`` gets the results so far after each run,
+    so that an interrupted run (Ctrl-C, a session's end) still leaves its table."""
     model = settings.model_path.stem
     executable = aiperf_home() / "venv" / "bin" / "aiperf"
     quiet = Quiet(args.quiet_below, args.quiet_patience_s)
@@ -435,6 +438,7 @@ async def _measure(
                         flush=True,
                     )
                     results.append(result)
+                    save(results)
     return results
 
 
@@ -555,39 +559,44 @@ def main(argv: list[str] | None = None) -> int:
     out = (args.out / f"aiperf-{stamp}").resolve()
     out.mkdir(parents=True, exist_ok=True)
     loadavg_start = os.getloadavg()[0]
-    results = asyncio.run(_measure(args, settings, binary, tokenizer, cells, out))
-    meta = {
-        "stamp": stamp,
-        "aiperf_version": AIPERF_VERSION,
-        "machine": machine_name(),
-        "loadavg_start": loadavg_start,
-        "loadavg_end": os.getloadavg()[0],
-        "endpoint_path": "chat/completions" if args.endpoint == "chat" else "completions",
-        "input_tokens": args.input_tokens,
-        "output_tokens": args.output_tokens,
-        "parallel": settings.parallel,
-        "ctx": settings.context_per_sequence,
-        "threads": settings.n_threads,
-        "flash_attn": settings.flash_attn,
-        "llama_server_note": note,
-        "quicsrv": f"quicsrv from {args.tree}" if args.tree else "quicsrv from this checkout",
-    }
-    text = render(results, [c.name for c in cells], heading=_heading(meta))
-    print(text)
-    (args.out / f"aiperf-{stamp}.md").write_text(text + "\n")
-    saved = {
-        "argv": sys.argv[1:] if argv is None else argv,
-        "meta": meta,
-        "cells": [c.name for c in cells],
-        "workloads": [asdict(c) for c in cells],
-        "tokenizer": str(tokenizer),
-        "settings": {k: str(v) for k, v in asdict(settings).items()},
-        "llama_server": None
-        if binary is None
-        else {"argv": llama_server_argv(binary, settings), "cmake": cmake_options()},
-        "results": [asdict(r) for r in results],
-    }
-    (args.out / f"aiperf-{stamp}.json").write_text(json.dumps(saved, indent=1))
+    names = [c.name for c in cells]
+
+    def save(results: Sequence[RunResult]) -> str:
+        meta = {
+            "stamp": stamp,
+            "aiperf_version": AIPERF_VERSION,
+            "machine": machine_name(),
+            "loadavg_start": loadavg_start,
+            "loadavg_end": os.getloadavg()[0],
+            "endpoint_path": "chat/completions" if args.endpoint == "chat" else "completions",
+            "input_tokens": args.input_tokens,
+            "output_tokens": args.output_tokens,
+            "parallel": settings.parallel,
+            "ctx": settings.context_per_sequence,
+            "threads": settings.n_threads,
+            "flash_attn": settings.flash_attn,
+            "llama_server_note": note,
+            "quicsrv": f"quicsrv from {args.tree}" if args.tree else "quicsrv from this checkout",
+        }
+        text = render(results, names, heading=_heading(meta))
+        (args.out / f"aiperf-{stamp}.md").write_text(text + "\n")
+        saved = {
+            "argv": sys.argv[1:] if argv is None else argv,
+            "meta": meta,
+            "cells": names,
+            "workloads": [asdict(c) for c in cells],
+            "tokenizer": str(tokenizer),
+            "settings": {k: str(v) for k, v in asdict(settings).items()},
+            "llama_server": None
+            if binary is None
+            else {"argv": llama_server_argv(binary, settings), "cmake": cmake_options()},
+            "results": [asdict(r) for r in results],
+        }
+        (args.out / f"aiperf-{stamp}.json").write_text(json.dumps(saved, indent=1))
+        return text
+
+    results = asyncio.run(_measure(args, settings, binary, tokenizer, cells, out, save))
+    print(save(results))
     print(f"wrote {args.out / f'aiperf-{stamp}.md'} and .json; AIPerf's artifacts in {out}")
     return 0
 
