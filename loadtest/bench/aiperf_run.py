@@ -338,7 +338,12 @@ async def _warm_up(target: Target, model: str, ca: Path | None) -> None:
 
 @contextlib.asynccontextmanager
 async def _servers(
-    settings: ServerSettings, binary: Path | None, logs: Path, model: str, tree: Path | None
+    settings: ServerSettings,
+    binary: Path | None,
+    logs: Path,
+    model: str,
+    tree: Path | None,
+    queue_wait_s: float,
 ) -> AsyncIterator[list[Target]]:
     """quicsrv (HTTPS on its TCP listener; with ``tree``, that checkout's) and llama-server
     (plain HTTP), both up for the whole run."""
@@ -348,7 +353,16 @@ async def _servers(
     async with contextlib.AsyncExitStack() as stack:
         child = await stack.enter_async_context(
             quicsrv_server(
-                settings, certs.server_cert, certs.server_key, logs / "quicsrv.log", tree=tree
+                settings,
+                certs.server_cert,
+                certs.server_key,
+                logs / "quicsrv.log",
+                tree=tree,
+                # llama-server keeps a request in line for as long as it takes; quicsrv ends one
+                # that cannot start within max_queue_wait_s (120 s) with deadline_exceeded,
+                # which a slow machine reaches at concurrency 32. Same rule for both: the
+                # request timeout.
+                env={"QUICSRV_MAX_QUEUE_WAIT_S": f"{queue_wait_s:g}"},
             )
         )
         targets = [
@@ -386,7 +400,8 @@ async def _measure(
     executable = aiperf_home() / "venv" / "bin" / "aiperf"
     quiet = Quiet(args.quiet_below, args.quiet_patience_s)
     results: list[RunResult] = []
-    async with _servers(settings, binary, out, model, args.tree) as targets:
+    servers = _servers(settings, binary, out, model, args.tree, args.request_timeout_s)
+    async with servers as targets:
         for r in range(args.repeats):
             for i, cell in enumerate(cells):
                 # Same seed for both servers (same prompts), another for every workload and
