@@ -33,6 +33,7 @@ import contextlib
 import json
 import os
 import signal
+import subprocess
 import sys
 import time
 from collections.abc import AsyncIterator, Callable, Mapping, Sequence
@@ -56,7 +57,7 @@ from loadtest.bench.llama_server_build import cmake_options, find_llama_server
 from loadtest.bench.machine import Quiet, machine_busy_s, machine_name, tree_cpu_s
 from loadtest.bench.servers import ServerSettings, quicsrv_server
 
-__all__ = ["Target", "aiperf_argv", "aiperf_home", "main", "workloads"]
+__all__ = ["Target", "aiperf_argv", "aiperf_home", "ensure_tokenizer", "main", "workloads"]
 
 AIPERF_VERSION = "0.13.0"
 REPO = Path(__file__).resolve().parents[2]
@@ -311,8 +312,6 @@ def ensure_tokenizer(model_path: Path, home: Path) -> Path:
 
 
 def _checked_run(argv: Sequence[str], stdin: str | None = None) -> str:
-    import subprocess
-
     done = subprocess.run(
         argv, cwd=REPO, input=stdin, capture_output=True, text=True, env=_aiperf_env({})
     )

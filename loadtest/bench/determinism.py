@@ -1,17 +1,33 @@
-"""Does a greedy sequence's output depend on what else is in its batch?
+"""Does a sequence's output depend on what else is in its batch?
 
-For each prompt: decode it alone, then decode it alongside 7 others, with the default engine and
-with ``batch_invariant``; count sequences whose tokens differ and where they first diverge, and
-time the aggregate rate of both modes. Run: ``.venv/bin/python -m loadtest.bench.determinism``.
+Two parts. **Through the engine**: each prompt decoded alone, then in bursts submitted together
+(whose prompts the engine prefills in shared ``llama_decode`` calls), and in bursts that arrive
+while other sequences decode; greedy and seeded; short prompts (one piece each) and long ones
+(pieces of 64, and tails past 256 positions); with the default engine and ``batch_invariant``.
+It counts sequences whose tokens differ from their solo run (and, apart, those whose first
+token does: it comes from the prompt's logits alone), and times the aggregate rate.
+**Cells** (``--no-cells`` skips it): straight on llama.cpp, the KV cells and logits of a prompt
+computed alone against the same prompt computed beside others, compared byte for byte, for each
+way of sharing a call that :mod:`quicsrv.engine.pieces` allows and for the ways it forbids (the
+forbidden ones are expected to differ: that is why they are forbidden).
+
+Run: ``.venv/bin/python -m loadtest.bench.determinism [--max-tokens 32] [--no-cells]``.
 """
 
 from __future__ import annotations
 
 import argparse
+import ctypes
+import dataclasses
 import json
 import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
+
+import llama_cpp
+import numpy as np
+import numpy.typing as npt
 
 from loadtest.bench.stats import PROMPTS
 from quicsrv.engine import (
@@ -22,8 +38,19 @@ from quicsrv.engine import (
     SequenceRequest,
     default_model_path,
 )
-from quicsrv.engine.llama import LlamaEngine
+from quicsrv.engine.llama import EngineSettings, LlamaEngine, open_context
+from quicsrv.engine.placement import KvCells
 from quicsrv.settings import engine_settings_for, probe_cpu_extra_buffers
+
+LONG_PROMPTS = [
+    " ".join(PROMPTS[i:] + PROMPTS[:i]) + " " + " ".join(PROMPTS[i : i + 5]) for i in range(4)
+] + [
+    " ".join(PROMPTS[i:] + PROMPTS[:i]) * 2 + " " + " ".join(PROMPTS[i : i + 10]) for i in range(4)
+]
+"""Four of 150-152 tokens (pieces of 64, 64 and a tail of 22-24) and four of 298-302 (their
+tails past 256 positions). Past 256 cells a *decoded* token's way depends on its neighbours
+(see :mod:`quicsrv.engine.pieces`): those four may differ after their first token, which comes
+from their prompt's logits alone (counted apart)."""
 
 
 class _Sink:
@@ -47,17 +74,43 @@ class _Sink:
         pass
 
 
-def _run(engine: LlamaEngine, prompts: list[str], max_tokens: int) -> list[list[int]]:
+def _request(
+    engine: LlamaEngine, prompt: str, max_tokens: int, seed: int | None
+) -> SequenceRequest:
+    sampling = SamplingParams() if seed is None else SamplingParams(temperature=0.8, seed=seed)
+    return SequenceRequest(
+        prompt_tokens=tuple(engine.tokenize(prompt, add_special=True)),
+        max_tokens=max_tokens,
+        sampling=sampling,
+        ignore_eos=True,
+        cache_scope=f"run {time.monotonic_ns()}",  # no prefix-cache hit between runs
+    )
+
+
+def _run(
+    engine: LlamaEngine,
+    prompts: list[str],
+    max_tokens: int,
+    seeds: list[int | None],
+    beside: int = 0,
+) -> list[list[int]]:
+    """The prompts submitted together; ``beside``: that many other sequences decode already."""
+    others = [_Sink() for _ in range(beside)]
+    handles = [
+        engine.submit(_request(engine, PROMPTS[i], 1000, None), sink)
+        for i, sink in enumerate(others)
+    ]
+    for sink in others:
+        while not sink.tokens and not sink.done.wait(0.01):
+            pass
     sinks = [_Sink() for _ in prompts]
-    for prompt, sink in zip(prompts, sinks, strict=True):
-        request = SequenceRequest(
-            prompt_tokens=tuple(engine.tokenize(prompt, add_special=True)),
-            max_tokens=max_tokens,
-            sampling=SamplingParams(),
-            ignore_eos=True,
-        )
-        engine.submit(request, sink)
+    for prompt, seed, sink in zip(prompts, seeds, sinks, strict=True):
+        engine.submit(_request(engine, prompt, max_tokens, seed), sink)
     for sink in sinks:
+        sink.done.wait()
+    for handle in handles:
+        handle.cancel()
+    for sink in others:
         sink.done.wait()
     return [sink.tokens for sink in sinks]
 
@@ -66,54 +119,256 @@ def _first_divergence(a: list[int], b: list[int]) -> int | None:
     return next((i for i, (x, y) in enumerate(zip(a, b, strict=True)) if x != y), None)
 
 
-def measure(batch_invariant: bool, max_tokens: int) -> dict[str, object]:
-    model = default_model_path()
-    engine = LlamaEngine(
-        engine_settings_for(
-            model,
-            batch_invariant=batch_invariant,
-            cpu_extra_buffers=probe_cpu_extra_buffers(model),
-        )
-    )
+def measure(settings: EngineSettings, max_tokens: int) -> dict[str, object]:
+    engine = LlamaEngine(settings)
     try:
-        solo = [_run(engine, [p], max_tokens)[0] for p in PROMPTS]
-        together: list[list[int]] = []
-        elapsed = 0.0
-        for group in range(0, len(PROMPTS), 8):
-            start = time.perf_counter()
-            together += _run(engine, PROMPTS[group : group + 8], max_tokens)
-            elapsed += time.perf_counter() - start
-        divergences = [_first_divergence(a, b) for a, b in zip(solo, together, strict=True)]
-        differing = [d for d in divergences if d is not None]
-        return {
-            "batch_invariant": batch_invariant,
-            "sequences": len(PROMPTS),
-            "tokens_each": max_tokens,
-            "differing": len(differing),
-            "first_divergence_at": differing,
-            "aggregate_tokens_per_s_8_streams": round(len(PROMPTS) * max_tokens / elapsed, 1),
-        }
+        result: dict[str, object] = {"batch_invariant": settings.batch_invariant}
+        for label, prompts in (("short", PROMPTS), ("long", LONG_PROMPTS)):
+            for sampling in ("greedy", "seeded"):
+                seeds: list[int | None] = [
+                    None if sampling == "greedy" else 1000 + i for i in range(len(prompts))
+                ]
+                solo = [
+                    _run(engine, [p], max_tokens, [s])[0]
+                    for p, s in zip(prompts, seeds, strict=True)
+                ]
+                for beside in (0, 3):
+                    together: list[list[int]] = []
+                    elapsed = 0.0
+                    for group in range(0, len(prompts), 8 - beside):
+                        part = slice(group, group + 8 - beside)
+                        start = time.perf_counter()
+                        together += _run(engine, prompts[part], max_tokens, seeds[part], beside)
+                        elapsed += time.perf_counter() - start
+                    firsts = [_first_divergence(a, b) for a, b in zip(solo, together, strict=True)]
+                    # (which prompt, and the tokens after which it diverged)
+                    differing = [(i, d) for i, d in enumerate(firsts) if d is not None]
+                    first_token = sum(1 for _, d in differing if d == 0)
+                    key = f"{label} {sampling}, bursts of {8 - beside}" + (
+                        f" beside {beside} decoding" if beside else ""
+                    )
+                    result[key] = {
+                        "sequences": len(prompts),
+                        "differing": len(differing),
+                        "first_token_differing": first_token,
+                        "first_divergence_at": differing,
+                        "tokens_per_s": round(len(prompts) * max_tokens / elapsed, 1),
+                    }
+        return result
     finally:
         engine.close()
 
 
+class _Raw:
+    """One llama.cpp context as the engine opens it, fed batches by hand."""
+
+    def __init__(self, settings: EngineSettings) -> None:
+        self.settings = settings
+        self.model, self.context = open_context(settings)
+        self.cells = KvCells(self.context)
+        self.batch = llama_cpp.llama_batch_init(settings.n_batch, 0, 1)
+        self.n_vocab = self.model.n_vocab()
+
+    def tokens(self, text: str, n: int) -> list[int]:
+        tokens = list(self.model.tokenize(text.encode(), True, False))
+        while len(tokens) < n:
+            tokens += tokens
+        return tokens[:n]
+
+    def decode(self, entries: list[tuple[int, int, int]]) -> dict[tuple[int, int], bytes]:
+        """(sequence, token, position) in one llama_decode: every entry's logits, as bytes."""
+        batch = self.batch
+        for i, (seq, token, position) in enumerate(entries):
+            batch.token[i], batch.pos[i], batch.n_seq_id[i] = token, position, 1
+            batch.seq_id[i][0], batch.logits[i] = seq, True
+        batch.n_tokens = len(entries)
+        if llama_cpp.llama_decode(self.context.ctx, batch) != 0:
+            raise RuntimeError("llama_decode failed")
+        out = {}
+        for i, (seq, _token, position) in enumerate(entries):
+            row = llama_cpp.llama_get_logits_ith(self.context.ctx, i)
+            values: npt.NDArray[np.float32] = np.ctypeslib.as_array(
+                ctypes.cast(row, ctypes.POINTER(ctypes.c_float)), shape=(self.n_vocab,)
+            )
+            out[(seq, position)] = values.tobytes()
+        return out
+
+    def clear(self) -> None:
+        for seq in range(self.settings.n_seq_max):
+            self.cells.clear(seq)
+
+    def close(self) -> None:
+        llama_cpp.llama_batch_free(self.batch)
+        self.context.close()  # type: ignore[no-untyped-call]
+        self.model.close()  # type: ignore[no-untyped-call]
+
+
+Call = list[tuple[int, int, int]]
+Piece = tuple[int, int, int]
+"""(sequence, first position, end position) of one sequence's prompt."""
+
+
+def _cells(settings: EngineSettings) -> list[dict[str, object]]:
+    """Each case: the watched sequence's prompt computed alone (``alone``: its pieces, a call
+    each) against the same computed in ``mixed`` calls; its logits and cells byte for byte."""
+    raw = _Raw(settings)
+    text = " ".join(PROMPTS * 3)
+    prompts = {seq: raw.tokens(PROMPTS[seq] + " " + text, 400) for seq in range(8)}
+
+    def call(pieces: list[Piece]) -> Call:
+        return [(seq, prompts[seq][p], p) for seq, start, end in pieces for p in range(start, end)]
+
+    def compute(
+        calls: list[Call], watched: int, cut: int | None = None
+    ) -> tuple[dict[tuple[int, int], bytes], bytes]:
+        raw.clear()
+        logits: dict[tuple[int, int], bytes] = {}
+        for entries in calls:
+            logits.update(raw.decode(entries))
+        if cut is not None:
+            raw.cells.cut(watched, cut)
+        blob = raw.cells.save(watched) or b""
+        return {k: v for k, v in logits.items() if k[0] == watched}, blob
+
+    def case(
+        name: str,
+        allowed: bool,
+        watched: int,
+        alone: list[Call],
+        mixed: list[Call],
+        cut: int | None = None,
+    ) -> dict[str, object]:
+        ref_logits, ref_cells = compute(alone, watched, cut)
+        logits, cells = compute(mixed, watched, cut)
+        same = [k for k in ref_logits if k in logits and logits[k] == ref_logits[k]]
+        shared = [k for k in ref_logits if k in logits]
+        return {
+            "case": name,
+            "allowed": allowed,
+            "cells_equal": cells == ref_cells,
+            "logits_equal": f"{len(same)}/{len(shared)}",
+        }
+
+    decoding = [(2, 7, 8)]  # a neighbour of the next-lower id decoding one token
+    cases: list[Callable[[], dict[str, object]]] = [
+        lambda: case(
+            "8 short prompts (7-10 tokens) in one call",
+            True,
+            3,
+            [call([(3, 0, 10)])],
+            [call([(s, 0, 7 + s % 4) for s in range(8)])],
+        ),
+        lambda: case(
+            "pieces of 64 of 4 prompts in one call (equal lengths)",
+            True,
+            3,
+            [call([(3, 0, 64)]), call([(3, 64, 128)])],
+            [call([(s, 0, 64) for s in range(2, 6)]), call([(s, 64, 128) for s in range(2, 6)])],
+        ),
+        lambda: case(
+            "a piece of 64 in the decoding neighbour's call (rule v1)",
+            False,
+            3,
+            [call([(2, 0, 7)]), call([(3, 0, 64)])],
+            [call([(2, 0, 7)]), call(decoding + [(3, 0, 64)])],
+        ),
+        lambda: case(
+            "a piece of 64 beside a short piece (different lengths)",
+            False,
+            3,
+            [call([(3, 0, 64)])],
+            [call([(3, 0, 64), (4, 0, 9)])],
+        ),
+        lambda: case(
+            "tails of 20 past 256 positions, equal lengths, in one call",
+            True,
+            3,
+            [call([(3, 0, 280)]), call([(3, 280, 300)])],
+            [call([(s, 0, 280)]) for s in (2, 3, 4)] + [call([(s, 280, 300) for s in (2, 3, 4)])],
+        ),
+        lambda: case(
+            "a 1-token piece past 256 beside another (not alone)",
+            False,
+            3,
+            [call([(3, 0, 299)]), call([(3, 299, 300)])],
+            [call([(s, 0, 299)]) for s in (3, 4)] + [call([(s, 299, 300) for s in (3, 4)])],
+        ),
+        lambda: case(
+            "a row-by-row piece cut inside (prompt found whole: last position again)",
+            True,
+            3,
+            [call([(3, 0, 64)]), call([(3, 64, 99)]), call([(3, 99, 100)])],
+            [call([(3, 0, 64)]), call([(3, 64, 100)])],
+        ),
+        lambda: case(
+            "past 256: the last two positions again, row by row",
+            True,
+            3,
+            [call([(3, 0, 256)]), call([(3, 256, 298)]), call([(3, 298, 300)])],
+            [call([(3, 0, 256)]), call([(3, 256, 300)])],
+        ),
+        lambda: case(
+            "past 256: the last position alone (split over the cells)",
+            False,
+            3,
+            [call([(3, 0, 256)]), call([(3, 256, 299)]), call([(3, 299, 300)])],
+            [call([(3, 0, 256)]), call([(3, 256, 300)])],
+        ),
+        lambda: case(
+            "a tiled piece cut below 64 tokens",
+            False,
+            3,
+            [call([(3, 0, 64)]), call([(3, 64, 100)])],
+            [call([(3, 0, 64)]), call([(3, 64, 128)])],
+            cut=100,
+        ),
+        lambda: case(
+            "a tiled piece cut at 64 tokens or more",
+            True,
+            3,
+            [call([(3, 0, 100)])],
+            [call([(3, 0, 120)])],
+            cut=100,
+        ),
+    ]
+    try:
+        return [run() for run in cases]
+    finally:
+        raw.close()
+
+
 def main() -> None:
-    parser = argparse.ArgumentParser(
-        prog="python -m loadtest.bench.determinism",
-    )
-    parser.add_argument("--max-tokens", type=int, default=96)
+    parser = argparse.ArgumentParser(prog="python -m loadtest.bench.determinism")
+    parser.add_argument("--max-tokens", type=int, default=32)
+    parser.add_argument("--no-cells", action="store_true", help="skip the byte comparisons")
     parser.add_argument("--out", type=Path, default=Path("loadtest/results/determinism.json"))
     args = parser.parse_args()
-    results = [measure(False, args.max_tokens), measure(True, args.max_tokens)]
+    model = default_model_path()
+    base = engine_settings_for(model, cpu_extra_buffers=probe_cpu_extra_buffers(model))
+    report: dict[str, object] = {}
+    if not args.no_cells:
+        cells = _cells(base)
+        report["cells"] = cells
+        print("| way of sharing a call | allowed by engine.pieces | cells equal | logits equal |")
+        print("|---|---|---|---|")
+        for c in cells:
+            print(f"| {c['case']} | {c['allowed']} | {c['cells_equal']} | {c['logits_equal']} |")
+        print()
+    invariant = dataclasses.replace(base, batch_invariant=True)
+    runs = [measure(base, args.max_tokens), measure(invariant, args.max_tokens)]
+    report["engine"] = runs
     args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(results, indent=2))
-    for r in results:
-        print(
-            f"batch_invariant={r['batch_invariant']}: {r['differing']}/{r['sequences']} greedy "
-            f"sequences differ from their solo run "
-            f"(first divergence at {r['first_divergence_at']}); "
-            f"8 streams together: {r['aggregate_tokens_per_s_8_streams']} tokens/s"
-        )
+    args.out.write_text(json.dumps(report, indent=2))
+    for r in runs:
+        print(f"batch_invariant={r['batch_invariant']}:")
+        for key, value in r.items():
+            if isinstance(value, dict):
+                print(
+                    f"  {key}: {value['differing']}/{value['sequences']} differ from their solo "
+                    f"run, {value['first_token_differing']} in their first token "
+                    f"(prompt, first divergence: {value['first_divergence_at']}); "
+                    f"{value['tokens_per_s']} tokens/s"
+                )
 
 
 if __name__ == "__main__":

@@ -1,9 +1,11 @@
-"""The llama.cpp engine: one context, many sequences, one ``llama_decode`` per step.
+"""The llama.cpp engine: one context, many sequences, a few ``llama_decode`` calls per step.
 
-A single worker thread owns the llama.cpp context. Each step it gathers the next token of every
-decoding sequence plus a chunk of at most one pending prompt, decodes them together, and samples
-each sequence. New sequences join at the next step; finished or cancelled ones release their KV
-cells at once. The event loop never touches llama.cpp.
+A single worker thread owns the llama.cpp context. Each step it decodes the next token of every
+decoding sequence in one call, then a piece of the prompt of as many pending sequences as fit
+beside them in ``n_batch`` tokens, oldest first, in as few calls as :mod:`.pieces` allows
+without changing any sequence's numbers, and samples each sequence whose logits came out. New
+sequences join at the next step; finished or cancelled ones release their KV cells at once.
+The event loop never touches llama.cpp.
 """
 
 from __future__ import annotations
@@ -42,6 +44,7 @@ from ._api import (
     StepListener,
     TokenSink,
 )
+from .pieces import RULES_VERSION, share_calls
 from .placement import KvCells, SlotPlacement
 from .sampling import GrammarState, GrammarViolation, SequenceSampler
 from .sequence import BatchEntry, LlamaSequence
@@ -137,7 +140,7 @@ class EngineSettings:
         """What a token's computed numbers depend on besides the tokens: cells computed under
         another digest are never reused."""
         return blake3.blake3(
-            b"%s|fa=%d|bi=%d|cpu=%d|uni=%d|ctx=%d"
+            b"%s|fa=%d|bi=%d|cpu=%d|uni=%d|ctx=%d|pieces=%d"
             % (
                 model_digest,
                 self.flash_attn,
@@ -145,6 +148,7 @@ class EngineSettings:
                 self.cpu_extra_buffers,
                 self.kv_unified,
                 self.context_per_sequence,
+                RULES_VERSION,
             )
         ).digest()
 
@@ -257,6 +261,7 @@ class LlamaEngine(ModelFacts):
             max_blob_bytes=settings.prefix_cache_max_bytes,
             shelf_dir=settings.prefix_cache_dir,
             shelf_bytes=settings.prefix_cache_disk_bytes,
+            cuts_inside_pieces=settings.flash_attn,  # the ways of .pieces are its kernel's
         )
         self.prefix_stats = self._placement.stats
         self._admitted = 0
@@ -389,31 +394,53 @@ class LlamaEngine(ModelFacts):
         return True
 
     def _decode_step(self) -> None:
-        # (sequence, token, position, wants logits) for everything this step feeds the model.
-        entries: list[BatchEntry] = []
+        decoding: list[BatchEntry] = []
         for sequence in self._active:
             if not sequence.pending_prompt:
-                entries.append((sequence, sequence.last_token, sequence.n_past, True))
+                decoding.append((sequence, sequence.last_token, sequence.n_past, True))
                 sequence.n_past += 1
-        # One prompt piece per step (first come, first served).
-        prefilling = min(
-            (s for s in self._active if s.pending_prompt), key=lambda s: s.order, default=None
-        )
+        pieces = self._prompt_pieces(decoding=len(decoding))
+        if self.settings.batch_invariant:
+            # Each sequence in its own micro-batch: its logits cannot depend on its neighbours.
+            calls = [[entry] for entry in decoding] + pieces
+        else:
+            # The decoded tokens first (their streams wait for them), then the prompt pieces in
+            # the calls they may share; within a call in id order (loadtest.bench.seqids).
+            calls = [decoding] if decoding else []
+            shared = share_calls(
+                [(len(piece), piece[-1][2] + 1, piece) for piece in pieces],
+                pack=self.settings.flash_attn,
+            )
+            calls += [
+                sorted((e for piece in call for e in piece), key=lambda e: e[0].seq_id)
+                for call in shared
+            ]
+        for call in calls:
+            self._decode(call)
+
+    def _prompt_pieces(self, *, decoding: int) -> list[list[BatchEntry]]:
+        """This step's prompt pieces, one per sequence with a prompt to feed, oldest first, as
+        many as fit in ``n_batch`` beside the ``decoding`` sequences' tokens (the oldest always
+        fits: a piece is at most ``n_batch - n_seq_max`` tokens). A prompt completed here
+        reports its plan now, before its first token."""
+        waiting = sorted((s for s in self._active if s.pending_prompt), key=lambda s: s.order)
+        budget = self.settings.n_batch - decoding
+        crowded = decoding > 0 or len(waiting) > 1
         widest = self.settings.n_batch - self.settings.n_seq_max
-        if prefilling is not None and prefilling.feed_prompt(entries, widest=widest):
-            plan = prefilling.planned()  # the prompt is in: say how (before its first token)
-            n_prompt = len(prefilling.request.prompt_tokens)
-            self.prefix_stats.count(reused=plan.reused, n_prompt=n_prompt)
-            prefilling.sink.sequence_planned(plan)
-        if not self.settings.batch_invariant:
-            self._decode(entries)
-            return
-        # Each sequence in its own micro-batch: its logits cannot depend on its neighbours.
-        groups: dict[int, list[BatchEntry]] = {}
-        for entry in entries:
-            groups.setdefault(entry[0].seq_id, []).append(entry)
-        for group in groups.values():
-            self._decode(group)
+        pieces: list[list[BatchEntry]] = []
+        for sequence in waiting:
+            fed = sequence.feed_prompt(crowded=crowded, widest=widest, budget=budget)
+            if fed is None:
+                continue  # the next step; those after it may still fit this one
+            piece, complete = fed
+            pieces.append(piece)
+            budget -= len(piece)
+            if complete:
+                plan = sequence.planned()
+                n_prompt = len(sequence.request.prompt_tokens)
+                self.prefix_stats.count(reused=plan.reused, n_prompt=n_prompt)
+                sequence.sink.sequence_planned(plan)
+        return pieces
 
     def _decode(self, entries: list[BatchEntry]) -> None:
         for i, (sequence, token, position, logits) in enumerate(entries):

@@ -76,10 +76,12 @@ class SlotPlacement:
         max_blob_bytes: int,
         shelf_dir: Path | None,
         shelf_bytes: int,
+        cuts_inside_pieces: bool,
     ) -> SlotPlacement:
         """Placement over a prefix cache for cells computed under ``numerics`` (see
         ``EngineSettings.numerics``), unless the cache is off (``enabled``) or cannot work
-        for this model (``window``: its sliding-window size, ``llama_model_n_swa``)."""
+        for this model (``window``: its sliding-window size, ``llama_model_n_swa``).
+        ``cuts_inside_pieces``: see :attr:`.prefix_cache.PrefixCache.cuts_inside_pieces`."""
         if not enabled:
             return cls(cells, None)
         if window > 0:
@@ -88,7 +90,9 @@ class SlotPlacement:
             # cost this model's whole context in every layer.
             log.info("prefix cache off: the model uses sliding-window attention (%d)", window)
             return cls(cells, None)
-        cache = PrefixCache(numerics, max_blob_bytes=max_blob_bytes)
+        cache = PrefixCache(
+            numerics, max_blob_bytes=max_blob_bytes, cuts_inside_pieces=cuts_inside_pieces
+        )
         if shelf_dir is not None and shelf_bytes > 0:
             cache.shelf = PrefixShelf(shelf_dir, shelf_bytes, cache.stats)
         return cls(cells, cache)

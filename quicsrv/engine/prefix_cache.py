@@ -9,11 +9,14 @@ first to a :class:`PrefixShelf` on disk: a directory other engines (the worker t
 dead one, the other processes of ``--workers N``) find it in.
 
 How cells were computed is part of what they are: llama.cpp's numbers for a token depend on
-the batch it was computed in (a prompt chunk, or alone as a decoded token), so a generation
-that started from reused cells is rebuilt exactly only by recomputing its prefix the same way.
-A :class:`PrefillPlan` says how: the prompt's segments, each fed from its start in steps of a
-fixed number of tokens. Cells are cut only at a step boundary of their plan, so a cut plan
-still says exactly how the cells that are left were made.
+the way it was computed (in a piece of 64 prompt tokens or more, in a shorter one, or alone as a
+decoded token: :mod:`.pieces`), so a generation that started from reused cells is rebuilt
+exactly only by recomputing its prefix the same way. A :class:`PrefillPlan` says how: the
+prompt's segments, each fed from its start in steps of a fixed number of tokens. Cells are cut
+at a step boundary of their plan, or inside a piece where its first tokens, fed as a piece of
+their own, take the same way (``cuts_inside_pieces``), so a cut plan still says exactly how the
+cells that are left were made. A prompt found whole computes only its last position again (two
+past 256 positions: :func:`.pieces.tail`), for its logits.
 
 Pure bookkeeping: the engine does the llama.cpp calls.
 """
@@ -34,6 +37,7 @@ import cbor2
 
 from ..files import write_atomically
 from ._api import Segment
+from .pieces import keeps_way, tail
 
 __all__ = [
     "BLOCK_TOKENS",
@@ -45,6 +49,7 @@ __all__ = [
     "boundaries",
     "cut",
     "extend",
+    "piece_around",
     "rest",
 ]
 
@@ -82,8 +87,24 @@ def boundaries(segments: Sequence[Segment]) -> Iterator[int]:
         start = segment.end
 
 
+def piece_around(segments: Sequence[Segment], at: int) -> tuple[int, int] | None:
+    """The piece ``[start, end)`` the plan feeds in one step with ``start < at < end``; None
+    where ``at`` is a boundary (or past the plan)."""
+    start = 0
+    for segment in segments:
+        if at < segment.end:
+            offset = (at - start) % segment.step
+            if offset == 0:
+                return None
+            return at - offset, min(at - offset + segment.step, segment.end)
+        start = segment.end
+    return None
+
+
 def cut(segments: Sequence[Segment], at: int) -> tuple[Segment, ...]:
-    """The plan of the first ``at`` positions (``at`` must be one of its boundaries)."""
+    """The plan of the first ``at`` positions: one of its boundaries, or a position inside a
+    piece whose first tokens, fed as a piece of their own, get the same cells
+    (:func:`.pieces.keeps_way`)."""
     kept: tuple[Segment, ...] = ()
     start = 0
     for segment in segments:
@@ -116,7 +137,8 @@ class Entry:
 class Hit:
     entry: Entry
     length: int
-    """Positions whose cells are reused: a step boundary of both plans, below the prompt's end."""
+    """Positions whose cells are reused, below the prompt's end: where the entry's cells may be
+    cut (see :meth:`PrefixCache.find`), and a step boundary of a replay's recorded plan."""
 
 
 @dataclass(slots=True)
@@ -226,6 +248,9 @@ class PrefixCache:
     """Digest of what the numbers depend on (model, attention kernel, batching, CPU buffers):
     the root of every block hash, so that no other engine's cells ever match."""
     max_blob_bytes: int
+    cuts_inside_pieces: bool = True
+    """Cells may be cut inside a piece where :func:`.pieces.keeps_way` (flash attention on: the
+    ways are its kernel's); False: at step boundaries only."""
     stats: PrefixStats = field(default_factory=PrefixStats)
     shelf: PrefixShelf | None = None
     _by_block: dict[bytes, list[Entry]] = field(default_factory=dict)
@@ -258,8 +283,14 @@ class PrefixCache:
         self, scope: str, prompt: Sequence[int], plan: Sequence[Segment] | None = None
     ) -> Hit | None:
         """The entry whose cells serve most of ``prompt``, if any; ``plan``: a replay's recorded
-        segments, which the reused cells must have been computed by too."""
-        limit = len(prompt) - 1  # the last prompt token is decoded anyway, for its logits
+        segments, which the reused cells must have been computed by too.
+
+        The last prompt position is always computed again, for its logits: a new prompt found
+        whole computes only its :func:`.pieces.tail` (one position, or two past 256); a replay
+        feeds its plan from one of the plan's boundaries."""
+        limit = len(prompt) - 1
+        if plan is None and self.cuts_inside_pieces:
+            limit = len(prompt) - tail(len(prompt))
         best: Hit | None = None
         candidates: list[Entry] = []
         blocks = self._blocks(scope, prompt[:limit])
@@ -354,16 +385,26 @@ class PrefixCache:
         plan_boundaries: set[int] | None,
     ) -> int:
         common = _common_prefix(entry.tokens, prompt, limit)
-        for at in sorted(boundaries(entry.segments), reverse=True):
-            if at > common:
-                continue
-            if plan is None or plan_boundaries is None:
-                return at
-            if at in plan_boundaries and cut(entry.segments, at) == cut(plan, at):
-                return at
+        if plan is None or plan_boundaries is None:
+            return self._cut_below(entry.segments, common)
+        for at in sorted(plan_boundaries, reverse=True):
             if at < BLOCK_TOKENS:
                 break
+            if at > common or self._cut_below(entry.segments, at) != at:
+                continue
+            if cut(entry.segments, at) == cut(plan, at):
+                return at
         return 0
+
+    def _cut_below(self, segments: Sequence[Segment], at: int) -> int:
+        """The last position up to ``at`` where cells computed as ``segments`` may be cut."""
+        piece = piece_around(segments, at)
+        if piece is None:
+            return at
+        start, end = piece
+        if self.cuts_inside_pieces and keeps_way(end - start, end, at - start):
+            return at
+        return start
 
     def _blocks(self, scope: str, tokens: Sequence[int]) -> tuple[bytes, ...]:
         """The chained hash of each whole block of ``tokens``: block k names tokens

@@ -4,9 +4,10 @@ A :class:`LlamaSequence` is the handle :meth:`~.llama.LlamaEngine.submit` return
 ``cancel``, ``pause`` and ``allow`` set plain fields the decode thread reads each step) and the
 state that thread keeps of it. It answers the questions of its own prompt, with no llama.cpp
 call: where a resume starts (the recorded plan, a replay's forced tokens, a re-prefill), how the
-prompt goes on from the cells it could reuse, which of its tokens the next step feeds and in
-which step, and the plan it reports once its prompt is in. The engine (:mod:`.llama`) finds the
-cells (:mod:`.placement`), decodes and samples.
+prompt goes on from the cells it could reuse, which of its tokens the next step feeds (its
+*piece*: at most one a step, if it fits the step's budget) and in which step, and the plan it
+reports once its prompt is in. The engine (:mod:`.llama`) finds the cells (:mod:`.placement`),
+decides which pieces share a ``llama_decode`` (:mod:`.pieces`), decodes and samples.
 """
 
 from __future__ import annotations
@@ -144,17 +145,23 @@ class LlamaSequence:
             self.pending_prompt.popleft()
         self.n_past = self.reused = reused
 
-    def feed_prompt(self, entries: list[BatchEntry], *, widest: int) -> bool:
-        """Add this step's piece of the prompt to ``entries`` (which hold the decoding
-        sequences' tokens); True when it completes the prompt (report :meth:`planned` now).
-        ``widest``: the most prompt tokens a batch takes beside a token of every slot."""
-        step, room = self._prefill_step(decoding=bool(entries), widest=widest)
+    def feed_prompt(
+        self, *, crowded: bool, widest: int, budget: int
+    ) -> tuple[list[BatchEntry], bool] | None:
+        """This step's piece of its prompt, if it fits in ``budget`` tokens (None: it waits for
+        the next step), and whether it completes the prompt (report :meth:`planned` now).
+        ``crowded``: other sequences decode or prefill in this step; ``widest``: the most
+        prompt tokens a step takes beside a token of every slot."""
+        step, room = self._prefill_step(crowded=crowded, widest=widest)
+        if room > budget:
+            return None
         fed_from = self.n_past
+        piece: list[BatchEntry] = []
         for _ in range(room):
             token = self.pending_prompt.popleft()
             last = not self.pending_prompt
             # A re-prefill ends on a generated token whose successor is already known.
-            entries.append((self, token, self.n_past, last and not self.reprefill))
+            piece.append((self, token, self.n_past, last and not self.reprefill))
             self.n_past += 1
             if last and self.reprefill:
                 self.reprefill = False
@@ -164,25 +171,25 @@ class LlamaSequence:
                 self.segments.popleft()
         else:
             self.plan = extend(self.plan, self.n_past, step)
-        return fed_from < len(self.request.prompt_tokens) <= self.n_past
+        return piece, fed_from < len(self.request.prompt_tokens) <= self.n_past
 
     def planned(self) -> PrefillPlan:
         """How its prompt's cells were computed (what a replay must do again)."""
         return PrefillPlan(cut(self.plan, len(self.request.prompt_tokens)), self.reused)
 
-    def _prefill_step(self, *, decoding: bool, widest: int) -> tuple[int, int]:
+    def _prefill_step(self, *, crowded: bool, widest: int) -> tuple[int, int]:
         """The step the prompt is fed in now, and how many of its tokens go in.
 
         A fixed plan's steps (a recorded one, or a cold prompt's chunks) are taken from each
         segment's start, so a replay cuts the prompt exactly as the run it replays did. What
-        follows reused cells is fed in steps chosen now (and added to the plan): beside
-        decoding sequences a chunk of ``prefill_chunk`` tokens, so that their next token is not
-        stalled behind a long prompt; alone, the widest piece a batch takes, which stalls
-        nobody (prompts in line wait for this one's prefill anyway) and over a long kept
-        prefix costs half of what chunks do (measured: loadtest.bench.conversation).
+        follows reused cells is fed in steps chosen now (and added to the plan): beside other
+        sequences a chunk of ``prefill_chunk`` tokens, so that their next token is not stalled
+        behind a long prompt and other prompts share the step; alone, the widest piece a batch
+        takes, which stalls nobody and over a long kept prefix costs half of what chunks do
+        (measured: loadtest.bench.conversation).
         """
         if self.fixed:
             segment = self.segments[0]
             return segment.step, min(segment.step, segment.end - self.n_past)
-        step = self.chunk if decoding else widest
+        step = self.chunk if crowded else widest
         return step, min(step, len(self.pending_prompt))

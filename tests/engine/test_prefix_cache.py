@@ -249,3 +249,42 @@ def test_a_half_written_shelf_file_is_swept_when_a_shelf_opens(tmp_path):
     leftover.write_bytes(b"half")
     PrefixShelf(tmp_path, max_bytes=1000, stats=_cache().stats)
     assert not leftover.exists()
+
+
+def test_a_prompt_found_whole_reuses_all_but_the_positions_computed_again():
+    cache = _cache()
+    tokens = list(range(1000, 1400))
+    for slot, length in enumerate((100, 300, 128)):
+        cache.keep(slot, f"s{slot}", [*tokens[:length], 1, 2], extend(plain(length), length + 2, 1))
+    # The last position again (row by row), the last two past 256 (one alone would be split
+    # over the cells), and a whole tiled last piece of 64, cut nowhere inside, again.
+    for slot, (length, reused) in enumerate(((100, 99), (300, 298), (128, 64))):
+        hit = cache.find(f"s{slot}", tokens[:length])
+        assert hit is not None and hit.length == reused, length
+        assert cut(hit.entry.segments, reused)[-1].end == reused
+
+
+def test_cells_are_cut_inside_a_piece_only_where_its_first_tokens_keep_their_way():
+    cache = _cache()
+    tokens = list(range(3 * B + 22))  # pieces of 64, 64, 64 (tiled) and 22 (row by row)
+    cache.keep(0, "", tokens, plain(len(tokens)))
+    assert _found(cache, [*tokens[: 3 * B + 10], -1]) == 3 * B + 10  # inside the 22
+    assert _found(cache, [*tokens[: 2 * B + 40], -1]) == 2 * B  # not inside a tiled 64
+    # A replay's recorded plan is fed from its own boundaries: a cut must be one of them.
+    recorded = (Segment(3 * B + 10, 64), Segment(3 * B + 12, 1))
+    hit = cache.find("", [*tokens[: 3 * B + 10], 5, 6], recorded)
+    assert hit is not None and hit.length == 3 * B + 10
+    # Without flash attention (whose kernel the ways are) at step boundaries only.
+    strict = PrefixCache(b"numerics", max_blob_bytes=0, cuts_inside_pieces=False)
+    strict.keep(0, "", tokens, plain(len(tokens)))
+    assert _found(strict, [*tokens[: 3 * B + 10], -1]) == 3 * B
+    assert _found(strict, tokens) == 3 * B
+
+
+def plain(n: int) -> tuple[Segment, ...]:
+    return PrefillPlan.plain(n, 64).segments
+
+
+def _found(cache: PrefixCache, prompt: list[int]) -> int:
+    hit = cache.find("", prompt)
+    return 0 if hit is None else hit.length

@@ -167,3 +167,51 @@ def test_a_restarted_engine_finds_the_cells_the_last_one_shelved(
         assert turn.plans[0].reused == len(first) + len(answer) - 1
     finally:
         engine.close()
+
+
+def test_a_prompt_found_whole_computes_only_its_last_positions_and_replays_exactly(
+    model_path, cpu_extra_buffers
+):
+    settings = engine_settings_for(model_path, n_seq_max=2, cpu_extra_buffers=cpu_extra_buffers)
+    engine = LlamaEngine(settings)
+    text = engine.tokenize(_NOTES * 5, add_special=True)
+    # (prompt length, positions computed again): the last one alone, row by row; past 256 the
+    # last two (one alone would be split over the cells); and where the prompt's last piece is
+    # a whole tiled piece of 64, cut nowhere inside, that piece again.
+    cases = ((100, 1), (300, 2), (128, 64))
+    replays = []
+    try:
+        for length, again_computed in cases:
+            prompt = text[:length]
+            scope = f"case {length}"  # no case finds another's cells
+            first = _run(engine, _request(prompt, cache_scope=scope, max_tokens=12))
+            prefilled = engine.prefix_stats.prefilled_tokens
+            again = _run(engine, _request(prompt, cache_scope=scope, max_tokens=12))
+            (plan,) = again.plans
+            assert plan.reused == length - again_computed
+            assert engine.prefix_stats.prefilled_tokens - prefilled == again_computed
+            assert plan.length == length and plan.segments[-1].end == length
+            # Each position computed again is computed the way the cold run computed it (its
+            # last piece was row by row, or tiled again): the same answer, not only a close one.
+            assert again.tokens == first.tokens
+            # A replay by the plan, with the cells kept, continues exactly ...
+            resume = ResumePoint(generated=tuple(again.tokens[:8]))
+            replay = _request(
+                prompt, resume=resume, prefill_plan=plan, cache_scope=scope, max_tokens=12
+            )
+            warm = _run(engine, replay)
+            assert warm.tokens == again.tokens[8:] and warm.plans[0].segments == plan.segments
+            replays.append((replay, again.tokens[8:]))
+    finally:
+        engine.close()
+
+    engine = LlamaEngine(settings)  # ... and with none, as after a worker's kill -9
+    try:
+        for replay, rest in replays:
+            cold = _run(engine, replay)
+            assert replay.prefill_plan is not None
+            assert cold.plans[0].reused == 0
+            assert cold.plans[0].segments == replay.prefill_plan.segments
+            assert cold.tokens == rest
+    finally:
+        engine.close()

@@ -96,3 +96,29 @@ async def test_a_kill_9_mid_turn_2_of_a_conversation_that_hit_the_cache_changes_
     assert stats.hits >= hits + 1 and stats.reused_tokens - reused >= turn_2_reused
     assert cut == reference
     assert len(cut[0]) == MAX_TOKENS
+
+
+async def test_the_same_prompt_again_computes_one_position_and_a_kill_9_changes_nothing(
+    cache_engine, certs
+):
+    # A retry, a "regenerate": the whole prompt is in the cache, so only its last position is
+    # computed again (its logits were not kept) -- and the plan on record says so, so that the
+    # replay after a kill -9 of the worker mid-answer is exact.
+    engine = cache_engine
+    prompt = FIRST.replace("bakery", "bookshop") + MORE
+    async with running_server(engine, certs) as server:
+        async with Client("127.0.0.1", server.port, ca=certs.ca_cert, stall_timeout_s=None) as c:
+            reference = await _turn(c, prompt)
+            assert reference[2] is not None
+            n_prompt = reference[2].prompt_tokens
+            before = await scrape(c)
+            again = await _turn(c, prompt)
+            after = await scrape(c)
+            assert again[:2] == reference[:2]  # its last piece was row by row: as cold
+            assert again[2] is not None and again[2].cached_tokens == n_prompt - 1
+            metric = "quicsrv_prompt_tokens_total"
+            assert delta(before, after, metric, source="prefilled") == 1
+            restarts = engine.restarts
+            cut = await _turn(c, prompt, kill_at=MAX_TOKENS // 3, engine=engine)
+    assert engine.restarts == restarts + 1
+    assert cut == again

@@ -1,0 +1,197 @@
+"""Several pending prompts per step with the real model: a burst is prefilled in fewer
+``llama_decode`` calls than it has prompts, and no sequence's tokens depend on what shared its
+calls (greedy and seeded), including the resume of one prefilled in a burst."""
+
+from __future__ import annotations
+
+import dataclasses
+import threading
+from collections.abc import Iterator
+
+import pytest
+
+from quicsrv.engine import (
+    PausedState,
+    PrefillPlan,
+    ResumePath,
+    ResumePoint,
+    SamplingParams,
+    SequenceRequest,
+)
+from quicsrv.engine.llama import EngineObserver, LlamaEngine
+from quicsrv.settings import engine_settings_for
+from tests.engine.sinks import RecordingSink
+
+pytestmark = pytest.mark.model
+
+SHORT = [
+    "The history of the printing press",
+    "Write a recipe for tomato soup.",
+    "Explain how a bicycle gear works.",
+    "def fibonacci(n):",
+    "Why is the ocean salty?",
+    "A haiku about autumn leaves:",
+]
+# About 150 tokens: pieces of 64 (shared only with pieces of 64), then a short tail.
+LONG = [
+    "A bakery's notes for new staff. The oven is lit at five. Sourdough is shaped the evening "
+    "before and proved overnight in the cold room; rye is baked first because it needs the "
+    "hottest oven. Croissant dough is laminated on Tuesdays and Fridays. Customers may order "
+    "cakes three days ahead; birthday cakes need a name and a date. " * 2 + "Question: ",
+    "The lighthouse keeper's log. Wind from the south-west, rising. The lamp was lit at dusk "
+    "and its wick trimmed at midnight. A schooner passed close inshore at two bells, showing no "
+    "lights; the fog horn was sounded for an hour. Stores: oil for nine weeks, biscuit for "
+    "six, water ample. The relief boat is a week late. " * 2 + "Next entry: ",
+]
+MAX_TOKENS = 12
+
+
+class Counting(EngineObserver):
+    """Counts ``llama_decode`` calls and steps; ``gate``: set, the engine thread waits at the
+    end of each step until it is released (the test submits a burst meanwhile)."""
+
+    def __init__(self) -> None:
+        self.decodes = 0
+        self.steps = 0
+        self.gate = threading.Event()
+        self.gate.set()
+        self.waiting = threading.Event()
+
+    def decode_started(self) -> None:
+        self.decodes += 1
+
+    def step_finished(self) -> None:
+        self.steps += 1
+        if not self.gate.is_set():
+            self.waiting.set()
+            self.gate.wait()
+
+
+class FirstToken(RecordingSink):
+    """Notes the decode call and step in which its first token came."""
+
+    def __init__(self, observer: Counting) -> None:
+        super().__init__()
+        self.observer = observer
+        self.first: tuple[int, int] | None = None
+        self.paused_state: PausedState | None = None
+
+    def token_generated(self, index: int, token_id: int, piece: bytes) -> None:
+        if self.first is None:
+            self.first = (self.observer.decodes, self.observer.steps)
+        super().token_generated(index, token_id, piece)
+
+    def sequence_paused(self, state: PausedState) -> None:
+        self.paused_state = state
+        super().sequence_paused(state)
+
+
+@pytest.fixture(scope="module")
+def packing(model_path, cpu_extra_buffers) -> Iterator[tuple[LlamaEngine, Counting]]:
+    observer = Counting()
+    settings = engine_settings_for(
+        model_path, n_seq_max=8, prefix_cache=False, cpu_extra_buffers=cpu_extra_buffers
+    )
+    engine = LlamaEngine(settings, observer)
+    yield engine, observer
+    engine.close()
+
+
+def _request(engine: LlamaEngine, text: str, seed: int | None) -> SequenceRequest:
+    sampling = SamplingParams() if seed is None else SamplingParams(temperature=0.9, seed=seed)
+    return SequenceRequest(
+        prompt_tokens=tuple(engine.tokenize(text, add_special=True)),
+        max_tokens=MAX_TOKENS,
+        sampling=sampling,
+        ignore_eos=True,
+    )
+
+
+def _alone(engine: LlamaEngine, observer: Counting, request: SequenceRequest) -> FirstToken:
+    sink = FirstToken(observer)
+    engine.submit(request, sink)
+    assert sink.done.wait(120)
+    return sink
+
+
+def _burst(
+    engine: LlamaEngine, observer: Counting, requests: list[SequenceRequest], allow: int = 0
+) -> tuple[list[FirstToken], int, int]:
+    """Submit ``requests`` while the engine thread waits between two steps, so that they all
+    reach the same step (``allow``: each pauses itself after that many tokens): their sinks,
+    and the decode calls and steps made before them."""
+    observer.gate.clear()
+    observer.waiting.clear()
+    opener = FirstToken(observer)
+    engine.submit(dataclasses.replace(_request(engine, "Hi", None), max_tokens=1), opener)
+    assert observer.waiting.wait(60) and opener.done.wait(60)  # its slot is free again
+    sinks = [FirstToken(observer) for _ in requests]
+    for request, sink in zip(requests, sinks, strict=True):
+        handle = engine.submit(request, sink)
+        if allow:
+            handle.allow(allow)
+    decodes, steps = observer.decodes, observer.steps
+    observer.gate.set()
+    for sink in sinks:
+        assert sink.done.wait(120)
+    return sinks, decodes, steps
+
+
+@pytest.mark.parametrize("seeded", [False, True], ids=["greedy", "seeded"])
+def test_a_burst_is_prefilled_in_fewer_calls_than_prompts_and_each_equals_its_solo_run(
+    packing, seeded
+):
+    engine, observer = packing
+    texts = [*SHORT, *LONG]
+    requests = [_request(engine, t, 100 + i if seeded else None) for i, t in enumerate(texts)]
+    solo = [_alone(engine, observer, r).tokens for r in requests]
+
+    sinks, decodes, steps = _burst(engine, observer, requests)
+    assert [s.tokens for s in sinks] == solo
+    # Step 1: the short prompts share one call, the long ones' first pieces of 64 another;
+    # step 2: the short ones decode, the long ones' second pieces share a call; step 3: their
+    # tails. Eight first tokens in three steps and six calls, where one prompt a step took
+    # twelve steps (each long prompt three).
+    firsts = [s.first for s in sinks]
+    calls = [f[0] - decodes for f in firsts if f is not None]
+    in_step = [f[1] - steps for f in firsts if f is not None]
+    assert len(calls) == len(texts)
+    assert calls == [1] * len(SHORT) + [6] * len(LONG)
+    assert in_step == [0] * len(SHORT) + [2] * len(LONG)
+
+
+def test_a_sequence_prefilled_in_a_burst_resumes_exactly_by_replay_and_by_kv_restore(packing):
+    engine, observer = packing
+    texts = [*SHORT[:3], *LONG]
+    requests = [_request(engine, t, 7 + i) for i, t in enumerate(texts)]
+    solo = [_alone(engine, observer, r) for r in requests]
+    cut = 5
+    sinks, _, _ = _burst(engine, observer, requests)
+    reference = [s.tokens for s in sinks]
+    assert reference == [s.tokens for s in solo]
+
+    # The same burst again, each pausing itself after `cut` tokens (its cells captured), then
+    # resumed with fresh prompts prefilled beside them: from the blob, by replaying the
+    # recorded plan, and from the tokens alone (the cold plan).
+    paused, _, _ = _burst(engine, observer, requests, allow=cut)
+    states = [s.paused_state for s in paused]
+    assert all(s is not None and s.kv_state and len(s.generated) == cut for s in states)
+    plans = [s.plans[0] for s in paused]
+    assert plans == [s.plans[0] for s in solo]  # planned as alone: a burst changes no plan
+
+    resumes: list[SequenceRequest] = []
+    for i, (request, state) in enumerate(zip(requests, states, strict=True)):
+        assert state is not None
+        if i % 3 == 0:
+            point = ResumePoint(generated=state.generated, kv_state=state.kv_state)
+            resumes.append(dataclasses.replace(request, resume=point))
+        else:
+            point = ResumePoint(generated=state.generated)
+            plan: PrefillPlan | None = plans[i] if i % 3 == 1 else None
+            resumes.append(dataclasses.replace(request, resume=point, prefill_plan=plan))
+    fresh = [_request(engine, t, 50 + i) for i, t in enumerate(SHORT[3:])]
+    resumed, _, _ = _burst(engine, observer, [*resumes, *fresh])
+    for i, sink in enumerate(resumed[: len(resumes)]):
+        assert sink.tokens == reference[i][cut:], i
+        path = ResumePath.KV_RESTORE if i % 3 == 0 else ResumePath.REPLAY
+        assert sink.paths == [path], i
