@@ -315,6 +315,27 @@ def _cells(settings: EngineSettings) -> list[dict[str, object]]:
             [call([(3, 0, 256)]), call([(3, 256, 300)])],
         ),
         lambda: case(
+            "a prompt's pieces of 64 merged, four to a call (merges)",
+            True,
+            3,
+            [call([(3, p, p + 64)]) for p in range(0, 384, 64)],
+            [call([(3, 0, 256)]), call([(3, 256, 384)])],
+        ),
+        lambda: case(
+            "a prompt's pieces of 64 merged, 64 + 64 + 256 (merges)",
+            True,
+            3,
+            [call([(3, p, p + 64)]) for p in range(0, 384, 64)],
+            [call([(3, 0, 64)]), call([(3, 64, 128)]), call([(3, 128, 384)])],
+        ),
+        lambda: case(
+            "a prompt's pieces of 64 and its short tail in one call",
+            False,
+            3,
+            [call([(3, 0, 64)]), call([(3, 64, 128)]), call([(3, 128, 150)])],
+            [call([(3, 0, 150)])],
+        ),
+        lambda: case(
             "a tiled piece cut below 64 tokens",
             False,
             3,

@@ -421,15 +421,20 @@ class LlamaEngine(ModelFacts):
     def _prompt_pieces(self, *, decoding: int) -> list[list[BatchEntry]]:
         """This step's prompt pieces, one per sequence with a prompt to feed, oldest first, as
         many as fit in ``n_batch`` beside the ``decoding`` sequences' tokens (the oldest always
-        fits: a piece is at most ``n_batch - n_seq_max`` tokens). A prompt completed here
-        reports its plan now, before its first token."""
+        fits: a piece is at most ``n_batch - n_seq_max`` tokens); a sequence's tiled pieces
+        merged while the budget lasts, so the oldest prompt of a burst is in first (as
+        llama-server fills its batch slot by slot), not all of them together at the end. A
+        prompt completed here reports its plan now, before its first token."""
         waiting = sorted((s for s in self._active if s.pending_prompt), key=lambda s: s.order)
         budget = self.settings.n_batch - decoding
         crowded = decoding > 0 or len(waiting) > 1
         widest = self.settings.n_batch - self.settings.n_seq_max
+        # Tiled pieces merge only where the ways are flash attention's (.pieces), and never
+        # under batch_invariant (a call a piece, as measured).
+        merge = self.settings.flash_attn and not self.settings.batch_invariant
         pieces: list[list[BatchEntry]] = []
         for sequence in waiting:
-            fed = sequence.feed_prompt(crowded=crowded, widest=widest, budget=budget)
+            fed = sequence.feed_prompt(crowded=crowded, widest=widest, budget=budget, merge=merge)
             if fed is None:
                 continue  # the next step; those after it may still fit this one
             piece, complete = fed

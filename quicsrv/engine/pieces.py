@@ -28,6 +28,9 @@ takes the way the piece takes alone, which these rules (:func:`call_key`) ensure
   alone in a micro-batch), and a 1-token piece past position 256 goes alone (split over the
   cells, as alone; the split follows the thread count, which a resume must keep).
 
+Consecutive tiled pieces of one sequence may be fed as one (:func:`merges`): tiled, each token
+gets the numbers it gets in its own piece.
+
 The same rules tell where a kept piece may be cut (:func:`keeps_way`): its first tokens are
 computed again the same way by a shorter piece if the shorter piece takes the same way.
 
@@ -50,6 +53,7 @@ __all__ = [
     "Way",
     "call_key",
     "keeps_way",
+    "merges",
     "share_calls",
     "tail",
     "way",
@@ -99,6 +103,17 @@ def keeps_way(length: int, end: int, kept: int) -> bool:
     if kept == length:
         return True
     return 0 < kept < length and way(kept, end - length + kept) is way(length, end)
+
+
+def merges(length: int) -> bool:
+    """Whether a piece of ``length`` tokens may be fed in one micro-batch with the next pieces
+    of the same sequence (each also mergeable), as one piece: tiled pieces only. A tiled
+    token's numbers do not depend on how many of its sequence's tokens share its micro-batch
+    (measured: a prompt's pieces of 64 fed one call each, four or seven to a call, and 64 +
+    64 + 320, give the same cells and logits byte for byte; ``python -m
+    loadtest.bench.determinism``), so the plan still names the pieces and a replay may feed
+    them one a call. A row-by-row piece would turn tiled beside others: never merged."""
+    return length >= TILE_TOKENS
 
 
 def tail(n_prompt: int) -> int:

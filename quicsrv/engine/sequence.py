@@ -5,7 +5,8 @@ A :class:`LlamaSequence` is the handle :meth:`~.llama.LlamaEngine.submit` return
 state that thread keeps of it. It answers the questions of its own prompt, with no llama.cpp
 call: where a resume starts (the recorded plan, a replay's forced tokens, a re-prefill), how the
 prompt goes on from the cells it could reuse, which of its tokens the next step feeds (its
-*piece*: at most one a step, if it fits the step's budget) and in which step, and the plan it
+*piece*, if it fits the step's budget: one step of its plan, or several tiled ones) and in which
+step, and the plan it
 reports once its prompt is in. The engine (:mod:`.llama`) finds the cells (:mod:`.placement`),
 decides which pieces share a ``llama_decode`` (:mod:`.pieces`), decodes and samples.
 """
@@ -17,6 +18,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from ._api import PrefillPlan, ResumePath, Segment, SequenceRequest, TokenSink
+from .pieces import merges
 from .prefix_cache import Hit, cut, extend, rest
 from .sampling import SequenceSampler
 
@@ -146,16 +148,28 @@ class LlamaSequence:
         self.n_past = self.reused = reused
 
     def feed_prompt(
-        self, *, crowded: bool, widest: int, budget: int
+        self, *, crowded: bool, widest: int, budget: int, merge: bool
     ) -> tuple[list[BatchEntry], bool] | None:
         """This step's piece of its prompt, if it fits in ``budget`` tokens (None: it waits for
         the next step), and whether it completes the prompt (report :meth:`planned` now).
         ``crowded``: other sequences decode or prefill in this step; ``widest``: the most
-        prompt tokens a step takes beside a token of every slot."""
+        prompt tokens a step takes beside a token of every slot. ``merge``: while the budget
+        lasts, the next steps' pieces too, as one piece, where each is tiled
+        (:func:`.pieces.merges`): a burst's oldest prompt is then in first, as alone."""
         step, room = self._prefill_step(crowded=crowded, widest=widest)
         if room > budget:
             return None
         fed_from = self.n_past
+        piece = self._take(step, room)
+        while merge and self.pending_prompt and merges(room):
+            step, room = self._prefill_step(crowded=crowded, widest=widest)
+            if not merges(room) or len(piece) + room > budget:
+                break
+            piece += self._take(step, room)
+        return piece, fed_from < len(self.request.prompt_tokens) <= self.n_past
+
+    def _take(self, step: int, room: int) -> list[BatchEntry]:
+        """The next ``room`` prompt tokens, fed in a step of ``step`` (as the plan says)."""
         piece: list[BatchEntry] = []
         for _ in range(room):
             token = self.pending_prompt.popleft()
@@ -171,7 +185,7 @@ class LlamaSequence:
                 self.segments.popleft()
         else:
             self.plan = extend(self.plan, self.n_past, step)
-        return piece, fed_from < len(self.request.prompt_tokens) <= self.n_past
+        return piece
 
     def planned(self) -> PrefillPlan:
         """How its prompt's cells were computed (what a replay must do again)."""

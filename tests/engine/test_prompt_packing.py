@@ -148,16 +148,16 @@ def test_a_burst_is_prefilled_in_fewer_calls_than_prompts_and_each_equals_its_so
 
     sinks, decodes, steps = _burst(engine, observer, requests)
     assert [s.tokens for s in sinks] == solo
-    # Step 1: the short prompts share one call, the long ones' first pieces of 64 another;
-    # step 2: the short ones decode, the long ones' second pieces share a call; step 3: their
-    # tails. Eight first tokens in three steps and six calls, where one prompt a step took
-    # twelve steps (each long prompt three).
+    # Step 1: the short prompts share one call; each long one's two pieces of 64, merged
+    # (tiled, as alone), share another; step 2: the short ones decode, the long ones' tails
+    # (row by row) share a call. Eight first tokens in two steps and four calls, where one
+    # prompt a step took twelve steps (each long prompt three).
     firsts = [s.first for s in sinks]
     calls = [f[0] - decodes for f in firsts if f is not None]
     in_step = [f[1] - steps for f in firsts if f is not None]
     assert len(calls) == len(texts)
-    assert calls == [1] * len(SHORT) + [6] * len(LONG)
-    assert in_step == [0] * len(SHORT) + [2] * len(LONG)
+    assert calls == [1] * len(SHORT) + [4] * len(LONG)
+    assert in_step == [0] * len(SHORT) + [1] * len(LONG)
 
 
 def test_a_sequence_prefilled_in_a_burst_resumes_exactly_by_replay_and_by_kv_restore(packing):
