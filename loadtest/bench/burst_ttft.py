@@ -74,13 +74,14 @@ async def _first_token_s(http: httpx.AsyncClient, prompt: str, max_tokens: int) 
         "max_tokens": max_tokens,
         "temperature": 0.0,
         "ignore_eos": True,
-        "cache_prompt": True,  # llama-server's prompt cache (its default, named)
         "stream": True,
     }
     sent = time.perf_counter()
     first = float("nan")
     async with http.stream("POST", "/v1/completions", json=body) as response:
-        response.raise_for_status()
+        if response.is_error:
+            await response.aread()
+            raise RuntimeError(f"{http.base_url}: {response.status_code} {response.text}")
         async for line in response.aiter_lines():
             if first != first and _event_text(line):
                 first = time.perf_counter() - sent
@@ -97,29 +98,26 @@ def _client(endpoint: Endpoint, streams: int) -> httpx.AsyncClient:
     )
 
 
-async def _round(endpoint: Endpoint, r: int, args: argparse.Namespace) -> list[Sample]:
+async def _round(
+    endpoint: Endpoint, http: httpx.AsyncClient, r: int, args: argparse.Namespace
+) -> list[Sample]:
     samples = []
-    async with _client(endpoint, args.streams) as http:
-        burst = [f"Round {r}. {PROMPTS[i % len(PROMPTS)]}" for i in range(args.streams)]
-        ttfts = await asyncio.gather(*(_first_token_s(http, p, args.max_tokens) for p in burst))
-        samples += [
-            Sample(server=endpoint.name, round=r, workload="burst", ttft_s=t) for t in ttfts
+    burst = [f"Round {r}. {PROMPTS[i % len(PROMPTS)]}" for i in range(args.streams)]
+    ttfts = await asyncio.gather(*(_first_token_s(http, p, args.max_tokens) for p in burst))
+    samples += [Sample(server=endpoint.name, round=r, workload="burst", ttft_s=t) for t in ttfts]
+    if args.long_words > 0:
+        # Each stream's own text from its first word on, so no prompt finds another's cells.
+        words = " ".join(PROMPTS * 8).split()
+        long = [
+            f"Round {r}, reader {i}: " + " ".join(words[i * 7 :][: args.long_words])
+            for i in range(args.streams)
         ]
-        if args.long_words > 0:
-            # Each stream's own text from its first word on, so no prompt finds another's cells.
-            words = " ".join(PROMPTS * 8).split()
-            long = [
-                f"Round {r}, reader {i}: " + " ".join(words[i * 7 :][: args.long_words])
-                for i in range(args.streams)
-            ]
-            ttfts = await asyncio.gather(*(_first_token_s(http, p, args.max_tokens) for p in long))
-            samples += [
-                Sample(server=endpoint.name, round=r, workload="long", ttft_s=t) for t in ttfts
-            ]
-        prompt = f"Round {r}. {LONG_TEXT}"
-        for workload in ("cold", "again"):
-            ttft = await _first_token_s(http, prompt, args.max_tokens)
-            samples.append(Sample(server=endpoint.name, round=r, workload=workload, ttft_s=ttft))
+        ttfts = await asyncio.gather(*(_first_token_s(http, p, args.max_tokens) for p in long))
+        samples += [Sample(server=endpoint.name, round=r, workload="long", ttft_s=t) for t in ttfts]
+    prompt = f"Round {r}. {LONG_TEXT}"
+    for workload in ("cold", "again"):
+        ttft = await _first_token_s(http, prompt, args.max_tokens)
+        samples.append(Sample(server=endpoint.name, round=r, workload=workload, ttft_s=ttft))
     return samples
 
 
@@ -157,12 +155,17 @@ async def _measure(args: argparse.Namespace, logs: Path) -> list[Sample]:
             endpoints.append(
                 Endpoint(name="llama-server", base_url=url, verify=False, keep_alive=False)
             )
+        # One client per server for the whole run, as an SDK keeps one: its connections (TLS
+        # handshakes included) are made in the warm-up and reused, where the server keeps them.
+        clients = {
+            e.name: await stack.enter_async_context(_client(e, args.streams)) for e in endpoints
+        }
         for endpoint in endpoints:  # warm-up: first-use costs
-            await _round(endpoint, -1, args)
+            await _round(endpoint, clients[endpoint.name], -1, args)
         samples: list[Sample] = []
         for r in range(args.rounds):
             for endpoint in endpoints if r % 2 == 0 else list(reversed(endpoints)):
-                mine = await _round(endpoint, r, args)
+                mine = await _round(endpoint, clients[endpoint.name], r, args)
                 samples += mine
                 medians = {
                     w: statistics.median(s.ttft_s for s in mine if s.workload == w) * 1000

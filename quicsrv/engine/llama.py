@@ -388,10 +388,15 @@ class LlamaEngine(ModelFacts):
             self._active.sort(key=lambda s: s.seq_id)
             if not self._admit_resumed(sequence):
                 reused = self._placement.take(sequence.seq_id, hit) if hit is not None else 0
-                sequence.start_prompt(reused, hit)
+                sequence.start_prompt(reused, hit, widest=self._widest)
         if self._active:
             self._decode_step()
         return True
+
+    @property
+    def _widest(self) -> int:
+        """The most prompt tokens one step takes beside a token of every slot."""
+        return self.settings.n_batch - self.settings.n_seq_max
 
     def _decode_step(self) -> None:
         decoding: list[BatchEntry] = []
@@ -428,7 +433,7 @@ class LlamaEngine(ModelFacts):
         waiting = sorted((s for s in self._active if s.pending_prompt), key=lambda s: s.order)
         budget = self.settings.n_batch - decoding
         crowded = decoding > 0 or len(waiting) > 1
-        widest = self.settings.n_batch - self.settings.n_seq_max
+        widest = self._widest
         # Tiled pieces merge only where the ways are flash attention's (.pieces), and never
         # under batch_invariant (a call a piece, as measured).
         merge = self.settings.flash_attn and not self.settings.batch_invariant

@@ -46,12 +46,15 @@ from collections.abc import Sequence
 from enum import Enum
 from typing import TypeVar
 
+from ._api import PrefillPlan, Segment
+
 __all__ = [
     "ROWS_CELLS",
     "RULES_VERSION",
     "TILE_TOKENS",
     "Way",
     "call_key",
+    "cold_plan",
     "keeps_way",
     "merges",
     "share_calls",
@@ -114,6 +117,31 @@ def merges(length: int) -> bool:
     loadtest.bench.determinism``), so the plan still names the pieces and a replay may feed
     them one a call. A row-by-row piece would turn tiled beside others: never merged."""
     return length >= TILE_TOKENS
+
+
+def cold_plan(n_tokens: int, chunk: int, widest: int) -> PrefillPlan:
+    """How a cold prompt is fed, whatever runs beside it: all but its :func:`tail` in chunks
+    of ``chunk``, the last chunk taking the tokens left over too, so that every chunk is tiled
+    and they merge (:func:`merges`: a prompt alone is one big ``llama_decode``, as llama-server
+    computes it, where a row-by-row remainder of up to 63 tokens cost a call of its own, and in
+    a burst one per prompt past 256 positions); then the tail, one position (two past 256),
+    computed exactly as a later request that finds the whole prompt in the cache computes it
+    again: the same prompt sent again gets the cold answer. Prompts too short for a tiled
+    chunk, or a ``chunk`` below 64, are fed plain (:meth:`PrefillPlan.plain`)."""
+    last = tail(n_tokens)
+    head = n_tokens - last
+    left = head % chunk
+    if chunk < TILE_TOKENS or head < chunk or chunk + left > widest:
+        return PrefillPlan.plain(n_tokens, chunk)
+    segments: list[Segment] = []
+    if left == 0:
+        segments.append(Segment(head, chunk))
+    else:
+        if head - chunk - left:
+            segments.append(Segment(head - chunk - left, chunk))
+        segments.append(Segment(head, chunk + left))
+    segments.append(Segment(n_tokens, last))
+    return PrefillPlan(tuple(segments))
 
 
 def tail(n_prompt: int) -> int:

@@ -18,7 +18,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from ._api import PrefillPlan, ResumePath, Segment, SequenceRequest, TokenSink
-from .pieces import merges
+from .pieces import cold_plan, merges
 from .prefix_cache import Hit, cut, extend, rest
 from .sampling import SequenceSampler
 
@@ -130,13 +130,15 @@ class LlamaSequence:
         busy_rebuilding = self.pending_prompt or self.forced
         return not busy_rebuilding and self.generated >= self.allowed
 
-    def start_prompt(self, reused: int, hit: Hit | None) -> None:
+    def start_prompt(self, reused: int, hit: Hit | None, *, widest: int) -> None:
         """Its slot holds the first ``reused`` positions' cells, taken from ``hit``: set out
-        how the rest is fed, a fixed plan's segments or steps chosen as it goes."""
+        how the rest is fed, a fixed plan's segments or steps chosen as it goes (``widest``:
+        the most prompt tokens a step takes beside a token of every slot)."""
         if not self.fixed and not reused:
             # A cold prompt is cut the same way whatever runs beside it, so that the same
             # request gives the same output under any load: in chunks of ``prefill_chunk``.
-            self.plan = PrefillPlan.plain(len(self.request.prompt_tokens), self.chunk).segments
+            n_prompt = len(self.request.prompt_tokens)
+            self.plan = cold_plan(n_prompt, self.chunk, widest).segments
             self.fixed = True
         if self.fixed:
             self.segments = deque(rest(self.plan, reused))

@@ -10,12 +10,15 @@ import pytest
 
 from quicsrv.engine import (
     FinishReason,
+    PrefillPlan,
     ResumePath,
     ResumePoint,
     SamplingParams,
     SequenceRequest,
 )
-from quicsrv.engine.llama import LlamaEngine
+from quicsrv.engine.llama import EngineSettings, LlamaEngine
+from quicsrv.engine.pieces import cold_plan
+from quicsrv.engine.prefix_cache import cut
 from quicsrv.settings import engine_settings_for
 from tests.engine.sinks import RecordingSink
 
@@ -114,7 +117,7 @@ def test_the_cache_switched_off_reuses_nothing(model_path, cpu_extra_buffers):
     try:
         _first, _answer, second = _conversation(engine)
         turn = _run(engine, _request(second))
-        assert turn.plans[0].reused == 0 and turn.plans[0].is_cold(settings.prefill_chunk)
+        assert turn.plans[0].reused == 0 and _is_cold(turn.plans[0], settings)
         assert not engine.prefix_stats.enabled
     finally:
         engine.close()
@@ -137,7 +140,7 @@ def test_a_sliding_window_model_runs_with_the_cache_off_and_resumes_exactly(
         assert not engine.prefix_stats.enabled
         _first, _answer, second = _conversation(engine)
         turn = _run(engine, _request(second))
-        assert turn.plans[0].reused == 0 and turn.plans[0].is_cold(settings.prefill_chunk)
+        assert turn.plans[0].reused == 0 and _is_cold(turn.plans[0], settings)
         resume = ResumePoint(generated=tuple(turn.tokens[:8]))
         replayed = _run(engine, _request(second, resume=resume))
         assert replayed.tokens == turn.tokens[8:]
@@ -175,10 +178,10 @@ def test_a_prompt_found_whole_computes_only_its_last_positions_and_replays_exact
     settings = engine_settings_for(model_path, n_seq_max=2, cpu_extra_buffers=cpu_extra_buffers)
     engine = LlamaEngine(settings)
     text = engine.tokenize(_NOTES * 5, add_special=True)
-    # (prompt length, positions computed again): the last one alone, row by row; past 256 the
-    # last two (one alone would be split over the cells); and where the prompt's last piece is
-    # a whole tiled piece of 64, cut nowhere inside, that piece again.
-    cases = ((100, 1), (300, 2), (128, 64))
+    # (prompt length, positions computed again): the last one alone, row by row, as the cold
+    # plan computed it (pieces.cold_plan); past 256 the last two (one alone would be split
+    # over the cells); and a prompt of one tiled piece of 64, cut nowhere inside, that piece.
+    cases = ((100, 1), (300, 2), (64, 64))
     replays = []
     try:
         for length, again_computed in cases:
@@ -215,3 +218,10 @@ def test_a_prompt_found_whole_computes_only_its_last_positions_and_replays_exact
             assert cold.tokens == rest
     finally:
         engine.close()
+
+
+def _is_cold(plan: PrefillPlan, settings: EngineSettings) -> bool:
+    """Whether ``plan`` is the one a cold prompt of its length is fed by."""
+    widest = settings.n_batch - settings.n_seq_max
+    cold = cold_plan(plan.length, settings.prefill_chunk, widest)
+    return plan.segments == cut(cold.segments, plan.length)  # in the form plans are reported
