@@ -14,13 +14,14 @@ from __future__ import annotations
 
 import time
 import urllib.parse
+from typing import Any
 
 import quicsrv_proto
 from quicsrv_proto.http3 import SESSION_HEADER
 
 from ..apikeys import ClientId
 from ..sessions.manager import SessionManager
-from . import openai_api
+from . import openai_api, tool_format
 from .cursor import InvalidCursor, decode_cursor
 from .errors import ApiError
 from .messages import (
@@ -34,6 +35,7 @@ from .messages import (
 )
 from .sse import SseEncoder, StreamShape, collect_answer
 from .tool_calls import ToolChoice
+from .tool_format import ToolFormat
 
 __all__ = ["CompletionsEndpoints"]
 
@@ -58,13 +60,20 @@ class CompletionsEndpoints:
         events (``stream: true``), else one body once the generation has ended."""
         completion = openai_api.parse_completion(request.body, chat=chat, model_id=self._model_id)
         tools = completion.tools
+        generic = isinstance(tools, ToolFormat)
+        call = tools if isinstance(tools, ToolChoice) else None
+        # A resumed stream renders the answer the same way: the record says how.
+        api: dict[str, Any] | None = None
+        if generic:
+            api = {"kind": "chat", "answer": tool_format.GENERIC}
+        elif call is not None:
+            api = {"kind": "chat", "tools": call.stored()}
         session = await self._sessions.open_generation(
             completion.generate,
             client=who.name,
             owner=who.key_id or "",
             arrived_at=request.arrived_at,
-            # A resumed stream renders the call the same way: the record says it is one.
-            api=None if tools is None else lambda _: {"kind": "chat", "tools": tools.stored()},
+            api=None if api is None else lambda _: api,
         )
         shape = StreamShape(
             session_id=session.session_id,
@@ -72,7 +81,8 @@ class CompletionsEndpoints:
             include_usage=completion.include_usage,
             model=self._model_id,
             created=int(session.record.created_at_s),
-            tools=tools,
+            tools=call,
+            generic=generic,
         )
         if completion.stream:
             encoder = SseEncoder(shape, mac_key=self._sessions.keys.current)
@@ -125,6 +135,7 @@ class CompletionsEndpoints:
         session = await self._sessions.reattach(session_id, cursor.index + 1, key_id=who.key_id)
         record = session.record
         names = (record.api or {}).get("tools")
+        generic = tool_format.stored(record.api)
         shape = StreamShape(
             session_id=session_id,
             chat=cursor.chat,
@@ -132,6 +143,7 @@ class CompletionsEndpoints:
             model=self._model_id,
             created=int(record.created_at_s),
             tools=None if names is None else ToolChoice.from_stored(names),
+            generic=generic,
         )
         # Past the last token (the finishing or usage event): only the END is left to send.
         from_index = min(cursor.index + 1, len(record.generated))
@@ -139,7 +151,7 @@ class CompletionsEndpoints:
             shape,
             mac_key=self._sessions.keys.current,
             after=cursor.index,
-            text_before=self._sessions.text_of(record, upto=from_index) if names else "",
+            text_before=self._sessions.text_of(record, upto=from_index) if names or generic else "",
         )
         return event_stream(
             session,

@@ -26,6 +26,8 @@ from quicsrv_proto.frames import CHAT_ROLES, MAX_SEED
 
 from .errors import ApiError
 from .tool_calls import CallText, ToolChoice, call_id, parse_tool_choice
+from .tool_chunks import chat_message
+from .tool_format import ToolFormat, with_tool_prompt
 
 __all__ = [
     "CompletionRequest",
@@ -98,8 +100,9 @@ class CompletionRequest:
     """Answer with SSE chunks (True) or one JSON body."""
     include_usage: bool
     """``stream_options.include_usage``: a last chunk with the token counts."""
-    tools: ToolChoice | None = None
-    """The functions it must call one of (``tool_choice`` required or named)."""
+    tools: ToolChoice | ToolFormat | None = None
+    """A function it must call (``tool_choice`` names one), or the tools it may call (the
+    generic format: ``auto``, ``required``)."""
 
 
 def parse_completion(body: bytes, *, chat: bool, model_id: str) -> CompletionRequest:
@@ -137,7 +140,11 @@ def parse_completion(body: bytes, *, chat: bool, model_id: str) -> CompletionReq
     tools = None
     if chat:
         schema = json_schema_of(request.get("response_format"), "response_format")
-        tools = parse_tool_choice(request.get("tools"), request.get("tool_choice"))
+        tools = parse_tool_choice(
+            request.get("tools"),
+            request.get("tool_choice"),
+            parallel=request.get("parallel_tool_calls"),
+        )
         if tools is not None:
             if schema is not None:
                 raise _invalid(
@@ -145,9 +152,8 @@ def parse_completion(body: bytes, *, chat: bool, model_id: str) -> CompletionReq
                     "response_format",
                 )
             schema = tools.schema
-        parallel = request.get("parallel_tool_calls")
-        if parallel is not None and not isinstance(parallel, bool):
-            raise _invalid("parallel_tool_calls must be a boolean", "parallel_tool_calls")
+            if isinstance(tools, ToolFormat):
+                payload["messages"] = with_tool_prompt(payload["messages"], tools.prompt)
         if schema is not None:
             payload["json_schema"] = schema
         truncation = optional(request, _TRUNCATION, str, "disabled")
@@ -217,10 +223,11 @@ def chunk(
     include_usage: bool = False,
     usage_counts: dict[str, int] | None = None,
     tool_call: dict[str, Any] | None = None,
+    delta: dict[str, Any] | None = None,
 ) -> dict[str, Any]:
     """One streamed chunk. ``text`` None with ``usage_counts``: the last, choice-less chunk
     that carries the usage (OpenAI's ``stream_options.include_usage``). ``tool_call``: a
-    ``tool_calls`` delta instead of content."""
+    ``tool_calls`` delta instead of content; ``delta``: the delta's fields, made elsewhere."""
     body: dict[str, Any] = {
         "id": completion_id(session_id, chat=chat),
         "object": "chat.completion.chunk" if chat else "text_completion",
@@ -230,14 +237,16 @@ def chunk(
     if usage_counts is not None:
         body["choices"] = []
     elif chat:
-        delta: dict[str, Any] = {}
+        fields: dict[str, Any] = {}
         if role:
-            delta["role"] = "assistant"
-        if tool_call is not None:
-            delta["tool_calls"] = [tool_call]
+            fields["role"] = "assistant"
+        if delta is not None:
+            fields |= delta
+        elif tool_call is not None:
+            fields["tool_calls"] = [tool_call]
         elif text is not None:
-            delta["content"] = text
-        body["choices"] = [{"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish}]
+            fields["content"] = text
+        body["choices"] = [{"index": 0, "delta": fields, "logprobs": None, "finish_reason": finish}]
     else:
         body["choices"] = [
             {"index": 0, "text": text or "", "logprobs": None, "finish_reason": finish}
@@ -255,15 +264,19 @@ def completion_body(
     created: int,
     text: str,
     end: quicsrv_proto.End,
-    tools: ToolChoice | None = None,
+    tools: ToolChoice | ToolFormat | None = None,
 ) -> dict[str, Any]:
-    """The whole answer of a ``stream: false`` request (``tools``: it is a call of one)."""
+    """The whole answer of a ``stream: false`` request (``tools``: a call of one function, or
+    the generic format's text or calls)."""
     choice: dict[str, Any] = {
         "index": 0,
         "logprobs": None,
-        "finish_reason": finish_reason(end.reason, tool_call=tools is not None),
+        "finish_reason": finish_reason(end.reason, tool_call=isinstance(tools, ToolChoice)),
     }
-    if chat and tools is not None:
+    if chat and isinstance(tools, ToolFormat):
+        choice["message"], calls = chat_message(session_id, text)
+        choice["finish_reason"] = finish_reason(end.reason, tool_call=calls)
+    elif chat and isinstance(tools, ToolChoice):
         call = CallText(tools)
         call.finish(text)
         function = {"name": call.name or "", "arguments": call.arguments()}

@@ -51,9 +51,9 @@ from quicsrv_proto import ChatMessage, EndReason
 from quicsrv_proto.frames import MAX_MESSAGES, MAX_PROMPT_CHARS
 
 from ..sessions.record import SessionRecord
-from . import openai_api
+from . import openai_api, tool_format
 from .errors import ApiError
-from .tool_calls import CallText, ToolChoice, call_id, parse_tool_choice
+from .tool_calls import CallText, ToolChoice, ToolFormat, call_id, parse_tool_choice
 
 __all__ = [
     "FIRST_DELTA",
@@ -520,13 +520,19 @@ def parse_create(body: bytes, *, model_id: str) -> CreateRequest:
     metadata = _metadata(request.get("metadata"))
     text_format = _text_format(request.get("text"))
     schema = openai_api.json_schema_of(text_format, "text.format")
-    tools = parse_tool_choice(request.get("tools"), request.get("tool_choice"), nested=False)
+    tools = parse_tool_choice(
+        request.get("tools"),
+        request.get("tool_choice"),
+        parallel=request.get("parallel_tool_calls"),
+        nested=False,
+    )
     if tools is not None:
         if schema is not None:
             raise _invalid("a function call and text.format cannot both shape the output", "text")
         schema = tools.schema
     sampling = openai_api.sampling_payload(request)
-    system = () if instructions is None else (ChatMessage(role="system", content=instructions),)
+    system_text = tool_format.system_text(instructions, tools)
+    system = () if system_text is None else (ChatMessage(role="system", content=system_text),)
     payload: dict[str, Any] = {
         "max_tokens": max_output_tokens or openai_api.DEFAULT_MAX_TOKENS,
         "messages": [{"role": m.role, "content": m.content} for m in (*system, *items)],
@@ -553,7 +559,9 @@ def parse_create(body: bytes, *, model_id: str) -> CreateRequest:
         "previous_response_id": previous,
         "text": {"format": text_format or {"type": "text"}},
     }
-    if tools is not None:
+    if isinstance(tools, ToolFormat):
+        fields |= tool_format.fields(tools, request.get("tools"), request.get("tool_choice"))
+    elif tools is not None:
         fields |= {
             "calls": list(tools.names),
             "tools": request.get("tools"),

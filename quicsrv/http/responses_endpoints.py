@@ -26,7 +26,7 @@ from ..sessions.generation import PreparedRequest, PriorTurn
 from ..sessions.lifecycle import SessionState
 from ..sessions.manager import SessionManager
 from ..sessions.record import SessionRecord
-from . import responses_api
+from . import responses_api, tool_format
 from .errors import ApiError
 from .messages import (
     FullResponse,
@@ -38,6 +38,7 @@ from .messages import (
 )
 from .responses_api import ResponseView
 from .responses_stream import ResponseEncoder
+from .responses_tools import ToolAnswerEncoder, generic, response_object
 from .sse import collect_answer
 
 __all__ = ["ResponsesEndpoints", "streamed"]
@@ -63,7 +64,9 @@ class ResponsesEndpoints:
         generate, prior = create.generate, None
         if create.previous_response_id is not None:
             generate, prior = await self._continue(create, who)
-        conversation_from = 0 if create.instructions is None else 1
+        # The system message (instructions, the tool prompt) is not part of the conversation.
+        system = create.instructions is not None or tool_format.stored(create.fields)
+        conversation_from = 1 if system else 0
 
         def api(prepared: PreparedRequest) -> dict[str, Any]:
             kept = prepared.messages if create.store and prepared.messages else ()
@@ -85,7 +88,10 @@ class ResponsesEndpoints:
         )
         headers = ((SESSION_HEADER, session.session_id.hex().encode()),)
         if create.stream:
-            encoder = ResponseEncoder(ResponseView.of(session.record, ""), text_before="")
+            view = ResponseView.of(session.record, "")
+            encoder: ResponseEncoder | ToolAnswerEncoder = (
+                ToolAnswerEncoder(view) if generic(view) else ResponseEncoder(view, text_before="")
+            )
             return event_stream(
                 session,
                 0,
@@ -96,10 +102,10 @@ class ResponsesEndpoints:
             )
         if create.background:
             view = ResponseView.of(session.record, "", queued=session.state is SessionState.QUEUED)
-            return json_response(200, responses_api.response_object(view), headers)
+            return json_response(200, response_object(view), headers)
         answer = await collect_answer(session, who.name)
         view = ResponseView.of(session.record, answer.text)
-        return json_response(200, responses_api.response_object(view), headers)
+        return json_response(200, response_object(view), headers)
 
     async def _continue(
         self, create: responses_api.CreateRequest, who: ClientId
@@ -175,7 +181,7 @@ class ResponsesEndpoints:
         live = self._sessions.live(session_id)
         queued = live is not None and live.state is SessionState.QUEUED
         view = ResponseView.of(record, self._sessions.text_of(record), queued=queued)
-        return json_response(200, responses_api.response_object(view))
+        return json_response(200, response_object(view))
 
     async def resume(
         self, request: HttpRequest, who: ClientId, session_id: bytes, query: str
@@ -191,14 +197,20 @@ class ResponsesEndpoints:
         record = session.record
         if not responses_api.is_response(record):
             raise ApiError(404, "no such response", code="not_found")
-        call = bool(ResponseView.of(record, "").calls)
-        # Past the last token (the closing events): only the END is left to send.
-        from_index = min(responses_api.first_token_after(after, call=call), len(record.generated))
-        encoder = ResponseEncoder(
-            ResponseView.of(record, ""),
-            text_before=self._sessions.text_of(record, upto=from_index),
-            after=after,
-        )
+        view = ResponseView.of(record, "")
+        encoder: ResponseEncoder | ToolAnswerEncoder
+        if generic(view):
+            # Its events are numbered as they come: all rendered again, those after sent.
+            from_index, encoder = 0, ToolAnswerEncoder(view, after=after)
+        else:
+            call = bool(view.calls)
+            # Past the last token (the closing events): only the END is left to send.
+            from_index = min(
+                responses_api.first_token_after(after, call=call), len(record.generated)
+            )
+            encoder = ResponseEncoder(
+                view, text_before=self._sessions.text_of(record, upto=from_index), after=after
+            )
         return event_stream(
             session,
             from_index,
@@ -214,7 +226,7 @@ class ResponsesEndpoints:
         await self._sessions.cancel(session_id, key_id=who.key_id)
         record = await self._sessions.lookup(session_id, key_id=who.key_id)
         view = ResponseView.of(record, self._sessions.text_of(record))
-        return json_response(200, responses_api.response_object(view))
+        return json_response(200, response_object(view))
 
     async def delete(self, who: ClientId, session_id: bytes) -> FullResponse:
         """``DELETE /v1/responses/{id}``."""

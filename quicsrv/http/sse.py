@@ -37,6 +37,8 @@ from . import openai_api
 from .cursor import FLAG_CHAT, FLAG_USAGE, encode_cursor
 from .errors import ApiError, from_code
 from .tool_calls import CallText, ToolChoice
+from .tool_chunks import chat_delta
+from .tool_format import AnswerParser
 
 __all__ = [
     "KEEPALIVE_COMMENT",
@@ -73,6 +75,8 @@ class StreamShape:
     """When the session was created (Unix seconds): the same on a resumed stream."""
     tools: ToolChoice | None = None
     """The answer is a call of one of these functions (``tool_calls`` deltas, not content)."""
+    generic: bool = False
+    """The answer is in the generic tool format: text or calls (:mod:`.tool_format`)."""
 
     @property
     def flags(self) -> int:
@@ -94,6 +98,9 @@ class SseEncoder:
         # A tool call's deltas depend on the text before them: a resumed stream starts from
         # the text of the tokens it skips (``text_before``).
         self._call = None if shape.tools is None else CallText(shape.tools, text_before)
+        self._answer = AnswerParser() if shape.generic else None
+        if self._answer is not None:
+            self._answer.push(text_before)
         # The call's id and name go with its first event: a resumed stream had them already
         # if the name was known by then (one function: from the opening event on).
         self._announced = (
@@ -113,6 +120,9 @@ class SseEncoder:
     def encode(self, frame: quicsrv_proto.Frame) -> bytes:
         """The events ``frame`` makes on this stream (often none)."""
         if isinstance(frame, quicsrv_proto.Token):
+            if self._answer is not None:
+                delta = chat_delta(self.shape.session_id, self._answer.push(frame.text))
+                return self._event(frame.index, text=None, delta=delta) if delta else b""
             if self._call is not None:
                 return self._tool_event(frame.index, self._call.push(frame.text))
             return self._event(frame.index, text=frame.text) if frame.text else b""
@@ -121,6 +131,8 @@ class SseEncoder:
                 return b""
             if self._call is not None and self._call.name is not None:
                 return self._tool_event(-1, "", role=True)  # one function: named at once
+            if self._answer is not None:  # text or calls: not known yet
+                return self._event(-1, text=None, role=True)
             return self._event(-1, text="", role=True)
         if isinstance(frame, quicsrv_proto.End):
             return self._end(frame)
@@ -149,7 +161,12 @@ class SseEncoder:
             )
             return self._error(error)
         n = end.completion_tokens
-        if self._call is not None:
+        if self._answer is not None:
+            delta = chat_delta(self.shape.session_id, self._answer.push(end.text))
+            calls = bool(self._answer.calls)
+            finish = openai_api.finish_reason(end.reason, tool_call=calls)
+            out = self._event(n, text=None, finish=finish, delta=delta)
+        elif self._call is not None:
             finish = openai_api.finish_reason(end.reason, tool_call=True)
             out = self._tool_event(n, self._call.finish(end.text), finish=finish)
         else:
@@ -196,6 +213,7 @@ class SseEncoder:
         finish: str | None = None,
         usage_counts: dict[str, int] | None = None,
         tool_call: dict[str, Any] | None = None,
+        delta: dict[str, Any] | None = None,
     ) -> bytes:
         if self._after is not None and index <= self._after:
             return b""  # the client had this event before it reconnected
@@ -211,6 +229,7 @@ class SseEncoder:
             include_usage=shape.include_usage,
             usage_counts=usage_counts,
             tool_call=tool_call,
+            delta=delta,
         )
         cursor = encode_cursor(self._mac_key, shape.session_id, index, shape.flags)
         return b"id: " + cursor.encode() + b"\ndata: " + _compact(body) + b"\n\n"

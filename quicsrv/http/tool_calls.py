@@ -1,13 +1,13 @@
 """Tool calls: a function's arguments generated under its JSON schema, as OpenAI returns them.
 
-A request that must call a tool (``tool_choice: "required"``, or a named function) becomes a
-constrained generation: one function's arguments are generated under its ``parameters``
-schema; several functions are one schema, ``{"name": <one of them>, "arguments": <its
-parameters>}`` (``anyOf``, ``name`` first). What the model wrote is turned into the call
-(:class:`CallText`) as a pure function of the text, so a resumed stream renders the same
-argument deltas, and the call's id is derived from the session (``call_<session id>``), so a
-resume replays the same id. ``tool_choice: "auto"`` (the model decides whether to call) needs a
-chat template that knows tools; the default model's does not, so it is refused, never guessed.
+A request that names a function in ``tool_choice`` becomes a constrained generation: the
+function's arguments are generated under its ``parameters`` schema. (:class:`CallText` also
+reads ``{"name": <one of them>, "arguments": <its parameters>}``, the shape ``required`` had
+before the generic format, for records written then.) What the model wrote is turned into the
+call as a pure function of the text, so a resumed stream renders the same argument deltas, and
+the call's id is derived from the session (``call_<session id>``), so a resume replays the same
+id. ``tool_choice: "auto"`` (the model decides whether to call) and ``"required"`` use the
+generic format of :mod:`.tool_format`: the tools in the prompt, text or calls in a grammar.
 """
 
 from __future__ import annotations
@@ -19,8 +19,9 @@ from dataclasses import dataclass
 from typing import Any
 
 from .errors import ApiError
+from .tool_format import Function, ToolFormat, tool_format
 
-__all__ = ["CallText", "ToolChoice", "call_id", "parse_tool_choice"]
+__all__ = ["CallText", "ToolChoice", "ToolFormat", "call_id", "parse_tool_choice"]
 
 #: The start of a call among several functions, up to where its arguments begin.
 _WRAPPED = re.compile(r'\s*\{\s*"name"\s*:\s*"((?:[^"\\]|\\.)*)"\s*,\s*"arguments"\s*:\s*')
@@ -53,47 +54,48 @@ class ToolChoice:
         return cls(tuple(names), "")
 
 
-def call_id(session_id: bytes) -> str:
-    return "call_" + session_id.hex()
+def call_id(session_id: bytes, index: int = 0) -> str:
+    """Call ``index``'s id: named by the session, so a resume replays the same ids."""
+    return "call_" + session_id.hex() + (f"_{index}" if index else "")
 
 
 def parse_tool_choice(
-    tools: object, choice: object, *, param: str = "tools", nested: bool = True
-) -> ToolChoice | None:
-    """The functions a request must call one of, or None (no tools, or ``tool_choice:
-    "none"``). ``nested``: chat completions' ``{"type": "function", "function": {...}}``; else
-    the Responses API's flat ``{"type": "function", "name", "parameters"}``. Raises ApiError."""
+    tools: object,
+    choice: object,
+    *,
+    parallel: object = None,
+    param: str = "tools",
+    nested: bool = True,
+) -> ToolChoice | ToolFormat | None:
+    """How a request's tools shape its answer: None (no tools, or ``tool_choice: "none"``); a
+    :class:`ToolChoice` (a function named: one call of it); a :class:`ToolFormat` (``auto``,
+    the default with tools, or ``required``: the generic format, see :mod:`.tool_format`).
+    ``parallel``: ``parallel_tool_calls`` (default true, as OpenAI's). ``nested``: chat
+    completions' ``{"type": "function", "function": {...}}``; else the Responses API's flat
+    ``{"type": "function", "name", "parameters"}``. Raises ApiError."""
+    if parallel is not None and not isinstance(parallel, bool):
+        raise _invalid("parallel_tool_calls must be a boolean", "parallel_tool_calls")
     if tools is None or tools == []:
         if choice not in (None, "none", "auto"):
             raise _invalid("tool_choice needs tools", "tool_choice")
         return None
     functions = _functions(tools, param, nested)
-    if choice in (None, "auto"):
-        raise ApiError(
-            400,
-            "tool_choice 'auto' (the default with tools) needs a chat template that knows tools, "
-            "and this model's does not: ask for 'required' or name a function",
-            code="unsupported_value",
-            param="tool_choice",
-        )
     if choice == "none":
         return None
-    if choice == "required":
-        chosen = list(functions)
-    else:
-        name = _named(choice, nested)
-        if name not in functions:
-            raise _invalid(
-                f"tool_choice names {name!r}, which is not among the tools", "tool_choice"
-            )
-        chosen = [name]
-    return ToolChoice(tuple(chosen), _schema({n: functions[n] for n in chosen}))
+    if choice in (None, "auto", "required"):
+        return tool_format(
+            list(functions.values()), required=choice == "required", parallel=parallel is not False
+        )
+    name = _named(choice, nested)
+    if name not in functions:
+        raise _invalid(f"tool_choice names {name!r}, which is not among the tools", "tool_choice")
+    return ToolChoice((name,), _schema({name: functions[name].parameters}))
 
 
-def _functions(tools: object, param: str, nested: bool) -> dict[str, dict[str, Any]]:
+def _functions(tools: object, param: str, nested: bool) -> dict[str, Function]:
     if not isinstance(tools, list) or len(tools) > MAX_TOOLS:
         raise _invalid(f"{param} must be an array of at most {MAX_TOOLS} functions", param)
-    functions: dict[str, dict[str, Any]] = {}
+    functions: dict[str, Function] = {}
     for i, tool in enumerate(tools):
         where = f"{param}[{i}]"
         if not isinstance(tool, dict) or tool.get("type") != "function":
@@ -116,7 +118,10 @@ def _functions(tools: object, param: str, nested: bool) -> dict[str, dict[str, A
             parameters = _EMPTY_PARAMETERS
         if not isinstance(parameters, dict):
             raise _invalid(f"{where}.parameters must be a JSON schema object", where)
-        functions[name] = parameters
+        description = spec.get("description")
+        if description is not None and not isinstance(description, str):
+            raise _invalid(f"{where}.description must be a string", where)
+        functions[name] = Function(name, description, parameters)
     return functions
 
 

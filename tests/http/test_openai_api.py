@@ -74,9 +74,9 @@ def test_content_parts_and_the_developer_role():
         ({"presence_penalty": 0.5}, "presence_penalty", "unsupported_parameter"),
         ({"tools": [{"type": "function"}]}, "tools[0]", "invalid_value"),
         (
-            {"tools": [{"type": "function", "function": {"name": "f"}}]},
+            {"tools": [{"type": "function", "function": {"name": "f"}}], "tool_choice": "any"},
             "tool_choice",
-            "unsupported_value",
+            "invalid_value",
         ),
         ({"response_format": {"type": "xml"}}, "response_format.type", "invalid_value"),
         (

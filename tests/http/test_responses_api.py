@@ -381,7 +381,11 @@ def test_neutral_values_and_metadata_at_its_bounds_are_accepted() -> None:
     [
         ({"frobnicate": 1}, "frobnicate", "unknown_parameter"),
         ({"messages": [{"role": "user", "content": "x"}]}, "messages", "unknown_parameter"),
-        ({"tools": [{"type": "function", "name": "f"}]}, "tool_choice", "unsupported_value"),
+        (
+            {"tools": [{"type": "function", "name": "f"}], "parallel_tool_calls": 1},
+            "parallel_tool_calls",
+            "unsupported_parameter",
+        ),
         (
             {"tools": [{"type": "web_search"}], "tool_choice": "required"},
             "tools[0]",

@@ -1,5 +1,6 @@
-"""Tool calls: which requests become a constrained call, and the call taken out of the text
-as a pure function of it (so a resumed stream renders the same argument deltas)."""
+"""Tool calls: which requests become a constrained call of a named function, and the call taken
+out of the text as a pure function of it (so a resumed stream renders the same argument deltas).
+The generic format (``auto``, ``required``) is tested in test_tool_format.py."""
 
 from __future__ import annotations
 
@@ -32,31 +33,27 @@ arguments_values = st.dictionaries(
 )
 
 
-def test_required_or_named_is_a_call_and_auto_is_refused():
-    one = parse_tool_choice([WEATHER], "required")
-    assert one is not None and one.single == "weather"
-    assert json.loads(one.schema) == WEATHER["function"]["parameters"]
+def test_a_named_function_is_one_call_and_bad_tools_are_refused():
     named = parse_tool_choice([WEATHER, TIME], {"type": "function", "function": {"name": "time"}})
-    assert named is not None and named.single == "time"
-    several = parse_tool_choice([WEATHER, TIME], "required")
-    assert several is not None and several.single is None
-    variants = json.loads(several.schema)["anyOf"]
-    assert [v["properties"]["name"]["const"] for v in variants] == ["weather", "time"]
-    assert all(list(v["properties"]) == ["name", "arguments"] for v in variants)
+    assert isinstance(named, ToolChoice) and named.single == "time"
+    assert json.loads(named.schema) == TIME["function"]["parameters"]
     assert parse_tool_choice([WEATHER], "none") is None
     assert parse_tool_choice(None, None) is None
     for tools, choice, param in [
-        ([WEATHER], None, "tool_choice"),
-        ([WEATHER], "auto", "tool_choice"),
         ([WEATHER], {"type": "function", "function": {"name": "nope"}}, "tool_choice"),
+        ([WEATHER], "sometimes", "tool_choice"),
         ([{"type": "web_search"}], "required", "tools[0]"),
         ([WEATHER, WEATHER], "required", "tools[1]"),
         ([{"type": "function", "function": {"name": "bad name!"}}], "required", "tools[0]"),
+        ([{"type": "function", "function": {"name": "f", "description": 3}}], None, "tools[0]"),
         (None, "required", "tool_choice"),
     ]:
         with pytest.raises(ApiError) as refused:
             parse_tool_choice(tools, choice)
         assert refused.value.status == 400 and refused.value.param == param
+    with pytest.raises(ApiError) as refused:
+        parse_tool_choice([WEATHER], "auto", parallel="yes")
+    assert refused.value.param == "parallel_tool_calls"
 
 
 def test_the_flat_form_of_the_responses_api():
