@@ -12,6 +12,7 @@ the API key that made it is the one asking.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import json
 import urllib.parse
 from typing import Any
@@ -85,7 +86,11 @@ class ResponsesEndpoints:
         )
         headers = ((SESSION_HEADER, session.session_id.hex().encode()),)
         if create.stream:
-            encoder = ResponseEncoder(ResponseView.of(session.record, ""), text_before="")
+            encoder = ResponseEncoder(
+                ResponseView.of(session.record, ""),
+                text_before="",
+                ended_at=functools.partial(responses_api.ended_at, session.record),
+            )
             return event_stream(
                 session,
                 0,
@@ -198,6 +203,7 @@ class ResponsesEndpoints:
             ResponseView.of(record, ""),
             text_before=self._sessions.text_of(record, upto=from_index),
             after=after,
+            ended_at=functools.partial(responses_api.ended_at, record),
         )
         return event_stream(
             session,
