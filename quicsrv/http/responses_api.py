@@ -590,8 +590,7 @@ def _input_message(item: object, param: str) -> ChatMessage:
             param,
             "unsupported_value",
         )
-    if set(item) - {"type", "role", "content", "id", "status"}:
-        raise _invalid(f"{param} must be an object with role and content", param)
+    _check_message_keys(item, param)
     given = item.get("role")
     role = _INPUT_ROLES.get(given) if isinstance(given, str) else None
     if role is None:
@@ -602,6 +601,28 @@ def _input_message(item: object, param: str) -> ChatMessage:
         )
     text = openai_api.message_text(item.get("content"), param, part_types=_TEXT_PARTS)
     return ChatMessage(role=role, content=text)
+
+
+#: What a message item says, and what an item echoed from an earlier response carries beside.
+_MESSAGE_KEYS = frozenset({"type", "role", "content", "id", "status"})
+#: Labels the model cannot be shown and that change nothing: Open Responses' ``phase`` of an
+#: assistant message (its commentary, or its final answer).
+_MESSAGE_NEUTRAL: dict[str, tuple[object, ...]] = {"phase": ("commentary", "final_answer")}
+
+
+def _check_message_keys(item: dict[str, Any], param: str) -> None:
+    for key, value in item.items():
+        if key in _MESSAGE_KEYS:
+            continue
+        where = f"{param}.{str(key)[:40]}"
+        if key not in _MESSAGE_NEUTRAL:
+            raise _invalid(f"{where}: a message item has no such key", where, "unknown_parameter")
+        if value is not None and value not in _MESSAGE_NEUTRAL[key]:
+            raise _invalid(
+                f"{where} must be one of {', '.join(map(str, _MESSAGE_NEUTRAL[key]))}",
+                where,
+                "unsupported_value",
+            )
 
 
 def _text_format(value: object) -> dict[str, Any] | None:

@@ -1,0 +1,151 @@
+"""End to end, through the real server and model: whole Responses objects in every event, the
+neutral fields accepted, the model object, and clear answers to unknown endpoints and to a
+WebSocket upgrade (issue 41)."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from typing import Any
+
+import openai
+import pytest
+
+from tests.helpers import running_server
+
+from .helpers import base_url, openai_client, tcp_client, tls_context
+from .test_responses_objects import check_resource
+
+pytestmark = [pytest.mark.model, pytest.mark.asyncio]
+
+WEATHER = {
+    "type": "function",
+    "name": "get_weather",
+    "description": "The weather in a city",
+    "parameters": {
+        "type": "object",
+        "properties": {"city": {"type": "string", "maxLength": 12}},
+        "required": ["city"],
+        "additionalProperties": False,
+    },
+}
+
+
+async def _websocket_upgrade(server: Any, certs: Any, path: str) -> tuple[int, dict[str, Any]]:
+    """An HTTP/1.1 WebSocket upgrade (RFC 6455 §4.1) of ``path``: the status and JSON body."""
+    reader, writer = await asyncio.open_connection("localhost", server.port, ssl=tls_context(certs))
+    writer.write(
+        f"GET {path} HTTP/1.1\r\nHost: localhost\r\nUpgrade: websocket\r\n"
+        "Connection: Upgrade\r\nSec-WebSocket-Key: dGhlIHNhbXBsZSBub25jZQ==\r\n"
+        "Sec-WebSocket-Version: 13\r\n\r\n".encode()
+    )
+    head = await reader.readuntil(b"\r\n\r\n")
+    status = int(head.split(b" ", 2)[1])
+    headers = dict(line.split(b": ", 1) for line in head.split(b"\r\n")[1:] if b": " in line)
+    body = await reader.readexactly(int(headers[b"content-length"]))
+    writer.close()
+    return status, json.loads(body)
+
+
+async def test_models_unknown_endpoints_and_websocket_upgrades_get_clear_answers(engine, certs):
+    async with running_server(engine, certs) as server:
+        model = server.app.router.model_id
+        async with tcp_client(server, certs) as tcp:
+            listed = (await tcp.get("/v1/models")).json()["data"][0]
+            one = await tcp.get(f"/v1/models/{model}")
+            other = await tcp.get("/v1/models/gpt-4")
+            compact = await tcp.post("/v1/responses/compact", json={"model": model})
+            nope = await tcp.get("/v1/nope")
+            upgrade = await _websocket_upgrade(server, certs, "/v1/responses")
+            after = await tcp.get(f"/v1/models/{model}")  # the server goes on
+        async with openai_client(server, certs) as client:
+            retrieved = await client.models.retrieve(model)
+            with pytest.raises(openai.NotFoundError) as caught:
+                await client.models.retrieve("gpt-4")
+    assert one.status_code == 200 and one.json() == listed
+    assert retrieved.id == model and caught.value.code == "model_not_found"
+    assert (other.status_code, other.json()["error"]["code"]) == (404, "model_not_found")
+    for answer in (compact, nope):
+        error = answer.json()["error"]
+        assert (answer.status_code, error["code"]) == (404, "unknown_endpoint")
+        assert "not found" not in error["message"]  # not "Response with id 'compact' not found"
+    status, body = upgrade
+    assert (status, body["error"]["code"]) == (400, "websocket_not_supported")
+    assert body["error"]["type"] == "invalid_request_error"
+    assert after.status_code == 200
+
+
+async def test_a_called_function_streams_whole_objects_with_the_requests_tools(engine, certs):
+    """The default max_output_tokens, echoed: the call ends long before it."""
+    async with running_server(engine, certs) as server:
+        model = server.app.router.model_id
+        request: dict[str, Any] = {
+            "model": model,
+            "input": [
+                {"type": "message", "role": "user", "content": "Weather in Oslo?"},
+                {
+                    "type": "message",
+                    "role": "assistant",
+                    "content": "Let me see.",
+                    "phase": "commentary",
+                },
+                {"type": "message", "role": "user", "content": "Go on."},
+            ],
+            "tools": [WEATHER],
+            "tool_choice": "required",
+            "temperature": 0,
+            # Neutral: accepted, and the answer is the same as without them.
+            "prompt_cache_key": "conversation-1",
+            "safety_identifier": "user-hash",
+            "context_management": None,
+            "service_tier": "auto",
+            "store": True,
+        }
+        async with tcp_client(server, certs) as tcp:
+            async with tcp.stream("POST", "/v1/responses", json={**request, "stream": True}) as r:
+                assert r.status_code == 200
+                events = [
+                    json.loads(line.removeprefix("data: "))
+                    async for line in r.aiter_lines()
+                    if line.startswith("data: ")
+                ]
+            final = events[-1]["response"]
+            stored = (await tcp.get(f"/v1/responses/{final['id']}")).json()
+    carrying = [e["response"] for e in events if "response" in e]
+    assert [e["type"] for e in events if "response" in e] == [
+        "response.created",
+        "response.in_progress",
+        "response.completed",
+    ]
+    for response in (*carrying, stored):
+        check_resource(response)
+        assert response["tools"] == [{**WEATHER, "strict": True}]
+        assert response["tool_choice"] == "required"
+        assert response["max_output_tokens"] == 256
+        assert response["prompt_cache_key"] == "conversation-1"
+        assert response["safety_identifier"] == "user-hash"
+    assert final["output"][0]["type"] == "function_call"
+    assert json.loads(final["output"][0]["arguments"])["city"]
+    assert isinstance(final["completed_at"], int) and final["completed_at"] >= final["created_at"]
+    assert stored["completed_at"] == final["completed_at"]  # from the record, on every read
+
+
+async def test_chat_accepts_neutral_fields_and_answers_refusal_null(engine, certs):
+    async with running_server(engine, certs) as server:
+        model = server.app.router.model_id
+        body = {
+            "model": model,
+            "messages": [{"role": "user", "content": "Hi"}],
+            "max_tokens": 2,
+            "metadata": {},
+            "store": True,
+            "prompt_cache_key": "k",
+            "safety_identifier": "s",
+            "service_tier": "default",
+            "parallel_tool_calls": True,
+        }
+        async with tcp_client(server, certs) as tcp:
+            answer = await tcp.post(base_url(server) + "/v1/chat/completions", json=body)
+    assert answer.status_code == 200, answer.text
+    message = answer.json()["choices"][0]["message"]
+    assert "refusal" in message and message["refusal"] is None
