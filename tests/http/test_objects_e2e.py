@@ -149,3 +149,134 @@ async def test_chat_accepts_neutral_fields_and_answers_refusal_null(engine, cert
     assert answer.status_code == 200, answer.text
     message = answer.json()["choices"][0]["message"]
     assert "refusal" in message and message["refusal"] is None
+
+
+#: The requests of the Open Responses compliance suite's tests in scope (its
+#: src/lib/compliance-tests.ts at loadtest.bench.open_responses.SUITE_COMMIT), as it sends them:
+#: all at once, each answer checked against the whole ResponseResource.
+SUITE_INPUTS: dict[str, Any] = {
+    "basic-response": [
+        {"type": "message", "role": "user", "content": "Say hello in exactly 3 words."}
+    ],
+    "streaming-response": [{"type": "message", "role": "user", "content": "Count from 1 to 5."}],
+    "system-prompt": [
+        {
+            "type": "message",
+            "role": "system",
+            "content": "You are a pirate. Always respond in pirate speak.",
+        },
+        {"type": "message", "role": "user", "content": "Say hello."},
+    ],
+    "multi-turn": [
+        {"type": "message", "role": "user", "content": "My name is Alice."},
+        {
+            "type": "message",
+            "role": "assistant",
+            "content": "Hello Alice! Nice to meet you. How can I help you today?",
+        },
+        {"type": "message", "role": "user", "content": "What is my name?"},
+    ],
+}
+
+
+async def _suite_post(tcp: Any, body: dict[str, Any]) -> dict[str, Any]:
+    """POST /v1/responses as the suite does; a stream's final response, with every event's
+    response checked on the way."""
+    if not body.get("stream"):
+        answer = await tcp.post("/v1/responses", json=body)
+        assert answer.status_code == 200, answer.text
+        return dict(answer.json())
+    async with tcp.stream("POST", "/v1/responses", json=body) as r:
+        assert r.status_code == 200
+        events = [
+            json.loads(line.removeprefix("data: "))
+            async for line in r.aiter_lines()
+            if line.startswith("data: ")
+        ]
+    assert [e["sequence_number"] for e in events] == list(range(len(events)))
+    for event in events:
+        if "response" in event:
+            check_resource(event["response"])
+        if "item" in event and event["item"]["type"] == "function_call":
+            assert isinstance(event["item"]["name"], str)
+    return dict(events[-1]["response"])
+
+
+async def test_the_compliance_suites_requests_in_scope_pass(engine, certs):
+    """What ``make compliance-open-responses`` checks, without bun or the download: the same
+    requests, at once, each answer a whole ResponseResource with the status the test wants."""
+    async with running_server(engine, certs) as server:
+        model = server.app.router.model_id
+        weather = {
+            **WEATHER,
+            "parameters": {
+                **WEATHER["parameters"],
+                "properties": {"location": {"type": "string", "maxLength": 20}},
+                "required": ["location"],
+            },
+        }
+
+        async def previous_response_id(tcp: Any) -> dict[str, Any]:
+            first = await _suite_post(
+                tcp,
+                {
+                    "model": model,
+                    "input": "Remember this code word: papaya. Reply with only OK.",
+                    "stream": False,
+                },
+            )
+            check_resource(first)
+            return await _suite_post(
+                tcp,
+                {
+                    "model": model,
+                    "previous_response_id": first["id"],
+                    "input": "What code word did I ask you to remember?",
+                    "stream": False,
+                },
+            )
+
+        async def function_call_roundtrip(tcp: Any) -> dict[str, Any]:
+            first = await _suite_post(
+                tcp,
+                {
+                    "model": model,
+                    "input": "Use the weather tool to get the temperature in San Francisco.",
+                    "tools": [weather],
+                    "tool_choice": {"type": "function", "name": weather["name"]},
+                    "stream": False,
+                },
+            )
+            check_resource(first)
+            call = next(item for item in first["output"] if item["type"] == "function_call")
+            return await _suite_post(
+                tcp,
+                {
+                    "model": model,
+                    "previous_response_id": first["id"],
+                    "input": [
+                        {
+                            "type": "function_call_output",
+                            "call_id": call["call_id"],
+                            "output": "64 degrees and clear",
+                        }
+                    ],
+                    "stream": False,
+                },
+            )
+
+        async with tcp_client(server, certs) as tcp:
+            singles = [
+                _suite_post(
+                    tcp,
+                    {"model": model, "input": items, "stream": name == "streaming-response"},
+                )
+                for name, items in SUITE_INPUTS.items()
+            ]
+            answers = await asyncio.gather(
+                *singles, previous_response_id(tcp), function_call_roundtrip(tcp)
+            )
+    for answer in answers:
+        check_resource(answer)
+        assert answer["status"] == "completed", answer["incomplete_details"]
+        assert answer["output"] and answer["output"][0]["type"] == "message"
