@@ -79,6 +79,10 @@ NEEDS_TOOL_CHOICE_AUTO: dict[str, str] = {
 }
 
 
+#: The suite's one error when a response is whole but ended at its token limit.
+_RAN_ON = 'Expected status "completed" but got "incomplete"'
+
+
 @dataclass(frozen=True, slots=True, kw_only=True)
 class Verdict:
     """One test of the suite, and what its result means here."""
@@ -136,6 +140,11 @@ def judge(results: Sequence[dict[str, Any]]) -> list[Verdict]:
             kind, why = "needs tool_choice auto", NEEDS_TOOL_CHOICE_AUTO[test_id]
         else:
             kind, why = "in scope", ""
+        if status == "failed" and errors and all(e == _RAN_ON for e in errors):
+            why = (
+                "the answer ran on to max_output_tokens (256 when not given): the model's "
+                "length, the object itself is whole"
+            )
         verdicts.append(
             Verdict(
                 id=test_id,
@@ -153,7 +162,7 @@ def render(verdicts: Sequence[Verdict], heading: str) -> str:
     """A Markdown table of the verdicts, and the counts."""
     lines = [heading, "", "| test | result | kind | why / first error |", "|---|---|---|---|"]
     for v in verdicts:
-        note = v.why if v.status != "failed" else (v.errors[0] if v.errors else v.why)
+        note = v.why or (v.errors[0] if v.errors else "")
         note = note.replace("|", "\\|").replace("\n", " ")[:200]
         lines.append(f"| {v.id} | {v.status} | {v.kind} | {note} |")
     scoped = [v for v in verdicts if v.kind in ("in scope", "needs tool_choice auto")]

@@ -1,8 +1,13 @@
 """OpenAI's Responses API, mapped onto a session, and every object and event it answers with.
 
 Request side: :func:`parse_create` checks a ``POST /v1/responses`` body field by field, as
-:mod:`.openai_api` does for completions: what the engine cannot honour (tools, reasoning,
-structured output, ...) is accepted only at its neutral value and refused otherwise.
+:mod:`.openai_api` does for completions: which fields are accepted, and at which values, is
+:mod:`.field_policy`'s (what the engine cannot honour, such as ``reasoning``, only at a value
+that changes nothing). Input message items name any key that is not theirs.
+
+Response side: :func:`response_object` has every field of OpenAI's ``Response`` and Open
+Responses' ``ResponseResource``, in every event that carries it, the request's tools and
+tool_choice from the first event on.
 
 Everything a response says is a pure function of its session record (:class:`ResponseView`):
 the ids (``resp_<session id>``, ``msg_<session id>``), the stored request fields and

@@ -31,6 +31,12 @@ def test_each_result_gets_its_verdict() -> None:
             {"id": "responses-compact", "name": "C", "status": "failed", "errors": []},
             {"id": "tool-calling", "name": "T", "status": "failed", "errors": ["HTTP 400"]},
             {"id": "file-search", "name": "F", "status": "skipped", "errors": ["optional"]},
+            {
+                "id": "system-prompt",
+                "name": "P",
+                "status": "failed",
+                "errors": ['Expected status "completed" but got "incomplete"'],
+            },
         ]
     )
     kinds = {v.id: v.kind for v in verdicts}
@@ -42,9 +48,11 @@ def test_each_result_gets_its_verdict() -> None:
         "responses-compact": "out of scope",
         "tool-calling": "needs tool_choice auto",
         "file-search": "skipped by the suite",
+        "system-prompt": "in scope",
     }
     against = [v.id for v in verdicts if v.counts_against]
-    assert against == ["streaming-response", "tool-calling"]
+    assert against == ["streaming-response", "tool-calling", "system-prompt"]
+    assert "ran on to max_output_tokens" in verdicts[-1].why
     table = render(verdicts, "# run")
     assert "| streaming-response | failed | in scope | x: bad |" in table
-    assert "In scope: 1 of 3 passed; 1 of 7 in all." in table
+    assert "In scope: 1 of 4 passed; 1 of 8 in all." in table
