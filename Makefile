@@ -5,7 +5,8 @@ VENV ?= .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: venv certs demo demo-resume test lint bench bench-aiperf aiperf-venv clean system-deps
+.PHONY: venv certs demo demo-resume test lint bench bench-aiperf aiperf-venv clean system-deps \
+	compliance-open-responses
 
 # The strict editable install links every file under its installed name (proto/ is quicsrv_proto,
 # client/ is quicsrv_client): mypy and plain imports see them without setuptools' import hook. A
@@ -47,6 +48,15 @@ aiperf-venv:
 bench-aiperf: venv aiperf-venv
 	$(BIN)/python -m loadtest.bench.llama_server_build
 	QUICSRV_AIPERF_HOME=$(AIPERF_HOME) $(BIN)/python -m loadtest.bench.aiperf_run $(AIPERF_ARGS)
+
+# The Open Responses compliance suite (its repository's CLI at a pinned commit, run by bun from
+# npm, both kept under ~/.cache/quicsrv/open-responses) against a real `quicsrv serve` with the
+# default model: loadtest/bench/open_responses.py. Never run by `make test` or CI (it downloads).
+# A machine that cannot reach GitHub: OPEN_RESPONSES_ARGS="--suite /path/to/a/checkout".
+OPEN_RESPONSES_ARGS ?=
+
+compliance-open-responses: venv
+	$(BIN)/python -m loadtest.bench.open_responses $(OPEN_RESPONSES_ARGS)
 
 # redis-server (the shared store's tests start their own) and iproute2 (`ip netns`: the two-node
 # test), from Debian's packages. Needs root; skipped when both are already there. A failed install

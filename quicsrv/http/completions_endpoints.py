@@ -1,7 +1,7 @@
 """OpenAI's chat and text completions endpoints: what ``POST /v1/chat/completions``,
-``POST /v1/completions``, ``GET /v1/models`` and ``GET``/``DELETE /v1/streams/{session}`` do,
-on the sessions (the router dispatches here; :mod:`.openai_api` reads the requests and shapes
-the bodies, :mod:`.sse` encodes a stream).
+``POST /v1/completions``, ``GET /v1/models`` (and ``/v1/models/{id}``) and
+``GET``/``DELETE /v1/streams/{session}`` do, on the sessions (the router dispatches here;
+:mod:`.openai_api` reads the requests and shapes the bodies, :mod:`.sse` encodes a stream).
 
 A completion is a session. Streamed, each of its events has a signed cursor as its id
 (:mod:`.cursor`), so that ``GET /v1/streams/{session}`` with that id in ``Last-Event-ID`` (or
@@ -54,6 +54,19 @@ class CompletionsEndpoints:
     async def models(self) -> FullResponse:
         """``GET /v1/models``: the one model this server runs."""
         return json_response(200, openai_api.models_body(self._model_id, self._created))
+
+    async def model(self, model_id: str) -> FullResponse:
+        """``GET /v1/models/{id}``: the model object, or 404 for a model this server does not
+        run."""
+        if model_id != self._model_id:
+            raise ApiError(
+                404,
+                f"The model `{model_id[:200]}` does not exist; this server serves "
+                f"`{self._model_id}`",
+                code="model_not_found",
+                param="model",
+            )
+        return json_response(200, openai_api.model_object(self._model_id, self._created))
 
     async def create(self, request: HttpRequest, who: ClientId, *, chat: bool) -> Response:
         """``POST /v1/chat/completions`` (``chat``) or ``POST /v1/completions``: a stream of

@@ -2,8 +2,9 @@
 
 Request side: :func:`parse_completion` checks a ``/v1/chat/completions`` or ``/v1/completions``
 JSON body field by field and returns a :class:`CompletionRequest` (a ``quicsrv_proto.Generate``
-plus how to answer). Only what the engine really does is accepted: ``n`` must be 1,
-``logit_bias`` empty, ``logprobs`` off, penalties 0; anything else, and every unknown field, is
+plus how to answer). Which fields are accepted, and at which values, is :mod:`.field_policy`'s
+one table: what the engine does, and the values of the rest that change nothing (``n: 1``,
+``logit_bias: {}``, penalties 0, ``user``...); anything else, and every unknown field, is
 refused with a 400 naming the parameter, so a client never believes a setting took effect when
 it did not.
 Extensions beside OpenAI's fields (llama-server's names): ``top_k``, ``min_p``,
@@ -24,6 +25,7 @@ import quicsrv_proto
 from quicsrv_proto import EndReason
 from quicsrv_proto.frames import CHAT_ROLES, MAX_SEED
 
+from . import field_policy
 from .errors import ApiError
 from .tool_calls import CallText, ToolChoice, call_id, parse_tool_choice
 from .tool_chunks import chat_message
@@ -43,48 +45,9 @@ __all__ = [
 #: useful from a chat model, so both endpoints share one moderate default.
 DEFAULT_MAX_TOKENS = 256
 
-_COMMON = frozenset(
-    {
-        "model",
-        "max_tokens",
-        "temperature",
-        "top_p",
-        "seed",
-        "stop",
-        "n",
-        "stream",
-        "stream_options",
-        "logit_bias",
-        "logprobs",
-        "presence_penalty",
-        "frequency_penalty",
-        "user",
-        # Extensions (see the module docstring).
-        "top_k",
-        "min_p",
-        "repeat_penalty",
-        "ignore_eos",
-        "deadline_ms",
-    }
-)
 #: Extension of chat completions (the Responses API's name): ``auto`` drops the oldest turns of a
 #: chat over the context budget instead of answering 413 ``prompt_too_long``.
 _TRUNCATION = "truncation"
-_CHAT = _COMMON | {
-    "messages",
-    "max_completion_tokens",
-    "top_logprobs",
-    "response_format",
-    "tools",
-    "tool_choice",
-    "parallel_tool_calls",
-    "functions",
-    "function_call",
-    "store",
-    "metadata",
-    _TRUNCATION,
-}
-_TEXT = _COMMON | {"prompt", "echo", "suffix", "best_of"}
 
 # OpenAI's newer name for the system role; the chat template knows only "system".
 _ROLE_ALIASES = {"developer": "system"}
@@ -109,13 +72,8 @@ def parse_completion(body: bytes, *, chat: bool, model_id: str) -> CompletionReq
     """Check a completion request body; raises :class:`ApiError` (400, or 404 for a model
     this server does not serve)."""
     request = json_object(body)
-    unknown = sorted(set(request) - (_CHAT if chat else _TEXT))
-    if unknown:
-        raise _invalid(
-            f"Unrecognized request argument supplied: {unknown[0]}", unknown[0], "unknown_parameter"
-        )
+    (field_policy.CHAT if chat else field_policy.COMPLETIONS).check(request)
     check_model(request, model_id)
-    _refuse_unsupported(request, chat)
     stream = optional(request, "stream", bool, False)
     options = request.get("stream_options")
     include_usage = False
@@ -283,10 +241,12 @@ def completion_body(
         choice["message"] = {
             "role": "assistant",
             "content": None,
+            "refusal": None,
             "tool_calls": [{"id": call_id(session_id), "type": "function", "function": function}],
         }
     elif chat:
-        choice["message"] = {"role": "assistant", "content": text}
+        # OpenAI's schema requires refusal (null: this server never answers with one).
+        choice["message"] = {"role": "assistant", "content": text, "refusal": None}
     else:
         choice["text"] = text
     return {
@@ -299,12 +259,14 @@ def completion_body(
     }
 
 
+def model_object(model_id: str, created: int) -> dict[str, Any]:
+    """The model object (``GET /v1/models/{id}``, and each of ``GET /v1/models``)."""
+    return {"id": model_id, "object": "model", "created": created, "owned_by": "quicsrv"}
+
+
 def models_body(model_id: str, created: int) -> dict[str, Any]:
     """``GET /v1/models``: the one model this server runs."""
-    return {
-        "object": "list",
-        "data": [{"id": model_id, "object": "model", "created": created, "owned_by": "quicsrv"}],
-    }
+    return {"object": "list", "data": [model_object(model_id, created)]}
 
 
 # --- field checks (shared with the Responses API) ------------------------------------------
@@ -408,51 +370,6 @@ def json_object(body: bytes) -> dict[str, Any]:
     return value
 
 
-def _refuse_unsupported(request: dict[str, Any], chat: bool) -> None:
-    """Fields OpenAI defines that this engine cannot honour: accepted only at their neutral
-    value, refused otherwise (a silently ignored setting would be a lie)."""
-    neutral: dict[str, tuple[object, ...]] = {
-        "n": (None, 1),
-        "logit_bias": (None, {}),
-        "logprobs": (None, False),
-        "presence_penalty": (None, 0, 0.0),
-        "frequency_penalty": (None, 0, 0.0),
-    }
-    if chat:
-        neutral |= {
-            "top_logprobs": (None,),
-            "functions": (None, []),
-            "function_call": (None, "none"),
-            "store": (None, False),
-            "metadata": (None,),
-        }
-    else:
-        neutral |= {"echo": (None, False), "suffix": (None,), "best_of": (None, 1)}
-    refuse_unless_neutral(request, neutral)
-    user = request.get("user")
-    if user is not None and not isinstance(user, str):
-        raise _invalid("user must be a string", "user")
-
-
-def refuse_unless_neutral(request: dict[str, Any], neutral: dict[str, tuple[object, ...]]) -> None:
-    """Each field of ``neutral`` present in ``request`` holds one of its allowed values (a
-    setting this server cannot honour is refused, never silently ignored)."""
-    for name, allowed in neutral.items():
-        if name not in request:
-            continue
-        value = request[name]
-        # bool is an int in Python: True must not pass for 1.
-        if any(type(value) is type(a) and value == a for a in allowed) or value is None:
-            continue
-        if name == "n" and isinstance(value, int) and not isinstance(value, bool) and value > 1:
-            raise _invalid("only n=1 is supported", "n", "unsupported_value")
-        raise _invalid(
-            f"{name}={json.dumps(value)[:60]} is not supported by this server",
-            name,
-            "unsupported_parameter",
-        )
-
-
 def optional(
     fields: dict[str, Any], name: str, kind: type, default: Any, param: str | None = None
 ) -> Any:
@@ -504,9 +421,9 @@ def _messages(value: object) -> list[dict[str, str]]:
     messages = []
     for i, message in enumerate(value):
         param = f"messages[{i}]"
-        allowed = {"role", "content", "name", "tool_calls", "tool_call_id", "refusal"}
-        if not isinstance(message, dict) or set(message) - allowed:
+        if not isinstance(message, dict):
             raise _invalid(f"{param} must be an object with role and content", param)
+        _check_message_keys(message, param)
         role = message.get("role")
         role = _ROLE_ALIASES.get(role, role) if isinstance(role, str) else role
         if role not in CHAT_ROLES:
@@ -525,6 +442,35 @@ def _messages(value: object) -> list[dict[str, str]]:
             text += _calls_text(calls, f"{param}.tool_calls")
         messages.append({"role": role, "content": text})
     return messages
+
+
+#: The keys of a chat message: what it says, and (null or empty) what an assistant message
+#: echoed from an answer carries besides.
+_MESSAGE_KEYS = frozenset({"role", "content", "name", "tool_calls", "tool_call_id"})
+_MESSAGE_NEUTRAL: dict[str, tuple[object, ...]] = {
+    "refusal": (),
+    "audio": (),
+    "function_call": (),
+    "annotations": ([],),
+}
+
+
+def _check_message_keys(message: dict[str, Any], param: str) -> None:
+    """Refuse a key a chat message does not have, or a neutral one that is not (named)."""
+    for key, value in message.items():
+        if key in _MESSAGE_KEYS:
+            continue
+        allowed = _MESSAGE_NEUTRAL.get(key)
+        if allowed is None:
+            raise _invalid(
+                f"{param}.{key}: unknown key in a message", f"{param}.{key}", "unknown_parameter"
+            )
+        if value is not None and value not in allowed:
+            raise _invalid(
+                f"{param}.{key} is not supported by this server (only null)",
+                f"{param}.{key}",
+                "unsupported_value",
+            )
 
 
 def _calls_text(calls: object, param: str) -> str:

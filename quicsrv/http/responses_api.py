@@ -1,8 +1,13 @@
 """OpenAI's Responses API, mapped onto a session, and every object and event it answers with.
 
 Request side: :func:`parse_create` checks a ``POST /v1/responses`` body field by field, as
-:mod:`.openai_api` does for completions: what the engine cannot honour (tools, reasoning,
-structured output, ...) is accepted only at its neutral value and refused otherwise.
+:mod:`.openai_api` does for completions: which fields are accepted, and at which values, is
+:mod:`.field_policy`'s (what the engine cannot honour, such as ``reasoning``, only at a value
+that changes nothing). Input message items name any key that is not theirs.
+
+Response side: :func:`response_object` has every field of OpenAI's ``Response`` and Open
+Responses' ``ResponseResource``, in every event that carries it, the request's tools and
+tool_choice from the first event on.
 
 Everything a response says is a pure function of its session record (:class:`ResponseView`):
 the ids (``resp_<session id>``, ``msg_<session id>``), the stored request fields and
@@ -51,7 +56,7 @@ from quicsrv_proto import ChatMessage, EndReason
 from quicsrv_proto.frames import MAX_MESSAGES, MAX_PROMPT_CHARS
 
 from ..sessions.record import SessionRecord
-from . import openai_api, tool_format
+from . import field_policy, openai_api, tool_format
 from .errors import ApiError
 from .tool_calls import CallText, ToolChoice, ToolFormat, call_id, parse_tool_choice
 
@@ -77,62 +82,6 @@ FIRST_CALL_DELTA = 3
 """The same for a function call (no content part)."""
 CALL_PREFIX = "fc_"
 
-#: OpenAI's bounds on ``metadata``.
-MAX_METADATA_PAIRS = 16
-MAX_METADATA_KEY_CHARS = 64
-MAX_METADATA_VALUE_CHARS = 512
-
-_FIELDS = frozenset(
-    {
-        "model",
-        "input",
-        "instructions",
-        "max_output_tokens",
-        "temperature",
-        "top_p",
-        "stream",
-        "background",
-        "store",
-        "previous_response_id",
-        "truncation",
-        "metadata",
-        "user",
-        "safety_identifier",
-        # Neutral values only (see _NEUTRAL).
-        "tools",
-        "tool_choice",
-        "parallel_tool_calls",
-        "text",
-        "reasoning",
-        "include",
-        "top_logprobs",
-        "max_tool_calls",
-        "service_tier",
-        "stream_options",
-        "prompt",
-        "conversation",
-        "prompt_cache_key",
-        # Extensions, as on the completion endpoints.
-        "seed",
-        "top_k",
-        "min_p",
-        "repeat_penalty",
-        "ignore_eos",
-        "deadline_ms",
-    }
-)
-_NEUTRAL: dict[str, tuple[object, ...]] = {
-    "parallel_tool_calls": (None, True, False),
-    "reasoning": (None, {}),
-    "include": (None, []),
-    "top_logprobs": (None, 0),
-    "max_tool_calls": (None,),
-    "service_tier": (None, "auto", "default"),
-    "stream_options": (None, {}, {"include_obfuscation": False}),
-    "prompt": (None,),
-    "conversation": (None,),
-    "prompt_cache_key": (None,),
-}
 _INPUT_ROLES = {"user": "user", "assistant": "assistant", "system": "system", "developer": "system"}
 _TEXT_PARTS = frozenset({"input_text", "output_text", "text"})
 
@@ -170,6 +119,8 @@ class ResponseView:
     """None while it is generated (or waits to be)."""
     queued: bool = False
     """It waits in line for a slot."""
+    completed_at: int | None = None
+    """When it ended (None while it runs, or for a record that did not keep it)."""
 
     @property
     def calls(self) -> tuple[str, ...]:
@@ -199,12 +150,20 @@ class ResponseView:
             output_tokens=len(record.generated),
             end=None if record.end is None else record.end.reason,
             queued=queued,
+            completed_at=ended_at(record),
         )
 
 
 def is_response(record: SessionRecord) -> bool:
     """Whether the session was started by ``POST /v1/responses``."""
     return record.api is not None and record.api.get("kind") == KIND
+
+
+def ended_at(record: SessionRecord) -> int | None:
+    """When the record's generation ended (whole seconds), if it has and the record says."""
+    if record.end is None or record.end.ended_at_s is None:
+        return None
+    return int(record.end.ended_at_s)
 
 
 def _fields_of(record: SessionRecord) -> dict[str, Any]:
@@ -303,30 +262,41 @@ def _text_part(text: str) -> dict[str, Any]:
 
 
 def response_object(view: ResponseView, *, announced: bool = False) -> dict[str, Any]:
-    """The ``response`` object (``announced``: as at its start, before any output)."""
+    """The ``response`` object (``announced``: as at its start, before any output): every
+    field of OpenAI's ``Response`` and Open Responses' ``ResponseResource``, in every event."""
     fields = view.fields
     status = "in_progress" if announced else status_of(view)
     body: dict[str, Any] = {
         "id": response_id(view.session_id),
         "object": "response",
         "created_at": view.created_at,
+        "completed_at": view.completed_at if status == "completed" else None,
         "status": status,
         "background": fields.get("background", False),
         "error": None,
         "incomplete_details": None,
         "instructions": fields.get("instructions"),
-        "max_output_tokens": fields.get("max_output_tokens"),
+        "max_output_tokens": fields.get("max_output_tokens", openai_api.DEFAULT_MAX_TOKENS),
+        "max_tool_calls": None,
         "metadata": fields.get("metadata", {}),
         "model": fields.get("model", ""),
         "output": [],
-        "parallel_tool_calls": False,
+        "parallel_tool_calls": fields.get("parallel_tool_calls", True),
         "previous_response_id": fields.get("previous_response_id"),
+        "prompt_cache_key": fields.get("prompt_cache_key"),
+        "reasoning": None,  # the model has no reasoning items, nor an effort to set
+        "safety_identifier": fields.get("safety_identifier"),
+        "service_tier": "default",
         "store": fields.get("store", True),
-        "temperature": fields.get("temperature"),
-        "top_p": fields.get("top_p"),
-        "text": fields.get("text", {"format": {"type": "text"}}),
-        "tool_choice": "none",
-        "tools": [],
+        "temperature": fields.get("temperature", 1.0),
+        "top_p": fields.get("top_p", 1.0),
+        # Neutral values only (field_policy): what was used.
+        "presence_penalty": 0.0,
+        "frequency_penalty": 0.0,
+        "top_logprobs": 0,
+        "text": fields.get("text", {"format": {"type": "text"}, "verbosity": "medium"}),
+        "tool_choice": fields.get("tool_choice", "auto"),
+        "tools": fields.get("tools", []),
         "truncation": fields.get("truncation", "disabled"),
         "usage": None,
     }
@@ -334,8 +304,6 @@ def response_object(view: ResponseView, *, announced: bool = False) -> dict[str,
         return body
     if view.calls:
         body["output"] = [call_item(view)]
-        body["tools"] = fields.get("tools", [])
-        body["tool_choice"] = fields.get("tool_choice", "required")
     elif view.output_tokens or view.end is not None:
         body["output"] = [message_item(view, view.text)]
     if status == "incomplete":
@@ -348,7 +316,9 @@ def response_object(view: ResponseView, *, announced: bool = False) -> dict[str,
 def usage(view: ResponseView) -> dict[str, Any]:
     return {
         "input_tokens": view.input_tokens,
-        "input_tokens_details": {"cached_tokens": view.cached_tokens},
+        # cached: prompt tokens whose KV cells were reused; nothing is billed for keeping the
+        # others, so no token counts as a cache write.
+        "input_tokens_details": {"cached_tokens": view.cached_tokens, "cache_write_tokens": 0},
         "output_tokens": view.output_tokens,
         "output_tokens_details": {"reasoning_tokens": 0},
         "total_tokens": view.input_tokens + view.output_tokens,
@@ -484,16 +454,8 @@ def parse_create(body: bytes, *, model_id: str) -> CreateRequest:
     """Check a ``POST /v1/responses`` body; raises :class:`ApiError` (400, 404 for a model this
     server does not serve)."""
     request = openai_api.json_object(body)
-    unknown = sorted(set(request) - _FIELDS)
-    if unknown:
-        raise _invalid(
-            f"Unrecognized request argument supplied: {unknown[0]}", unknown[0], "unknown_parameter"
-        )
+    field_policy.RESPONSES.check(request)
     openai_api.check_model(request, model_id)
-    openai_api.refuse_unless_neutral(request, _NEUTRAL)
-    for name in ("user", "safety_identifier"):
-        if request.get(name) is not None and not isinstance(request[name], str):
-            raise _invalid(f"{name} must be a string", name)
     stream = openai_api.optional(request, "stream", bool, False)
     background = openai_api.optional(request, "background", bool, False)
     store = openai_api.optional(request, "store", bool, True)
@@ -517,7 +479,7 @@ def parse_create(body: bytes, *, model_id: str) -> CreateRequest:
     truncation = openai_api.optional(request, "truncation", str, "disabled")
     if truncation not in ("auto", "disabled"):
         raise _invalid("truncation must be 'auto' or 'disabled'", "truncation")
-    metadata = _metadata(request.get("metadata"))
+    metadata = field_policy.check_metadata(request.get("metadata"))
     text_format = _text_format(request.get("text"))
     schema = openai_api.json_schema_of(text_format, "text.format")
     tools = parse_tool_choice(
@@ -549,7 +511,8 @@ def parse_create(body: bytes, *, model_id: str) -> CreateRequest:
     fields = {
         "model": model_id,
         "instructions": instructions,
-        "max_output_tokens": max_output_tokens,
+        # The limit that applies: a response cut by the default says which one cut it.
+        "max_output_tokens": payload["max_tokens"],
         "metadata": metadata,
         "temperature": sampling["temperature"],
         "top_p": sampling["top_p"],
@@ -557,16 +520,17 @@ def parse_create(body: bytes, *, model_id: str) -> CreateRequest:
         "background": background,
         "store": store,
         "previous_response_id": previous,
-        "text": {"format": text_format or {"type": "text"}},
+        "text": {"format": text_format or {"type": "text"}, "verbosity": "medium"},
+        "tools": echoed_tools(request.get("tools")),
+        "tool_choice": request.get("tool_choice") or "auto",
+        "parallel_tool_calls": request.get("parallel_tool_calls", True) is not False,
+        "safety_identifier": request.get("safety_identifier"),
+        "prompt_cache_key": request.get("prompt_cache_key"),
     }
     if isinstance(tools, ToolFormat):
-        fields |= tool_format.fields(tools, request.get("tools"), request.get("tool_choice"))
+        fields |= tool_format.fields(tools, fields["tools"], request.get("tool_choice"))
     elif tools is not None:
-        fields |= {
-            "calls": list(tools.names),
-            "tools": request.get("tools"),
-            "tool_choice": request.get("tool_choice"),
-        }
+        fields["calls"] = list(tools.names)
     return CreateRequest(
         generate=generate,
         instructions=instructions,
@@ -577,6 +541,26 @@ def parse_create(body: bytes, *, model_id: str) -> CreateRequest:
         previous_response_id=previous,
         fields=fields,
     )
+
+
+def echoed_tools(tools: object) -> list[dict[str, Any]]:
+    """The function tools of a (checked) request as the response object lists them: every
+    field of OpenAI's ``FunctionTool``. ``strict`` is true unless the request said false:
+    either way every argument is sampled under the tool's schema (a grammar), which is what
+    strict promises."""
+    if not isinstance(tools, list):
+        return []
+    return [
+        {
+            "type": "function",
+            "name": tool.get("name"),
+            "description": tool.get("description"),
+            "parameters": tool.get("parameters"),
+            "strict": tool.get("strict") is not False,
+        }
+        for tool in tools
+        if isinstance(tool, dict)
+    ]
 
 
 def _invalid(message: str, param: str | None, code: str = "invalid_value") -> ApiError:
@@ -619,8 +603,7 @@ def _input_message(item: object, param: str) -> ChatMessage:
             param,
             "unsupported_value",
         )
-    if set(item) - {"type", "role", "content", "id", "status"}:
-        raise _invalid(f"{param} must be an object with role and content", param)
+    _check_message_keys(item, param)
     given = item.get("role")
     role = _INPUT_ROLES.get(given) if isinstance(given, str) else None
     if role is None:
@@ -631,6 +614,28 @@ def _input_message(item: object, param: str) -> ChatMessage:
         )
     text = openai_api.message_text(item.get("content"), param, part_types=_TEXT_PARTS)
     return ChatMessage(role=role, content=text)
+
+
+#: What a message item says, and what an item echoed from an earlier response carries beside.
+_MESSAGE_KEYS = frozenset({"type", "role", "content", "id", "status"})
+#: Labels the model cannot be shown and that change nothing: Open Responses' ``phase`` of an
+#: assistant message (its commentary, or its final answer).
+_MESSAGE_NEUTRAL: dict[str, tuple[object, ...]] = {"phase": ("commentary", "final_answer")}
+
+
+def _check_message_keys(item: dict[str, Any], param: str) -> None:
+    for key, value in item.items():
+        if key in _MESSAGE_KEYS:
+            continue
+        where = f"{param}.{str(key)[:40]}"
+        if key not in _MESSAGE_NEUTRAL:
+            raise _invalid(f"{where}: a message item has no such key", where, "unknown_parameter")
+        if value is not None and value not in _MESSAGE_NEUTRAL[key]:
+            raise _invalid(
+                f"{where} must be one of {', '.join(map(str, _MESSAGE_NEUTRAL[key]))}",
+                where,
+                "unsupported_value",
+            )
 
 
 def _text_format(value: object) -> dict[str, Any] | None:
@@ -650,26 +655,6 @@ def _text_format(value: object) -> dict[str, Any] | None:
     if text_format is not None and not isinstance(text_format, dict):
         raise _invalid("text.format must be an object with a type", "text.format")
     return text_format
-
-
-def _metadata(value: object) -> dict[str, str]:
-    if value is None:
-        return {}
-    if not isinstance(value, dict) or len(value) > MAX_METADATA_PAIRS:
-        raise _invalid(
-            f"metadata must be an object of at most {MAX_METADATA_PAIRS} pairs", "metadata"
-        )
-    for key, text in value.items():
-        if len(key) > MAX_METADATA_KEY_CHARS:
-            raise _invalid(
-                f"metadata keys are at most {MAX_METADATA_KEY_CHARS} characters", "metadata"
-            )
-        if not isinstance(text, str) or len(text) > MAX_METADATA_VALUE_CHARS:
-            raise _invalid(
-                f"metadata values are strings of at most {MAX_METADATA_VALUE_CHARS} characters",
-                "metadata",
-            )
-    return dict(value)
 
 
 def compact(body: dict[str, Any]) -> bytes:

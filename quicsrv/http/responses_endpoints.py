@@ -12,6 +12,7 @@ the API key that made it is the one asking.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import json
 import urllib.parse
 from typing import Any
@@ -89,8 +90,11 @@ class ResponsesEndpoints:
         headers = ((SESSION_HEADER, session.session_id.hex().encode()),)
         if create.stream:
             view = ResponseView.of(session.record, "")
+            ended_at = functools.partial(responses_api.ended_at, session.record)
             encoder: ResponseEncoder | ToolAnswerEncoder = (
-                ToolAnswerEncoder(view) if generic(view) else ResponseEncoder(view, text_before="")
+                ToolAnswerEncoder(view, ended_at=ended_at)
+                if generic(view)
+                else ResponseEncoder(view, text_before="", ended_at=ended_at)
             )
             return event_stream(
                 session,
@@ -198,10 +202,11 @@ class ResponsesEndpoints:
         if not responses_api.is_response(record):
             raise ApiError(404, "no such response", code="not_found")
         view = ResponseView.of(record, "")
+        ended_at = functools.partial(responses_api.ended_at, record)
         encoder: ResponseEncoder | ToolAnswerEncoder
         if generic(view):
             # Its events are numbered as they come: all rendered again, those after sent.
-            from_index, encoder = 0, ToolAnswerEncoder(view, after=after)
+            from_index, encoder = 0, ToolAnswerEncoder(view, after=after, ended_at=ended_at)
         else:
             call = bool(view.calls)
             # Past the last token (the closing events): only the END is left to send.
@@ -209,7 +214,10 @@ class ResponsesEndpoints:
                 responses_api.first_token_after(after, call=call), len(record.generated)
             )
             encoder = ResponseEncoder(
-                view, text_before=self._sessions.text_of(record, upto=from_index), after=after
+                view,
+                text_before=self._sessions.text_of(record, upto=from_index),
+                after=after,
+                ended_at=ended_at,
             )
         return event_stream(
             session,

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import quicsrv_proto
@@ -31,8 +31,17 @@ __all__ = ["ResponseEncoder"]
 class ResponseEncoder:
     """Turns one stream's frames into Responses API events; see the module docstring."""
 
-    def __init__(self, view: ResponseView, *, text_before: str, after: int = -1) -> None:
+    def __init__(
+        self,
+        view: ResponseView,
+        *,
+        text_before: str,
+        after: int = -1,
+        ended_at: Callable[[], int | None] = lambda: None,
+    ) -> None:
         self._view = view
+        # The record's end time, read when the END arrives (the record has it by then).
+        self._ended_at = ended_at
         self._text = text_before  # what the tokens before the first one sent here say
         # A function call's argument deltas depend on the text before them.
         self._call = (
@@ -83,6 +92,7 @@ class ResponseEncoder:
             cached_tokens=end.cached_tokens,
             output_tokens=end.completion_tokens,
             end=end.reason,
+            completed_at=self._ended_at(),
         )
         tail = end.text if self._call is None else self._call.finish(end.text)
         out = b"".join(self._write(e) for e in responses_api.closing_events(view, tail))

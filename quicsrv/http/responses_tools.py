@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import quicsrv_proto
@@ -96,8 +96,16 @@ class ToolAnswerEncoder:
     docstring. It reads the stream from token 0 (a resume too) and writes the events after
     ``after``."""
 
-    def __init__(self, view: ResponseView, *, after: int = -1) -> None:
+    def __init__(
+        self,
+        view: ResponseView,
+        *,
+        after: int = -1,
+        ended_at: Callable[[], int | None] = lambda: None,
+    ) -> None:
         self._view = view
+        # The record's end time, read when the END arrives (the record has it by then).
+        self._ended_at = ended_at
         self._text = ""
         self._answer = AnswerParser()
         self._open: str | None = None  # "message", or "call" (the last one started)
@@ -214,6 +222,7 @@ class ToolAnswerEncoder:
             cached_tokens=end.cached_tokens,
             output_tokens=end.completion_tokens,
             end=end.reason,
+            completed_at=self._ended_at(),
         )
         events = self._pieces(self._answer.push(end.text))
         if self._open is None and not self._answer.calls:

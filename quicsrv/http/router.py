@@ -9,7 +9,8 @@ sessions:
 - ``POST /v1/generate``, ``POST /v1/resume`` (HTTP/3 only): the native frame API
   (:class:`~.native_endpoints.NativeEndpoints`): a session stream of frames, refusals as an
   ERROR frame;
-- ``POST /v1/chat/completions``, ``POST /v1/completions``, ``GET /v1/models``, and
+- ``POST /v1/chat/completions``, ``POST /v1/completions``, ``GET /v1/models`` (and
+  ``/v1/models/{id}``), and
   ``GET /v1/streams/{session}`` with ``Last-Event-ID`` (the stream's events after that cursor),
   ``DELETE /v1/streams/{session}`` (stop the generation): OpenAI's completions
   (:class:`~.completions_endpoints.CompletionsEndpoints`);
@@ -38,6 +39,7 @@ import asyncio
 import dataclasses
 import functools
 import logging
+import urllib.parse
 from collections import Counter
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
@@ -60,13 +62,14 @@ from .operator import PLAIN_PATHS, PlainRoutes
 from .responses_endpoints import ResponsesEndpoints
 from .sse import KEEPALIVE_COMMENT
 
-__all__ = ["STARTS_COMPUTE", "Router", "request_too_large"]
+__all__ = ["STARTS_COMPUTE", "Router", "request_too_large", "unknown_endpoint"]
 
 log = logging.getLogger(__name__)
 
 _CHAT_PATH = "/v1/chat/completions"
 _TEXT_PATH = "/v1/completions"
 _MODELS_PATH = "/v1/models"
+_MODELS_PREFIX = "/v1/models/"
 _STREAMS_PREFIX = "/v1/streams/"
 _RESPONSES_PATH = "/v1/responses"
 _RESPONSES_PREFIX = "/v1/responses/"
@@ -140,6 +143,18 @@ class Router:
             message = f"the request frame exceeds {self.max_body_bytes} bytes"
             return native.error_response(Refusal(code=ErrorCode.FRAME_TOO_LARGE, message=message))
         error = request_too_large(self.max_body_bytes)
+        return FullResponse(status=error.status, body=error.body(), headers=error.headers)
+
+    def refuse_websocket(self, path: str) -> FullResponse:
+        """The answer to a WebSocket upgrade (OpenAI's WebSocket mode of ``/v1/responses``):
+        no endpoint speaks WebSocket, so every upgrade is refused, 400 with a JSON error."""
+        error = ApiError(
+            400,
+            f"{path[:200]} does not take a WebSocket upgrade: this server has no WebSocket mode; "
+            "send POST /v1/responses with stream: true for a stream of events",
+            code="websocket_not_supported",
+        )
+        self._metrics.request_finished(_endpoint(path), error.code)
         return FullResponse(status=error.status, body=error.body(), headers=error.headers)
 
     async def handle(self, request: HttpRequest) -> Response:
@@ -239,6 +254,10 @@ class Router:
         if path == _MODELS_PATH:
             _allow(request, "GET")
             return _Route(self._completions.models)
+        if path.startswith(_MODELS_PREFIX):
+            _allow(request, "GET")
+            model = urllib.parse.unquote(path[len(_MODELS_PREFIX) :])
+            return _Route(functools.partial(self._completions.model, model))
         if path in (_CHAT_PATH, _TEXT_PATH):
             _allow(request, "POST")
             chat = path == _CHAT_PATH
@@ -249,12 +268,16 @@ class Router:
             return _Route(functools.partial(self._responses.create, request, who), generates=True)
         if path.startswith(_RESPONSES_PREFIX):
             name, _, action = path[len(_RESPONSES_PREFIX) :].partition("/")
+            if not name.startswith(responses_api.RESPONSE_PREFIX):
+                # Another endpoint's name (OpenAI's /v1/responses/compact, input_tokens...),
+                # not a response id this server could have issued.
+                raise unknown_endpoint(request.method, path)
             session_id = responses_api.from_response_id(name)
             if action == "cancel":
                 _allow(request, "POST")
                 return _Route(functools.partial(self._responses.cancel, who, session_id))
             if action:
-                raise ApiError(404, f"no such endpoint: {path}", code="not_found")
+                raise unknown_endpoint(request.method, path)
             if request.method == "DELETE":
                 return _Route(functools.partial(self._responses.delete, who, session_id))
             _allow(request, "GET", "DELETE")
@@ -269,7 +292,7 @@ class Router:
             _allow(request, "GET", "DELETE")
             resume = functools.partial(self._completions.resume, request, who, session_id, query)
             return _Route(resume, generates=True)
-        raise ApiError(404, f"no such endpoint: {path}", code="not_found")
+        raise unknown_endpoint(request.method, path)
 
     def _refused(
         self, request: HttpRequest, endpoint: str, status: int, code: str, message: str
@@ -291,12 +314,21 @@ def request_too_large(limit: int) -> ApiError:
     return ApiError(413, f"the request body exceeds {limit} bytes", code="request_too_large")
 
 
+def unknown_endpoint(method: str, path: str) -> ApiError:
+    """The error of a path no endpoint answers (one stable code, whatever the path)."""
+    return ApiError(
+        404, f"Invalid URL ({method} {path}): no such endpoint", code="unknown_endpoint"
+    )
+
+
 def _endpoint(path: str) -> str:
     """The ``endpoint`` metrics label (bounded: anything unknown is "other")."""
     if path.startswith(_STREAMS_PREFIX):
         return "streams"
     if path.startswith(_RESPONSES_PREFIX):
         return "response"
+    if path.startswith(_MODELS_PREFIX):
+        return "models"
     return {
         _CHAT_PATH: "chat_completions",
         _TEXT_PATH: "completions",

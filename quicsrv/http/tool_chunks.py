@@ -48,7 +48,7 @@ def chat_message(session_id: bytes, text: str) -> tuple[dict[str, Any], bool]:
     """The assistant ``message`` of the whole answer ``text``, and whether it calls tools."""
     answer = parse_answer(text)
     if not answer.calls:
-        return {"role": "assistant", "content": answer.text}, False
+        return {"role": "assistant", "content": answer.text, "refusal": None}, False
     calls = [
         {
             "id": call_id(session_id, i),
@@ -57,4 +57,4 @@ def chat_message(session_id: bytes, text: str) -> tuple[dict[str, Any], bool]:
         }
         for i, (name, arguments) in enumerate(answer.calls)
     ]
-    return {"role": "assistant", "content": None, "tool_calls": calls}, True
+    return {"role": "assistant", "content": None, "refusal": None, "tool_calls": calls}, True

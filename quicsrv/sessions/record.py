@@ -24,6 +24,9 @@ __all__ = ["SessionEnd", "SessionRecord"]
 class SessionEnd:
     reason: EndReason
     completion_tokens: int
+    ended_at_s: float | None = field(default=None, compare=False)
+    """When it ended (wall clock; None in a record written before this was kept): what the
+    Responses API answers as ``completed_at``, the same on every replay."""
 
 
 @dataclass(eq=False, kw_only=True)
@@ -80,7 +83,10 @@ class SessionRecord:
             "expires": self.expires_at_s,
         }
         if self.end is not None:
-            meta["end"] = [self.end.reason.value, self.end.completion_tokens]
+            end: list[object] = [self.end.reason.value, self.end.completion_tokens]
+            if self.end.ended_at_s is not None:
+                end.append(self.end.ended_at_s)
+            meta["end"] = end
         if self.owner:
             meta["owner"] = self.owner
         if self.unattended:
@@ -107,7 +113,11 @@ class SessionRecord:
             prefill_plan=None
             if plan is None
             else PrefillPlan(tuple(Segment(int(e), int(s)) for e, s in plan[1]), int(plan[0])),
-            end=None if end is None else SessionEnd(EndReason(end[0]), int(end[1])),
+            end=None
+            if end is None
+            else SessionEnd(
+                EndReason(end[0]), int(end[1]), float(end[2]) if len(end) > 2 else None
+            ),
             unattended=bool(meta.get("unattended", False)),
             api=meta.get("api"),
         )

@@ -17,6 +17,8 @@ frames tokens become (:mod:`.transcript`), how far the engine may run ahead of t
 from __future__ import annotations
 
 import asyncio
+import dataclasses
+import time
 from collections.abc import Callable
 from functools import partial
 from typing import TYPE_CHECKING
@@ -334,6 +336,8 @@ class Session:
     def _record_end(self, end: SessionEnd) -> None:
         if self.stale:
             return  # the process that owns the session now records its end
+        if end.ended_at_s is None:
+            end = dataclasses.replace(end, ended_at_s=time.time())
         self.record.end = end
         self._transcript.close()
         self._store.save(self.record)

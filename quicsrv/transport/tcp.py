@@ -168,6 +168,27 @@ class AsgiAdapter:
             await _lifespan(receive, send)
         elif scope["type"] == "http":
             await self._http(scope, receive, send)
+        elif scope["type"] == "websocket":
+            await self._websocket(scope, receive, send)
+
+    async def _websocket(self, scope: Scope, receive: Receive, send: Send) -> None:
+        """An upgrade to WebSocket: refused with the router's JSON error, through ASGI's
+        denial response (hypercorn has it); an application that says nothing would get a bare
+        500 from hypercorn."""
+        if (await receive())["type"] != "websocket.connect":
+            return
+        response = self._router.refuse_websocket(scope.get("path", ""))
+        if "websocket.http.response" not in scope.get("extensions", {}):
+            await send({"type": "websocket.close"})  # a server without it answers 403
+            return
+        await send(
+            {
+                "type": "websocket.http.response.start",
+                "status": response.status,
+                "headers": _headers(response),
+            }
+        )
+        await send({"type": "websocket.http.response.body", "body": response.body})
 
     async def _http(self, scope: Scope, receive: Receive, send: Send) -> None:
         arrived_at = asyncio.get_running_loop().time()
@@ -262,12 +283,16 @@ async def _write(sink: _WriteBuffer, send: Send, stream: SessionStream) -> None:
             raise _ConnectionCut("test fault: connection dropped")
 
 
-async def _send_full(send: Send, response: FullResponse) -> None:
-    headers = [
+def _headers(response: FullResponse) -> list[tuple[bytes, bytes]]:
+    return [
         (b"content-type", response.content_type.encode()),
         (b"content-length", str(len(response.body)).encode()),
         *response.headers,
     ]
+
+
+async def _send_full(send: Send, response: FullResponse) -> None:
+    headers = _headers(response)
     await send({"type": "http.response.start", "status": response.status, "headers": headers})
     await send({"type": "http.response.body", "body": response.body, "more_body": False})
 

@@ -200,7 +200,7 @@ async def test_bad_input_gets_openai_errors_and_the_connection_goes_on(engine, c
             ("POST", "/v1/completions", json.dumps({**ok, "max_tokens": 10**6}), 400, None),
             ("POST", "/v1/completions", json.dumps({**ok, "prompt": "x" * 5000}), 413, None),
             ("GET", "/v1/completions", b"", 405, "method_not_allowed"),
-            ("GET", "/v1/nope", b"", 404, "not_found"),
+            ("GET", "/v1/nope", b"", 404, "unknown_endpoint"),
             ("GET", f"/v1/streams/{'cd' * 16}", b"", 400, "missing_last_event_id"),
         ]
         async with tcp_client(server, certs) as tcp, h3_session(certs) as h3:

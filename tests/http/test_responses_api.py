@@ -296,7 +296,7 @@ def test_a_string_input_is_one_user_message_with_openais_defaults() -> None:
     assert request.fields == {
         "model": MODEL,
         "instructions": None,
-        "max_output_tokens": None,
+        "max_output_tokens": DEFAULT_MAX_TOKENS,  # the limit that applies, echoed
         "metadata": {},
         "temperature": 1.0,
         "top_p": 1.0,
@@ -304,7 +304,12 @@ def test_a_string_input_is_one_user_message_with_openais_defaults() -> None:
         "background": False,
         "store": True,
         "previous_response_id": None,
-        "text": {"format": {"type": "text"}},
+        "text": {"format": {"type": "text"}, "verbosity": "medium"},
+        "tools": [],
+        "tool_choice": "auto",
+        "parallel_tool_calls": True,
+        "safety_identifier": None,
+        "prompt_cache_key": None,
     }
 
 

@@ -217,7 +217,8 @@ def test_chat_deltas_and_message_name_each_call_by_the_session():
         },
     ]
     message, calls = chat_message(SESSION, '{"response": "Hi \\"you\\""}')
-    assert (message, calls) == ({"role": "assistant", "content": 'Hi "you"'}, False)
+    text = {"role": "assistant", "content": 'Hi "you"', "refusal": None}
+    assert (message, calls) == (text, False)
 
 
 def _chat_frames(pieces: list[str], reason: EndReason) -> list[quicsrv_proto.Frame]:

@@ -57,6 +57,24 @@ def test_records_and_their_tokens_survive_a_restart(tmp_path):
         assert stat.S_IMODE(path.stat().st_mode) == 0o600
 
 
+def test_when_a_record_ended_survives_a_restart(tmp_path):
+    """The Responses API answers it as completed_at: the same from every process."""
+    store = _store(tmp_path)
+    record = _record(b"e" * 16)
+    store.add(record)
+    record.end = SessionEnd(EndReason.STOP, 0, 1_700_000_123.5)
+    store.save(record)
+    store.flush().result(timeout=10)
+    again = _store(tmp_path).get(b"e" * 16)
+    assert again is not None and again.end is not None
+    assert again.end.ended_at_s == 1_700_000_123.5
+    # A record written before the time was kept reads back without it.
+    meta = record.meta()
+    meta["end"] = [EndReason.STOP.value, 0]
+    old = SessionRecord.from_meta(meta, record.generated)
+    assert old.end is not None and old.end.ended_at_s is None
+
+
 def test_a_torn_last_token_write_is_ignored(tmp_path):
     store = _store(tmp_path)
     record = _record(b"b" * 16)
