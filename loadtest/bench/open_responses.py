@@ -235,10 +235,16 @@ async def _run(args: argparse.Namespace, suite: Path, bun: Path, out: Path) -> i
     from loadtest.bench.servers import ServerSettings, quicsrv_server
     from quicsrv.devcerts import ensure_dev_certs
     from quicsrv.engine import default_model_path
+    from quicsrv.settings import probe_cpu_extra_buffers
 
     certs = ensure_dev_certs(out / "certs")
+    model = args.model or default_model_path()
     settings = ServerSettings(
-        model_path=args.model or default_model_path(), n_threads=args.threads, parallel=4
+        model_path=model,
+        n_threads=args.threads,
+        parallel=4,
+        # As the other benches: the canary decides (on an AMX Xeon "on" crashes every worker).
+        cpu_extra_buffers=probe_cpu_extra_buffers(model),
     )
     async with quicsrv_server(
         settings, certs.server_cert, certs.server_key, out / "quicsrv.log"
