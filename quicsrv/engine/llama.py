@@ -407,14 +407,15 @@ class LlamaEngine(ModelFacts):
         pieces = self._prompt_pieces(decoding=len(decoding))
         if self.settings.batch_invariant:
             # Each sequence in its own micro-batch: its logits cannot depend on its neighbours.
-            calls = [[entry] for entry in decoding] + pieces
+            calls = [[entry] for entry in decoding] + [piece for piece, _ in pieces]
         else:
             # The decoded tokens first (their streams wait for them), then the prompt pieces in
             # the calls they may share; within a call in id order (loadtest.bench.seqids).
             calls = [decoding] if decoding else []
             shared = share_calls(
-                [(len(piece), piece[-1][2] + 1, piece) for piece in pieces],
+                [(len(piece), piece[-1][2] + 1, piece) for piece, _ in pieces],
                 pack=self.settings.flash_attn,
+                alone={i for i, (_, alone) in enumerate(pieces) if alone},
             )
             calls += [
                 sorted((e for piece in call for e in piece), key=lambda e: e[0].seq_id)
@@ -423,7 +424,7 @@ class LlamaEngine(ModelFacts):
         for call in calls:
             self._decode(call)
 
-    def _prompt_pieces(self, *, decoding: int) -> list[list[BatchEntry]]:
+    def _prompt_pieces(self, *, decoding: int) -> list[tuple[list[BatchEntry], bool]]:
         """This step's prompt pieces, one per sequence with a prompt to feed, oldest first, as
         many as fit in ``n_batch`` beside the ``decoding`` sequences' tokens (the oldest always
         fits: a piece is at most ``n_batch - n_seq_max`` tokens); a sequence's tiled pieces
@@ -437,14 +438,16 @@ class LlamaEngine(ModelFacts):
         # Tiled pieces merge only where the ways are flash attention's (.pieces), and never
         # under batch_invariant (a call a piece, as measured).
         merge = self.settings.flash_attn and not self.settings.batch_invariant
-        pieces: list[list[BatchEntry]] = []
+        pieces: list[tuple[list[BatchEntry], bool]] = []
         for sequence in waiting:
             fed = sequence.feed_prompt(crowded=crowded, widest=widest, budget=budget, merge=merge)
             if fed is None:
                 continue  # the next step; those after it may still fit this one
-            piece, complete = fed
-            pieces.append(piece)
-            budget -= len(piece)
+            mine, complete = fed
+            # A second piece (a prompt's last, after its merged tiled ones) has a call of its
+            # own, after the first's: a shared call might come before it.
+            pieces += [(piece, i > 0) for i, piece in enumerate(mine)]
+            budget -= sum(len(piece) for piece in mine)
             if complete:
                 plan = sequence.planned()
                 n_prompt = len(sequence.request.prompt_tokens)

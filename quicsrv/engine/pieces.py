@@ -42,7 +42,7 @@ sequence alone, which takes one way by construction.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Sequence, Set
 from enum import Enum
 from typing import TypeVar
 
@@ -157,14 +157,18 @@ rules change how some piece is computed, so that cells kept under older ones are
 Version 1 was one piece a step, in the decoding sequences' call."""
 
 
-def share_calls(pieces: Sequence[tuple[int, int, T]], *, pack: bool) -> list[list[T]]:
+def share_calls(
+    pieces: Sequence[tuple[int, int, T]], *, pack: bool, alone: Set[int] = frozenset()
+) -> list[list[T]]:
     """Group pieces, given as (length, end, what to carry), into ``llama_decode`` calls, in the
     order of each call's first piece: pieces with the same :func:`call_key` share one where
-    ``pack`` (flash attention: the ways above are its kernel's); else one call a piece."""
+    ``pack`` (flash attention: the ways above are its kernel's); else one call a piece. The
+    pieces at the indices in ``alone`` get a call of their own, where they come (a piece that
+    must follow an earlier one of its sequence: a shared call might be computed before it)."""
     calls: list[list[T]] = []
     shared: dict[tuple[str, int], list[T]] = {}
-    for length, end, carried in pieces:
-        key = call_key(length, end) if pack else None
+    for i, (length, end, carried) in enumerate(pieces):
+        key = call_key(length, end) if pack and i not in alone else None
         if key is None:
             calls.append([carried])
         elif key in shared:

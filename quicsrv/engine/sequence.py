@@ -151,24 +151,32 @@ class LlamaSequence:
 
     def feed_prompt(
         self, *, crowded: bool, widest: int, budget: int, merge: bool
-    ) -> tuple[list[BatchEntry], bool] | None:
-        """This step's piece of its prompt, if it fits in ``budget`` tokens (None: it waits for
-        the next step), and whether it completes the prompt (report :meth:`planned` now).
-        ``crowded``: other sequences decode or prefill in this step; ``widest``: the most
-        prompt tokens a step takes beside a token of every slot. ``merge``: while the budget
-        lasts, the next steps' pieces too, as one piece, where each is tiled
-        (:func:`.pieces.merges`): a burst's oldest prompt is then in first, as alone."""
+    ) -> tuple[list[list[BatchEntry]], bool] | None:
+        """This step's pieces of its prompt, if the first fits in ``budget`` tokens (None: it
+        waits for the next step), and whether they complete the prompt (report :meth:`planned`
+        now). ``crowded``: other sequences decode or prefill in this step; ``widest``: the
+        most prompt tokens a step takes beside a token of every slot. ``merge``: while the
+        budget lasts, the next steps' pieces too, as one piece, where each is tiled
+        (:func:`.pieces.merges`): a burst's oldest prompt is then in first, as alone; and when
+        what is left is the prompt's last piece (a cold prompt's tail), that too, as a second
+        piece, for a call of its own after the first's."""
         step, room = self._prefill_step(crowded=crowded, widest=widest)
         if room > budget:
             return None
         fed_from = self.n_past
         piece = self._take(step, room)
-        while merge and self.pending_prompt and merges(room):
-            step, room = self._prefill_step(crowded=crowded, widest=widest)
-            if not merges(room) or len(piece) + room > budget:
-                break
-            piece += self._take(step, room)
-        return piece, fed_from < len(self.request.prompt_tokens) <= self.n_past
+        pieces = [piece]
+        if merge and merges(room):
+            while self.pending_prompt:
+                step, room = self._prefill_step(crowded=crowded, widest=widest)
+                if len(piece) + room > budget:
+                    break
+                if not merges(room):
+                    if room == len(self.pending_prompt):
+                        pieces.append(self._take(step, room))
+                    break
+                piece += self._take(step, room)
+        return pieces, fed_from < len(self.request.prompt_tokens) <= self.n_past
 
     def _take(self, step: int, room: int) -> list[BatchEntry]:
         """The next ``room`` prompt tokens, fed in a step of ``step`` (as the plan says)."""

@@ -125,3 +125,12 @@ def test_a_prompt_found_whole_computes_its_last_positions_row_by_row():
     assert tail(ROWS_CELLS) == 1 and tail(ROWS_CELLS + 1) == 2
     for n in (70, ROWS_CELLS, 300, 2000):
         assert set(_ways([(3, tail(n), n)]).values()) == {Way.ROWS}
+
+
+def test_a_piece_that_must_follow_an_earlier_one_of_its_sequence_gets_a_call_after_it():
+    # A prompt's merged tiled chunks, then its last position in the same step: shared, the
+    # last position would join the row-by-row call made before its chunks' call.
+    pieces = [(10, 10, "a"), (128, 128, "b chunks"), (1, 129, "b last"), (9, 9, "c")]
+    assert share_calls(pieces, pack=True) == [["a", "b last", "c"], ["b chunks"]]
+    alone = share_calls(pieces, pack=True, alone={2})
+    assert alone == [["a", "c"], ["b chunks"], ["b last"]]

@@ -148,19 +148,19 @@ def test_a_burst_is_prefilled_in_fewer_calls_than_prompts_and_each_equals_its_so
 
     sinks, decodes, steps = _burst(engine, observer, requests)
     assert [s.tokens for s in sinks] == solo
-    # Step 1: the short prompts share one call; each long one's tiled chunks (pieces.cold_plan:
-    # the last one takes the remainder) merge into one piece (tiled, as alone), sharing a call
-    # where the lengths are equal; step 2: the short ones decode, then the long ones' last
-    # position (row by row, as a request finding the whole prompt computes it) in a call
-    # they share. Eight first tokens in two steps and at most five calls, where one prompt a
-    # step took twelve steps (each long prompt three).
+    # One step: the short prompts share one call; each long one's tiled chunks (pieces.
+    # cold_plan: the last one takes the remainder) merge into one piece (tiled, as alone),
+    # sharing a call where the lengths are equal; then each long one's last position (row by
+    # row, as a request finding the whole prompt computes it) in a call of its own. Eight
+    # first tokens in one step and at most five calls, where one prompt a step took twelve
+    # steps (each long prompt three).
     firsts = [s.first for s in sinks]
     calls = [f[0] - decodes for f in firsts if f is not None]
     in_step = [f[1] - steps for f in firsts if f is not None]
     assert len(calls) == len(texts)
     assert calls[: len(SHORT)] == [1] * len(SHORT)
     assert all(c <= 5 for c in calls[len(SHORT) :])
-    assert in_step == [0] * len(SHORT) + [1] * len(LONG)
+    assert in_step == [0] * len(texts)
 
 
 def test_a_sequence_prefilled_in_a_burst_resumes_exactly_by_replay_and_by_kv_restore(packing):
