@@ -93,6 +93,9 @@ _COMPLETION_COMMON: dict[str, Neutral] = {
     "logprobs": (False,),
     # Stored chat completions cannot be listed here; storing changes nothing in the answer.
     "store": _is_bool,
+    # llama-server's: true is what quicsrv's prefix cache always does; false (compute the
+    # whole prompt again) is not a setting here, and a reused prefix may change the answer.
+    "cache_prompt": (True,),
 }
 
 

@@ -220,6 +220,7 @@ CHAT_ONLY: list[dict[str, Any]] = [
     {"parallel_tool_calls": True},
     {"n": 1},
     {"logit_bias": {}},
+    {"cache_prompt": True},
 ]
 RESPONSES_ONLY: list[dict[str, Any]] = [
     {"context_management": None},
@@ -239,7 +240,9 @@ def test_neutral_fields_are_accepted_on_chat(fields: dict[str, Any]) -> None:
     _chat(**fields)
 
 
-@pytest.mark.parametrize("fields", EVERYWHERE + [{"store": True}, {"n": 1}, {"echo": False}])
+@pytest.mark.parametrize(
+    "fields", EVERYWHERE + [{"store": True}, {"n": 1}, {"echo": False}, {"cache_prompt": True}]
+)
 def test_neutral_fields_are_accepted_on_completions(fields: dict[str, Any]) -> None:
     _text(**fields)
 
@@ -296,6 +299,7 @@ def test_responses_refuse_what_would_change_the_answer(fields: dict[str, Any], p
         ({"modalities": ["text", "audio"]}, "modalities"),
         ({"verbosity": "low"}, "verbosity"),
         ({"top_logprobs": 2}, "top_logprobs"),
+        ({"cache_prompt": False}, "cache_prompt"),
     ],
 )
 def test_chat_refuses_what_would_change_the_answer(fields: dict[str, Any], param: str) -> None:

@@ -129,11 +129,12 @@ async def test_parallel_tool_calls_false_makes_one_call_and_required_always_call
 
 def _normalized(events: list[SseEvent], session: str, into: str) -> list[str]:
     """The events of another run of the same request as if they were of session ``into``
-    (its id, and its creation and completion times, which events repeat)."""
+    (its id, its creation and completion times, which events repeat, and how much of its
+    prompt the prefix cache held, which depends on what ran before)."""
     return [_CREATED.sub(r"\1:0", e.data.replace(session, into)) for e in events]
 
 
-_CREATED = re.compile(r'("(?:created|created_at|completed_at)"):\d+')
+_CREATED = re.compile(r'("(?:created|created_at|completed_at|cached_tokens)"):\d+')
 
 
 def _chat_session(events: list[SseEvent]) -> str:
