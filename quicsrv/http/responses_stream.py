@@ -25,7 +25,7 @@ from .responses_api import ResponseView
 from .sse import RESTART_RETRY_S
 from .tool_calls import CallText, ToolChoice
 
-__all__ = ["ResponseEncoder"]
+__all__ = ["ResponseEncoder", "error_bytes", "event_bytes", "stream_ended"]
 
 
 class ResponseEncoder:
@@ -76,15 +76,8 @@ class ResponseEncoder:
         return b""
 
     def _end(self, end: quicsrv_proto.End) -> bytes:
-        if end.reason is EndReason.SHUTDOWN:
-            code = quicsrv_proto.ErrorCode.SHUTTING_DOWN
-            message = (
-                "the server is restarting; resume with GET /v1/responses/{id}?stream=true"
-                "&starting_after=<the last sequence_number received>"
-            )
-            return self._error(code.slug, message, RESTART_RETRY_S)
-        if end.reason is EndReason.SUPERSEDED:
-            return self._error("superseded", "another request resumed this response", None)
+        if (stream_only := stream_ended(end.reason)) is not None:
+            return self._error(*stream_only)
         view = dataclasses.replace(
             self._view,
             text=self._text + end.text,
@@ -103,26 +96,50 @@ class ResponseEncoder:
         self.finished = True
         # Numbered like the event that would have come next: it is no part of the response,
         # and a resume from the last number received goes on from there.
-        event = responses_api.error_event(self._next, code, message)
-        retry = b""
-        if retry_after_s is not None:
-            retry = b"retry: " + str(round(retry_after_s * 1000)).encode() + b"\n"
-        return retry + b"event: error\ndata: " + _compact(event) + b"\n\n"
+        return error_bytes(self._next, code, message, retry_after_s)
 
     def _write(self, event: dict[str, Any]) -> bytes:
         sequence = int(event["sequence_number"])
         if sequence <= self._after:
             return b""  # the client had this event before it reconnected
         self._next = sequence + 1
-        return (
-            b"id: "
-            + str(sequence).encode()
-            + b"\nevent: "
-            + str(event["type"]).encode()
-            + b"\ndata: "
-            + _compact(event)
-            + b"\n\n"
+        return event_bytes(event)
+
+
+def stream_ended(reason: EndReason) -> tuple[str, str, float | None] | None:
+    """The error event (code, message, retry) that ends a stream whose generation goes on
+    (a restart, or a newer stream resuming it); None for an END that ends the response."""
+    if reason is EndReason.SHUTDOWN:
+        message = (
+            "the server is restarting; resume with GET /v1/responses/{id}?stream=true"
+            "&starting_after=<the last sequence_number received>"
         )
+        return quicsrv_proto.ErrorCode.SHUTTING_DOWN.slug, message, RESTART_RETRY_S
+    if reason is EndReason.SUPERSEDED:
+        return "superseded", "another request resumed this response", None
+    return None
+
+
+def event_bytes(event: dict[str, Any]) -> bytes:
+    """One numbered event as SSE: its number is the event's id (``Last-Event-ID``)."""
+    return (
+        b"id: "
+        + str(event["sequence_number"]).encode()
+        + b"\nevent: "
+        + str(event["type"]).encode()
+        + b"\ndata: "
+        + _compact(event)
+        + b"\n\n"
+    )
+
+
+def error_bytes(sequence: int, code: str, message: str, retry_after_s: float | None) -> bytes:
+    """The ``error`` event numbered ``sequence``, with a ``retry:`` line when there is one."""
+    event = responses_api.error_event(sequence, code, message)
+    retry = b""
+    if retry_after_s is not None:
+        retry = b"retry: " + str(round(retry_after_s * 1000)).encode() + b"\n"
+    return retry + b"event: error\ndata: " + _compact(event) + b"\n\n"
 
 
 def _compact(body: dict[str, Any]) -> bytes:

@@ -16,17 +16,15 @@ resumed stream renders every event again from token 0 and writes only those afte
 from __future__ import annotations
 
 import dataclasses
-import json
 from collections.abc import Callable, Sequence
 from typing import Any
 
 import quicsrv_proto
-from quicsrv_proto import EndReason
 
 from . import responses_api, tool_format
 from .errors import from_code
 from .responses_api import ResponseView
-from .sse import RESTART_RETRY_S
+from .responses_stream import error_bytes, event_bytes, stream_ended
 from .tool_calls import call_id
 from .tool_format import AnswerParser, ArgumentsDelta, CallStarted, Piece, TextDelta
 
@@ -207,14 +205,8 @@ class ToolAnswerEncoder:
         ]
 
     def _end(self, end: quicsrv_proto.End) -> bytes:
-        if end.reason is EndReason.SHUTDOWN:
-            message = (
-                "the server is restarting; resume with GET /v1/responses/{id}?stream=true"
-                "&starting_after=<the last sequence_number received>"
-            )
-            return self._error(quicsrv_proto.ErrorCode.SHUTTING_DOWN.slug, message, RESTART_RETRY_S)
-        if end.reason is EndReason.SUPERSEDED:
-            return self._error("superseded", "another request resumed this response", None)
+        if (stream_only := stream_ended(end.reason)) is not None:
+            return self._error(*stream_only)
         view = dataclasses.replace(
             self._view,
             text=self._text + end.text,
@@ -252,11 +244,7 @@ class ToolAnswerEncoder:
     def _error(self, code: str, message: str, retry_after_s: float | None) -> bytes:
         self.finished = True
         # Numbered like the event that would have come next (see .responses_stream).
-        event = responses_api.error_event(self._next, code, message)
-        retry = b""
-        if retry_after_s is not None:
-            retry = b"retry: " + str(round(retry_after_s * 1000)).encode() + b"\n"
-        return retry + b"event: error\ndata: " + _compact(event) + b"\n\n"
+        return error_bytes(self._next, code, message, retry_after_s)
 
     def _write(self, events: list[dict[str, Any]]) -> bytes:
         out = []
@@ -265,18 +253,5 @@ class ToolAnswerEncoder:
             self._next += 1
             if sequence <= self._after:
                 continue  # the client had this event before it reconnected
-            numbered = {"type": event["type"], "sequence_number": sequence} | event
-            out.append(
-                b"id: "
-                + str(sequence).encode()
-                + b"\nevent: "
-                + str(event["type"]).encode()
-                + b"\ndata: "
-                + _compact(numbered)
-                + b"\n\n"
-            )
+            out.append(event_bytes({"type": event["type"], "sequence_number": sequence} | event))
         return b"".join(out)
-
-
-def _compact(body: dict[str, Any]) -> bytes:
-    return json.dumps(body, separators=(",", ":"), ensure_ascii=False).encode()
