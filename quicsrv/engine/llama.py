@@ -380,14 +380,19 @@ class LlamaEngine(ModelFacts):
         while self._waiting and self._free_ids:
             sequence = self._waiting.popleft()
             hit = self._placement.find(sequence.request, sequence.plan if sequence.fixed else None)
-            sequence.seq_id = self._placement.slot_for(hit, self._free_ids)
+            sequence.seq_id, in_place = self._placement.slot_for(
+                hit, self._free_ids, None if sequence.fixed else sequence.request
+            )
             self._free_ids.remove(sequence.seq_id)
             # Batches in id order: with llama.cpp's per-sequence KV streams a batch whose ids
             # are not ascending costs 40-80% more per step (python -m loadtest.bench.seqids).
             self._active.append(sequence)
             self._active.sort(key=lambda s: s.seq_id)
             if not self._admit_resumed(sequence):
-                reused = self._placement.take(sequence.seq_id, hit) if hit is not None else 0
+                if hit is not None:
+                    reused = self._placement.take(sequence.seq_id, hit)
+                else:
+                    hit, reused = in_place, in_place.length if in_place is not None else 0
                 sequence.start_prompt(reused, hit, widest=self._widest)
         if self._active:
             self._decode_step()

@@ -107,24 +107,34 @@ class SlotPlacement:
             return None
         return cache.find(request.cache_scope, request.prompt_tokens, recorded)
 
-    def slot_for(self, hit: Hit | None, free: Sequence[int]) -> int:
+    def slot_for(
+        self, hit: Hit | None, free: Sequence[int], request: SequenceRequest | None = None
+    ) -> tuple[int, Hit | None]:
         """Of the ``free`` slots: the hit's; else the lowest that keeps nothing; else the slot
-        of the entry used longest ago, which becomes a blob (or is forgotten)."""
+        of the entry used longest ago (a scrap first), which becomes a blob (or is forgotten).
+        With the slot, for a new ``request`` without a hit: what its prompt reuses of the
+        cells that were in it (:meth:`.prefix_cache.PrefixCache.reusable`), already cut to
+        that length; None: the slot is empty."""
         cache = self._cache
         if cache is None:
-            return min(free)
+            return min(free), None
         if hit is not None and hit.entry.slot is not None:
-            return hit.entry.slot
+            return hit.entry.slot, None
         empty = [slot for slot in free if cache.entry_in(slot) is None]
         if empty:
-            return min(empty)
+            return min(empty), None
         victim = cache.least_used(free)
         assert victim is not None and victim.slot is not None
         slot = victim.slot
-        blob = self._cells.save(slot) if cache.max_blob_bytes > 0 else None
+        blob = self._cells.save(slot) if cache.max_blob_bytes > 0 and victim.blocks else None
         cache.spill(victim, blob)
+        reused = 0
+        if hit is None and request is not None and request.resume is None:
+            reused = cache.reusable(victim, request.cache_scope, request.prompt_tokens)
+        if reused and self._cells.cut(slot, reused):
+            return slot, Hit(victim, reused)
         self._cells.clear(slot)
-        return slot
+        return slot, None
 
     def take(self, slot: int, hit: Hit) -> int:
         """Move the hit's cells into ``slot`` and cut them to its length: the positions

@@ -37,7 +37,7 @@ import cbor2
 
 from ..files import write_atomically
 from ._api import Segment
-from .pieces import keeps_way, tail
+from .pieces import TILE_TOKENS, keeps_way, tail
 
 __all__ = [
     "BLOCK_TOKENS",
@@ -57,7 +57,9 @@ log = logging.getLogger(__name__)
 
 BLOCK_TOKENS = 64
 """Prefixes are looked up by the hash of each whole block of this many tokens: a shorter
-common prefix is not worth an entry's cells (or a blob's restore)."""
+common prefix is not worth a blob's restore, nor taking an entry out of its slot. Cells of fewer
+positions stay in their slot as a *scrap* (an entry with no blocks, never looked up): a short
+prompt given that slot starts from what it shares with them (:meth:`PrefixCache.reusable`)."""
 
 
 def extend(segments: Sequence[Segment], end: int, step: int) -> tuple[Segment, ...]:
@@ -259,17 +261,18 @@ class PrefixCache:
     _clock: Iterator[int] = field(default_factory=itertools.count)
 
     def keep(self, slot: int, scope: str, tokens: Sequence[int], plan: Sequence[Segment]) -> bool:
-        """A released slot's cells (computed as ``plan`` says) stay for later prompts; False:
-        too few to be worth it (the caller frees them)."""
+        """A released slot's cells (computed as ``plan`` says) stay for later prompts, fewer
+        than a block as a scrap (see :data:`BLOCK_TOKENS`); False: none (the caller frees
+        them)."""
         if slot in self._by_slot:
             self.drop(self._by_slot[slot])
-        if len(tokens) < BLOCK_TOKENS:
+        if not tokens:
             return False
         entry = Entry(
             scope=scope,
             tokens=tuple(tokens),
             segments=tuple(plan),
-            blocks=self._blocks(scope, tokens),
+            blocks=self._blocks(scope, tokens) if len(tokens) >= BLOCK_TOKENS else (),
             slot=slot,
             used=next(self._clock),
         )
@@ -323,9 +326,21 @@ class PrefixCache:
         return self._by_slot.get(slot)
 
     def least_used(self, slots: Sequence[int]) -> Entry | None:
-        """Among the entries resident in ``slots``, the one used longest ago."""
+        """Among the entries resident in ``slots``, the one used longest ago, scraps first
+        (they are worth the least)."""
         held = [self._by_slot[s] for s in slots if s in self._by_slot]
-        return min(held, key=lambda e: e.used, default=None)
+        return min(held, key=lambda e: (bool(e.blocks), e.used), default=None)
+
+    def reusable(self, entry: Entry, scope: str, prompt: Sequence[int]) -> int:
+        """How many first positions of a new ``prompt`` the cells of ``entry``, leaving its
+        slot to ``prompt``'s sequence, serve: any number (a block is not needed, the cells are
+        where they are used), for a prompt shorter than a tiled piece only. Such a prompt is
+        computed row by row from wherever it starts (:mod:`.pieces`), so it gets the cells
+        and the answer it gets cold, as llama-server's slots reuse their common prefix."""
+        if entry.scope != scope or len(prompt) >= TILE_TOKENS:
+            return 0
+        limit = len(prompt) - (tail(len(prompt)) if self.cuts_inside_pieces else 1)
+        return self._usable(entry, prompt, limit, None, None)
 
     def take(self, entry: Entry) -> None:
         """The entry's cells (or blob) go to a new sequence: it is no longer the cache's."""
@@ -335,8 +350,8 @@ class PrefixCache:
         """A resident entry's slot is needed: keep its cells as ``blob`` in memory while the
         budget allows, the least recently used blobs going to the shelf (or away) first."""
         self.drop(entry)
-        if blob is None:
-            return
+        if blob is None or not entry.blocks:
+            return  # a scrap is found in its slot only
         if len(blob) > self.max_blob_bytes:
             self._shelve(entry, blob)
             return

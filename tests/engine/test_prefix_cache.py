@@ -288,3 +288,24 @@ def plain(n: int) -> tuple[Segment, ...]:
 def _found(cache: PrefixCache, prompt: list[int]) -> int:
     hit = cache.find("", prompt)
     return 0 if hit is None else hit.length
+
+
+def test_fewer_cells_than_a_block_stay_as_a_scrap_that_a_short_prompt_in_its_slot_reuses():
+    cache = _cache()
+    long = list(range(500, 500 + 2 * B))
+    cache.keep(1, "a", long, plain(len(long)))
+    short = list(range(30))  # a prompt of 20, then 10 decoded tokens
+    assert cache.keep(0, "a", short, extend(plain(20), 30, 1))
+    scrap = cache.entry_in(0)
+    assert scrap is not None and scrap.blocks == ()
+    assert cache.find("a", [*short, 99]) is None  # never looked up: found in its slot only
+    assert cache.reusable(scrap, "a", [*short[:12], 7, 8]) == 12
+    assert cache.reusable(scrap, "a", short[:12]) == 11  # the last position computed again
+    assert cache.reusable(scrap, "b", [*short[:12], 7, 8]) == 0  # another key's cells
+    assert cache.reusable(scrap, "a", [*short, *range(100, 100 + B)]) == 0  # a tiled prompt
+    # The slot of a scrap goes first, though the block's entry was used longer ago; it
+    # leaves no blob (nothing would look it up).
+    assert cache.least_used([0, 1]) is scrap
+    cache.spill(scrap, b"cells")
+    assert cache.entry_in(0) is None and cache.stats.blob_bytes == 0
+    assert cache.stats.resident_tokens == len(long)

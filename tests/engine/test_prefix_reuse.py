@@ -109,6 +109,40 @@ def test_an_evicted_entry_becomes_a_blob_that_a_later_turn_restores(model_path, 
         engine.close()
 
 
+def test_a_short_prompt_reuses_what_it_shares_with_the_cells_left_in_its_slot(
+    model_path, cpu_extra_buffers
+):
+    """As llama-server's slots do: a short prompt (row by row wherever it starts) given a slot
+    whose cells share its first tokens computes only the rest, and gets its cold answer."""
+    settings = engine_settings_for(model_path, n_seq_max=1, cpu_extra_buffers=cpu_extra_buffers)
+    asked = "Question: why is the sky blue?\nAnswer:"
+    prompt = "Question: why is the grass green?\nAnswer:"
+    engine = LlamaEngine(settings)
+    try:
+        first = engine.tokenize(asked, add_special=True)
+        second = engine.tokenize(prompt, add_special=True)
+        shared = next(i for i, (a, b) in enumerate(zip(first, second, strict=False)) if a != b)
+        assert shared > 0 and len(first) + 24 < 64  # fewer cells than a block: a scrap
+        _run(engine, _request(first))
+        turn = _run(engine, _request(second))
+        assert turn.plans[0].reused == shared
+        other = _run(engine, _request(first, cache_scope="someone else"))
+        assert other.plans[0].reused == 0  # another API key's cells are never reused
+    finally:
+        engine.close()
+    cold_settings = dataclasses.replace(settings, prefix_cache=False)
+    engine = LlamaEngine(cold_settings)
+    try:
+        cold = _run(engine, _request(second))
+        assert cold.plans[0].reused == 0 and cold.tokens == turn.tokens
+        # Its plan is replayed exactly without the cells it started from.
+        resume = ResumePoint(generated=tuple(turn.tokens[:8]))
+        replay = _run(engine, _request(second, resume=resume, prefill_plan=turn.plans[0]))
+        assert replay.tokens == turn.tokens[8:]
+    finally:
+        engine.close()
+
+
 def test_the_cache_switched_off_reuses_nothing(model_path, cpu_extra_buffers):
     settings = engine_settings_for(
         model_path, n_seq_max=1, prefix_cache=False, cpu_extra_buffers=cpu_extra_buffers
