@@ -32,6 +32,7 @@ from .tool_chunks import chat_message
 from .tool_format import ToolFormat, with_tool_prompt
 
 __all__ = [
+    "DEFAULT_SAMPLING",
     "CompletionRequest",
     "chunk",
     "completion_body",
@@ -44,6 +45,20 @@ __all__ = [
 #: max_tokens when a request names none: OpenAI's 16 for text completions is too short to be
 #: useful from a chat model, so both endpoints share one moderate default.
 DEFAULT_MAX_TOKENS = 256
+
+#: What sampling a request that names no setting gets: llama.cpp's defaults, as llama-server,
+#: Ollama and LM Studio apply them, not OpenAI's temperature 1 with every token allowed, which a
+#: small local model turns into noise that rarely ends (measured with the default model: the
+#: Open Responses suite's answers ran to max_output_tokens in foreign scripts). A client that
+#: names a value gets it; ``min_p`` and ``top_k`` are extensions an OpenAI client cannot name,
+#: so they apply unless the request sets them.
+DEFAULT_SAMPLING: dict[str, float] = {
+    "temperature": 0.8,
+    "top_p": 0.95,
+    "top_k": 40,
+    "min_p": 0.05,
+    "repeat_penalty": 1.0,
+}
 
 #: Extension of chat completions (the Responses API's name): ``auto`` drops the oldest turns of a
 #: chat over the context budget instead of answering 413 ``prompt_too_long``.
@@ -334,8 +349,8 @@ def sampling_payload(request: dict[str, Any]) -> dict[str, Any]:
     """The GENERATE fields of OpenAI's sampling settings and quicsrv's extensions (``seed``,
     ``top_k``, ``min_p``, ``repeat_penalty``, ``deadline_ms``), checked."""
     payload: dict[str, Any] = {
-        "temperature": _number(request, "temperature", 0.0, 2.0, 1.0),
-        "top_p": _number(request, "top_p", 0.0, 1.0, 1.0),
+        "temperature": _number(request, "temperature", 0.0, 2.0, DEFAULT_SAMPLING["temperature"]),
+        "top_p": _number(request, "top_p", 0.0, 1.0, DEFAULT_SAMPLING["top_p"]),
     }
     if payload["top_p"] == 0.0:
         raise _invalid("top_p must be greater than 0", "top_p")
@@ -344,9 +359,9 @@ def sampling_payload(request: dict[str, Any]) -> dict[str, Any]:
         if seed < 0 or seed > MAX_SEED:
             raise _invalid("seed must be between 0 and 2^64 - 1", "seed")
         payload["seed"] = seed
-    for name, lo, hi, default in (("min_p", 0.0, 1.0, 0.0), ("repeat_penalty", 0.0, 10.0, 1.0)):
-        payload[name] = _number(request, name, lo, hi, default)
-    top_k = optional(request, "top_k", int, 0)
+    for name, lo, hi in (("min_p", 0.0, 1.0), ("repeat_penalty", 0.0, 10.0)):
+        payload[name] = _number(request, name, lo, hi, DEFAULT_SAMPLING[name])
+    top_k = optional(request, "top_k", int, int(DEFAULT_SAMPLING["top_k"]))
     if top_k < 0:
         raise _invalid("top_k must be 0 or more", "top_k")
     payload["top_k"] = top_k

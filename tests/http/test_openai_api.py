@@ -42,12 +42,21 @@ def test_a_chat_request_maps_onto_a_generate():
     assert request.chat and request.stream and request.include_usage
 
 
-def test_defaults_follow_openai():
+def test_sampling_defaults_are_llama_servers_and_named_values_win():
     request = _text()
     assert request.generate.prompt == "hi"
-    assert request.generate.temperature == 1.0
+    g = request.generate
+    assert (g.temperature, g.top_p, g.top_k, g.min_p, g.repeat_penalty) == (
+        0.8,
+        0.95,
+        40,
+        0.05,
+        1.0,
+    )
     assert request.generate.max_tokens == DEFAULT_MAX_TOKENS
     assert not request.stream and not request.include_usage
+    named = _text(temperature=1.0, top_p=1.0, top_k=0, min_p=0.0).generate
+    assert (named.temperature, named.top_p, named.top_k, named.min_p) == (1.0, 1.0, 0, 0.0)
 
 
 def test_content_parts_and_the_developer_role():

@@ -286,7 +286,7 @@ def _messages(request: Any) -> list[tuple[str, str]]:
     return [(m.role, m.content) for m in messages]
 
 
-def test_a_string_input_is_one_user_message_with_openais_defaults() -> None:
+def test_a_string_input_is_one_user_message_with_the_defaults() -> None:
     request = _create()
     assert request.input == (ChatMessage(role="user", content="hi"),)
     assert _messages(request) == [("user", "hi")]
@@ -298,8 +298,8 @@ def test_a_string_input_is_one_user_message_with_openais_defaults() -> None:
         "instructions": None,
         "max_output_tokens": DEFAULT_MAX_TOKENS,  # the limit that applies, echoed
         "metadata": {},
-        "temperature": 1.0,
-        "top_p": 1.0,
+        "temperature": 0.8,  # llama-server's defaults (openai_api.DEFAULT_SAMPLING)
+        "top_p": 0.95,
         "truncation": "disabled",
         "background": False,
         "store": True,
