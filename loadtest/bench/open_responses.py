@@ -20,8 +20,7 @@ keeping the conversation...). This module runs it, unchanged, against quicsrv::
    ``NODE_EXTRA_CA_CERTS``).
 4. The suite's JSON results, each test given a verdict: passed, failed, skipped by the suite
    (its optional tests need a vector store or a web search), out of scope
-   (:data:`OUT_OF_SCOPE`: WebSocket mode, ``/responses/compact``, image and file input), or
-   depending on ``tool_choice: "auto"`` (:data:`NEEDS_TOOL_CHOICE_AUTO`: issue 41, item 1).
+   (:data:`OUT_OF_SCOPE`: WebSocket mode, ``/responses/compact``, image input) or in scope.
    Printed, and written with the raw results and the server's log under
    ``loadtest/results/open-responses-<stamp>/``. Exit status 1 when a test in scope failed.
 
@@ -66,16 +65,9 @@ API_KEY = "unused"  # an open server; the CLI insists on one
 #: versions of the suite), and why.
 OUT_OF_SCOPE: dict[str, str] = {
     "image-input": "image input: the model reads text only (input_image is refused, 400)",
-    "file-input": "file input (a PDF): the model reads text only (input_file is refused, 400)",
     "websocket": "WebSocket mode: a later step (an upgrade is refused, 400 JSON)",
     "compact": "/v1/responses/compact is not served (404 unknown_endpoint)",
     "image": "image input: the model reads text only",
-}
-#: Tests whose request gives tools without tool_choice (OpenAI's default: "auto"), which issue
-#: 41's item 1 brings to every model; before it they are refused 400 (tool_choice).
-NEEDS_TOOL_CHOICE_AUTO: dict[str, str] = {
-    "tool-calling": 'tools without tool_choice: "auto" (issue 41, item 1)',
-    "tool-calling-streaming": 'tools without tool_choice: "auto" (issue 41, item 1)',
 }
 
 
@@ -99,7 +91,7 @@ class Verdict:
     @property
     def counts_against(self) -> bool:
         """A failure of a test this server is meant to pass."""
-        return self.status == "failed" and self.kind in ("in scope", "needs tool_choice auto")
+        return self.status == "failed" and self.kind == "in scope"
 
 
 def archive_url(commit: str = SUITE_COMMIT) -> str:
@@ -136,8 +128,6 @@ def judge(results: Sequence[dict[str, Any]]) -> list[Verdict]:
             kind, why = "skipped by the suite", "; ".join(errors) or "optional"
         elif reason is not None:
             kind, why = "out of scope", reason
-        elif test_id in NEEDS_TOOL_CHOICE_AUTO:
-            kind, why = "needs tool_choice auto", NEEDS_TOOL_CHOICE_AUTO[test_id]
         else:
             kind, why = "in scope", ""
         if status == "failed" and errors and all(e == _RAN_ON for e in errors):
@@ -165,7 +155,7 @@ def render(verdicts: Sequence[Verdict], heading: str) -> str:
         note = v.why or (v.errors[0] if v.errors else "")
         note = note.replace("|", "\\|").replace("\n", " ")[:200]
         lines.append(f"| {v.id} | {v.status} | {v.kind} | {note} |")
-    scoped = [v for v in verdicts if v.kind in ("in scope", "needs tool_choice auto")]
+    scoped = [v for v in verdicts if v.kind == "in scope"]
     passed = sum(v.status == "passed" for v in scoped)
     lines += [
         "",

@@ -27,6 +27,7 @@ from quicsrv_proto.frames import CHAT_ROLES, MAX_SEED
 
 from . import field_policy
 from .errors import ApiError
+from .file_parts import file_text
 from .tool_calls import CallText, ToolChoice, call_id, parse_tool_choice
 from .tool_chunks import chat_message
 from .tool_format import ToolFormat, with_tool_prompt
@@ -508,19 +509,32 @@ def _calls_text(calls: object, param: str) -> str:
 
 
 def message_text(
-    value: object, param: str, *, part_types: frozenset[str] = frozenset({"text"})
+    value: object,
+    param: str,
+    *,
+    part_types: frozenset[str] = frozenset({"text"}),
+    file_types: frozenset[str] = frozenset({"file"}),
 ) -> str:
-    """A message's text: a string, or an array of text parts (of ``part_types``, joined);
-    images and audio are refused since the model reads text only."""
+    """A message's text: a string, or an array of text parts (of ``part_types``) and file parts
+    (of ``file_types``, read as text: :mod:`.file_parts`), joined; images and audio are
+    refused since the model reads text only."""
     if isinstance(value, str):
         return value
     if isinstance(value, list):
         parts = []
-        for part in value:
+        for i, part in enumerate(value):
             kind = part.get("type") if isinstance(part, dict) else None
+            if isinstance(kind, str) and kind in file_types:
+                assert isinstance(part, dict)
+                # Chat completions nest a part's fields under its type; the Responses API not.
+                fields = part.get(kind)
+                parts.append(
+                    file_text(fields if isinstance(fields, dict) else part, f"{param}.content[{i}]")
+                )
+                continue
             if not isinstance(kind, str) or kind not in part_types:
                 raise _invalid(
-                    f"{param}.content: only text parts are supported",
+                    f"{param}.content: only text and file parts are supported",
                     f"{param}.content",
                     "unsupported_value",
                 )

@@ -84,6 +84,7 @@ CALL_PREFIX = "fc_"
 
 _INPUT_ROLES = {"user": "user", "assistant": "assistant", "system": "system", "developer": "system"}
 _TEXT_PARTS = frozenset({"input_text", "output_text", "text"})
+_FILE_PARTS = frozenset({"input_file"})
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -612,7 +613,9 @@ def _input_message(item: object, param: str) -> ChatMessage:
             f"{param}.role",
             "unsupported_value",
         )
-    text = openai_api.message_text(item.get("content"), param, part_types=_TEXT_PARTS)
+    text = openai_api.message_text(
+        item.get("content"), param, part_types=_TEXT_PARTS, file_types=_FILE_PARTS
+    )
     return ChatMessage(role=role, content=text)
 
 

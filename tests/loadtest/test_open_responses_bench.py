@@ -46,7 +46,7 @@ def test_each_result_gets_its_verdict() -> None:
         "image-input": "out of scope",
         "websocket-mode": "out of scope",
         "responses-compact": "out of scope",
-        "tool-calling": "needs tool_choice auto",
+        "tool-calling": "in scope",
         "file-search": "skipped by the suite",
         "system-prompt": "in scope",
     }
