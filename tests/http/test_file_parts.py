@@ -46,7 +46,8 @@ def data_url(media_type: str, content: bytes) -> str:
 
 
 def test_a_pdf_is_read_as_its_text_under_its_name():
-    part = {"filename": "menu.pdf", "file_data": data_url("application/pdf", pdf("Soup of the day"))}
+    menu = data_url("application/pdf", pdf("Soup of the day"))
+    part = {"filename": "menu.pdf", "file_data": menu}
     text = file_text(part, "input[0].content[1]")
     assert "[menu.pdf]\nSoup of the day\n[end of menu.pdf]" in text
 
