@@ -45,14 +45,14 @@ def data_url(media_type: str, content: bytes) -> str:
     return f"data:{media_type};base64,{base64.b64encode(content).decode()}"
 
 
-def test_a_pdf_is_read_as_its_text_under_its_name():
+def test_a_pdf_is_read_as_its_text_under_its_name() -> None:
     menu = data_url("application/pdf", pdf("Soup of the day"))
     part = {"filename": "menu.pdf", "file_data": menu}
     text = file_text(part, "input[0].content[1]")
     assert "[menu.pdf]\nSoup of the day\n[end of menu.pdf]" in text
 
 
-def test_a_text_file_is_read_as_utf8():
+def test_a_text_file_is_read_as_utf8() -> None:
     part = {"file_data": data_url("text/markdown", "# Notes\ncafé".encode())}
     assert "# Notes\ncafé" in file_text(part, "p")
 
@@ -71,7 +71,9 @@ def test_a_text_file_is_read_as_utf8():
         ({}, "invalid_value", "needs file_data"),
     ],
 )
-def test_what_cannot_be_read_is_refused_with_the_part_named(part, code, says):
+def test_what_cannot_be_read_is_refused_with_the_part_named(
+    part: dict[str, str], code: str, says: str
+) -> None:
     with pytest.raises(ApiError) as caught:
         file_text(part, "input[0].content[1]")
     error = json.loads(caught.value.body())["error"]
@@ -83,7 +85,7 @@ def test_what_cannot_be_read_is_refused_with_the_part_named(part, code, says):
     assert says in error["message"]
 
 
-def test_the_responses_api_and_chat_completions_put_the_file_in_the_message():
+def test_the_responses_api_and_chat_completions_put_the_file_in_the_message() -> None:
     file = {"filename": "f.txt", "file_data": data_url("text/plain", b"The code is 42.")}
     content = [{"type": "input_text", "text": "What is the code?"}, {"type": "input_file", **file}]
     body = {"model": MODEL, "input": [{"role": "user", "content": content}]}
