@@ -37,6 +37,7 @@ __all__ = [
     "CompletionRequest",
     "chunk",
     "completion_body",
+    "calls_answer",
     "completion_id",
     "finish_reason",
     "parse_completion",
@@ -490,8 +491,8 @@ def _check_message_keys(message: dict[str, Any], param: str) -> None:
 
 
 def _calls_text(calls: object, param: str) -> str:
-    """An assistant's earlier tool calls, as the text a template without tools shows the model
-    (what it generated for them: the call as JSON)."""
+    """An assistant's earlier tool calls, as the text a template without tools shows the model:
+    the generic format's answer (:func:`calls_answer`)."""
     if not isinstance(calls, list):
         raise _invalid(f"{param} must be an array", param)
     texts = []
@@ -502,10 +503,19 @@ def _calls_text(calls: object, param: str) -> str:
         arguments = function.get("arguments", "")
         if not isinstance(arguments, str):
             raise _invalid(f"{param}[{i}].function.arguments must be a string", f"{param}[{i}]")
-        texts.append(
-            f'{{"name": {json.dumps(function["name"])}, "arguments": {arguments or "{}"}}}'
-        )
-    return "\n".join(texts)
+        texts.append((function["name"], arguments))
+    return calls_answer(texts)
+
+
+def calls_answer(calls: list[tuple[str, str]]) -> str:
+    """Earlier calls, (name, arguments as JSON text), shown to the model as the answer the
+    generic format asks it to write (``{"tool_calls": [...]}``, :mod:`.tool_format`), so that
+    the history shows it the shape it is to follow."""
+    shown = ", ".join(
+        f'{{"name": {json.dumps(name)}, "arguments": {arguments or "{}"}}}'
+        for name, arguments in calls
+    )
+    return f'{{"tool_calls": [{shown}]}}'
 
 
 def message_text(

@@ -579,7 +579,30 @@ def _input(value: object) -> tuple[ChatMessage, ...]:
         )
     if len(value) > MAX_MESSAGES:
         raise _invalid(f"input takes at most {MAX_MESSAGES} items", "input")
-    return tuple(_input_message(item, f"input[{i}]") for i, item in enumerate(value))
+    messages: list[ChatMessage] = []
+    calls: list[tuple[str, str]] = []  # consecutive function_call items: one assistant turn
+    for i, item in enumerate(value):
+        call = _function_call(item, f"input[{i}]")
+        if call is not None:
+            calls.append(call)
+            continue
+        if calls:
+            messages.append(ChatMessage(role="assistant", content=openai_api.calls_answer(calls)))
+            calls = []
+        messages.append(_input_message(item, f"input[{i}]"))
+    if calls:
+        messages.append(ChatMessage(role="assistant", content=openai_api.calls_answer(calls)))
+    return tuple(messages)
+
+
+def _function_call(item: object, param: str) -> tuple[str, str] | None:
+    """A ``function_call`` item's name and arguments; None for any other item."""
+    if not isinstance(item, dict) or item.get("type") != "function_call":
+        return None
+    name, arguments = item.get("name"), item.get("arguments")
+    if not isinstance(name, str) or not isinstance(arguments, str):
+        raise _invalid(f"{param}: a function_call has a name and arguments", param)
+    return name, arguments
 
 
 def _input_message(item: object, param: str) -> ChatMessage:
@@ -591,13 +614,6 @@ def _input_message(item: object, param: str) -> ChatMessage:
         if not isinstance(output, str) or not isinstance(item.get("call_id"), str):
             raise _invalid(f"{param}: a function_call_output has a call_id and an output", param)
         return ChatMessage(role="tool", content=output)
-    if kind == "function_call":
-        name, arguments = item.get("name"), item.get("arguments")
-        if not isinstance(name, str) or not isinstance(arguments, str):
-            raise _invalid(f"{param}: a function_call has a name and arguments", param)
-        # What a template without tools shows the model: the call, as it generated it.
-        text = f'{{"name": {json.dumps(name)}, "arguments": {arguments or "{}"}}}'
-        return ChatMessage(role="assistant", content=text)
     if kind != "message":
         raise _invalid(
             f"{param}: items of type {str(kind)[:40]!r} are not supported (messages only)",

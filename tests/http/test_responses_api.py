@@ -12,7 +12,7 @@ from hypothesis import strategies as st
 
 import quicsrv_proto
 from quicsrv.http.errors import ApiError
-from quicsrv.http.openai_api import DEFAULT_MAX_TOKENS
+from quicsrv.http.openai_api import DEFAULT_MAX_TOKENS, parse_completion
 from quicsrv.http.responses_api import (
     FIRST_DELTA,
     ResponseView,
@@ -501,3 +501,43 @@ def test_an_id_this_server_cannot_have_issued_is_404(text: str) -> None:
         from_response_id(text, "previous_response_id")
     error = caught.value
     assert (error.status, error.code, error.param) == (404, "not_found", "previous_response_id")
+
+
+def test_earlier_calls_are_shown_as_the_answer_the_generic_format_asks_for() -> None:
+    """Consecutive function_call items are one assistant turn, shown in the shape the model is
+    asked to write, so the history shows it how; as chat completions show tool_calls."""
+    calls = [
+        {"type": "function_call", "call_id": "a", "name": "weather", "arguments": '{"city": "X"}'},
+        {"type": "function_call", "call_id": "b", "name": "time", "arguments": ""},
+    ]
+    outputs = [
+        {"type": "function_call_output", "call_id": "a", "output": "rain"},
+        {"type": "function_call_output", "call_id": "b", "output": "noon"},
+    ]
+    request = _create(input=[{"role": "user", "content": "Weather and time?"}, *calls, *outputs])
+    answer = '{"tool_calls": [{"name": "weather", "arguments": {"city": "X"}}, '
+    answer += '{"name": "time", "arguments": {}}]}'
+    assert _messages(request) == [
+        ("user", "Weather and time?"),
+        ("assistant", answer),
+        ("tool", "rain"),
+        ("tool", "noon"),
+    ]
+    chat_calls = [
+        {
+            "id": c["call_id"],
+            "type": "function",
+            "function": {"name": c["name"], "arguments": c["arguments"]},
+        }
+        for c in calls
+    ]
+    body = {
+        "model": MODEL,
+        "messages": [
+            {"role": "user", "content": "Weather and time?"},
+            {"role": "assistant", "content": None, "tool_calls": chat_calls},
+        ],
+    }
+    chat = parse_completion(json.dumps(body).encode(), chat=True, model_id=MODEL)
+    assert chat.generate.messages is not None
+    assert chat.generate.messages[1].content == answer
