@@ -30,14 +30,13 @@ from .errors import ApiError
 from .file_parts import file_text
 from .tool_calls import CallText, ToolChoice, call_id, parse_tool_choice
 from .tool_chunks import chat_message
-from .tool_format import ToolFormat, with_tool_prompt
+from .tool_format import ToolFormat, calls_answer, with_tool_prompt
 
 __all__ = [
     "DEFAULT_SAMPLING",
     "CompletionRequest",
     "chunk",
     "completion_body",
-    "calls_answer",
     "completion_id",
     "finish_reason",
     "parse_completion",
@@ -492,7 +491,7 @@ def _check_message_keys(message: dict[str, Any], param: str) -> None:
 
 def _calls_text(calls: object, param: str) -> str:
     """An assistant's earlier tool calls, as the text a template without tools shows the model:
-    the generic format's answer (:func:`calls_answer`)."""
+    the generic format's answer (:func:`.tool_format.calls_answer`)."""
     if not isinstance(calls, list):
         raise _invalid(f"{param} must be an array", param)
     texts = []
@@ -505,17 +504,6 @@ def _calls_text(calls: object, param: str) -> str:
             raise _invalid(f"{param}[{i}].function.arguments must be a string", f"{param}[{i}]")
         texts.append((function["name"], arguments))
     return calls_answer(texts)
-
-
-def calls_answer(calls: list[tuple[str, str]]) -> str:
-    """Earlier calls, (name, arguments as JSON text), shown to the model as the answer the
-    generic format asks it to write (``{"tool_calls": [...]}``, :mod:`.tool_format`), so that
-    the history shows it the shape it is to follow."""
-    shown = ", ".join(
-        f'{{"name": {json.dumps(name)}, "arguments": {arguments or "{}"}}}'
-        for name, arguments in calls
-    )
-    return f'{{"tool_calls": [{shown}]}}'
 
 
 def message_text(

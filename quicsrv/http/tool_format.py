@@ -31,6 +31,7 @@ __all__ = [
     "Piece",
     "TextDelta",
     "ToolFormat",
+    "calls_answer",
     "tool_format",
     "with_tool_prompt",
 ]
@@ -143,6 +144,18 @@ def _example_arguments(function: Function) -> str:
         kind = schema.get("type") if isinstance(schema, dict) else None
         shown.append(f"{json.dumps(str(name))}: " + ('"..."' if kind == "string" else "..."))
     return "{" + ", ".join(shown) + "}"
+
+
+def calls_answer(calls: list[tuple[str, str]]) -> str:
+    """An assistant turn's earlier calls, (name, arguments as JSON text), as the conversation
+    shows them to a model whose template knows no tools: the answer this format asks it to
+    write (``{"tool_calls": [...]}``), so the history shows it the shape to follow. Every API
+    renders the calls in its history this one way."""
+    shown = ", ".join(
+        f'{{"name": {json.dumps(name)}, "arguments": {arguments or "{}"}}}'
+        for name, arguments in calls
+    )
+    return f'{{"tool_calls": [{shown}]}}'
 
 
 def with_tool_prompt(messages: list[dict[str, str]], prompt: str) -> list[dict[str, str]]:
