@@ -52,7 +52,10 @@ __all__ = [
 DONE = b"data: [DONE]\n\n"
 #: Written when the stream has been quiet for a while (in line for a slot, a long prefill): a
 #: comment line, which every SSE parser skips (WHATWG HTML §9.2.6), for the proxies between.
-KEEPALIVE_COMMENT = b": keep-alive\n\n"
+#: No blank line after it: the OpenAI SDK's parser keeps the last event id and dispatches an
+#: event on any blank line once it has one (the spec dispatches none without data), and then
+#: fails on its empty data; the comment is a line of the next event instead.
+KEEPALIVE_COMMENT = b": keep-alive\n"
 # How long an SSE client waits before it resumes a stream the server ended for a restart: about
 # the time a new process takes to start (the reconnect policy of the native client backs off
 # from much less, and goes on for much longer).

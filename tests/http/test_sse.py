@@ -6,7 +6,7 @@ import json
 
 import quicsrv_proto
 from quicsrv.http.cursor import decode_cursor
-from quicsrv.http.sse import SseEncoder, StreamShape
+from quicsrv.http.sse import KEEPALIVE_COMMENT, SseEncoder, StreamShape
 from quicsrv_proto import EndReason, ErrorCode
 
 KEY = b"k" * 32
@@ -100,3 +100,14 @@ def test_a_restart_tells_the_client_when_and_how_to_resume():
     error = json.loads(data.split(b"data: ", 1)[1])["error"]
     assert (error["code"], error["retry_after_s"]) == ("shutting_down", 3.0)
     assert "Last-Event-ID" in error["message"]
+
+
+def test_a_keep_alive_between_events_gives_the_openai_sdk_no_empty_event() -> None:
+    """The SDK's parser (as it is) dispatches an event on a blank line once it has seen an id,
+    data or none: a keep-alive comment must not end with one."""
+    from openai._streaming import SSEDecoder
+
+    first = b'id: a\ndata: {"n": 1}\n\n'
+    second = b'id: b\ndata: {"n": 2}\n\n'
+    events = list(SSEDecoder().iter_bytes(iter([first, KEEPALIVE_COMMENT, second])))
+    assert [(e.id, json.loads(e.data)) for e in events] == [("a", {"n": 1}), ("b", {"n": 2})]
