@@ -30,7 +30,7 @@ from .errors import ApiError
 from .file_parts import file_text
 from .tool_calls import CallText, ToolChoice, call_id, parse_tool_choice
 from .tool_chunks import chat_message
-from .tool_format import ToolFormat, calls_answer, with_tool_prompt
+from .tool_format import ToolFormat, calls_text, with_tool_prompt
 
 __all__ = [
     "DEFAULT_SAMPLING",
@@ -490,8 +490,8 @@ def _check_message_keys(message: dict[str, Any], param: str) -> None:
 
 
 def _calls_text(calls: object, param: str) -> str:
-    """An assistant's earlier tool calls, as the text a template without tools shows the model:
-    the generic format's answer (:func:`.tool_format.calls_answer`)."""
+    """An assistant's earlier tool calls, as the text a template without tools shows the model
+    (:func:`.tool_format.calls_text`)."""
     if not isinstance(calls, list):
         raise _invalid(f"{param} must be an array", param)
     texts = []
@@ -503,7 +503,7 @@ def _calls_text(calls: object, param: str) -> str:
         if not isinstance(arguments, str):
             raise _invalid(f"{param}[{i}].function.arguments must be a string", f"{param}[{i}]")
         texts.append((function["name"], arguments))
-    return calls_answer(texts)
+    return calls_text(texts)
 
 
 def message_text(

@@ -587,11 +587,11 @@ def _input(value: object) -> tuple[ChatMessage, ...]:
             calls.append(call)
             continue
         if calls:
-            messages.append(ChatMessage(role="assistant", content=tool_format.calls_answer(calls)))
+            messages.append(ChatMessage(role="assistant", content=tool_format.calls_text(calls)))
             calls = []
         messages.append(_input_message(item, f"input[{i}]"))
     if calls:
-        messages.append(ChatMessage(role="assistant", content=tool_format.calls_answer(calls)))
+        messages.append(ChatMessage(role="assistant", content=tool_format.calls_text(calls)))
     return tuple(messages)
 
 

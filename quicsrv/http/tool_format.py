@@ -31,7 +31,7 @@ __all__ = [
     "Piece",
     "TextDelta",
     "ToolFormat",
-    "calls_answer",
+    "calls_text",
     "tool_format",
     "with_tool_prompt",
 ]
@@ -146,16 +146,16 @@ def _example_arguments(function: Function) -> str:
     return "{" + ", ".join(shown) + "}"
 
 
-def calls_answer(calls: list[tuple[str, str]]) -> str:
+def calls_text(calls: list[tuple[str, str]]) -> str:
     """An assistant turn's earlier calls, (name, arguments as JSON text), as the conversation
-    shows them to a model whose template knows no tools: the answer this format asks it to
-    write (``{"tool_calls": [...]}``), so the history shows it the shape to follow. Every API
-    renders the calls in its history this one way."""
-    shown = ", ".join(
+    shows them to a model whose template knows no tools: each call as JSON, one a line. Every
+    API renders the calls in its history this one way. Not in the answer's own shape
+    (``{"tool_calls": [...]}``): shown that, the default model wrote it again after the
+    tool's result, call after call (the Agents SDK's loop ran past its max_turns)."""
+    return "\n".join(
         f'{{"name": {json.dumps(name)}, "arguments": {arguments or "{}"}}}'
         for name, arguments in calls
     )
-    return f'{{"tool_calls": [{shown}]}}'
 
 
 def with_tool_prompt(messages: list[dict[str, str]], prompt: str) -> list[dict[str, str]]:

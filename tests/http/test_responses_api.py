@@ -503,9 +503,9 @@ def test_an_id_this_server_cannot_have_issued_is_404(text: str) -> None:
     assert (error.status, error.code, error.param) == (404, "not_found", "previous_response_id")
 
 
-def test_earlier_calls_are_shown_as_the_answer_the_generic_format_asks_for() -> None:
-    """Consecutive function_call items are one assistant turn, shown in the shape the model is
-    asked to write, so the history shows it how; as chat completions show tool_calls."""
+def test_earlier_calls_are_one_assistant_turn_shown_as_the_calls_json() -> None:
+    """Consecutive function_call items are one assistant turn, each call as JSON on a line, as
+    chat completions show an assistant's tool_calls."""
     calls = [
         {"type": "function_call", "call_id": "a", "name": "weather", "arguments": '{"city": "X"}'},
         {"type": "function_call", "call_id": "b", "name": "time", "arguments": ""},
@@ -515,8 +515,7 @@ def test_earlier_calls_are_shown_as_the_answer_the_generic_format_asks_for() -> 
         {"type": "function_call_output", "call_id": "b", "output": "noon"},
     ]
     request = _create(input=[{"role": "user", "content": "Weather and time?"}, *calls, *outputs])
-    answer = '{"tool_calls": [{"name": "weather", "arguments": {"city": "X"}}, '
-    answer += '{"name": "time", "arguments": {}}]}'
+    answer = '{"name": "weather", "arguments": {"city": "X"}}\n{"name": "time", "arguments": {}}'
     assert _messages(request) == [
         ("user", "Weather and time?"),
         ("assistant", answer),
