@@ -29,7 +29,7 @@ from . import field_policy
 from .errors import ApiError
 from .tool_calls import CallText, ToolChoice, call_id, parse_tool_choice
 from .tool_chunks import chat_message
-from .tool_format import ToolFormat, with_tool_prompt
+from .tool_format import ToolFormat, call_text, with_tool_prompt
 
 __all__ = [
     "CompletionRequest",
@@ -486,9 +486,7 @@ def _calls_text(calls: object, param: str) -> str:
         arguments = function.get("arguments", "")
         if not isinstance(arguments, str):
             raise _invalid(f"{param}[{i}].function.arguments must be a string", f"{param}[{i}]")
-        texts.append(
-            f'{{"name": {json.dumps(function["name"])}, "arguments": {arguments or "{}"}}}'
-        )
+        texts.append(call_text(function["name"], arguments))
     return "\n".join(texts)
 
 

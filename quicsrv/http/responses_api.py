@@ -595,7 +595,7 @@ def _input_message(item: object, param: str) -> ChatMessage:
         if not isinstance(name, str) or not isinstance(arguments, str):
             raise _invalid(f"{param}: a function_call has a name and arguments", param)
         # What a template without tools shows the model: the call, as it generated it.
-        text = f'{{"name": {json.dumps(name)}, "arguments": {arguments or "{}"}}}'
+        text = tool_format.call_text(name, arguments)
         return ChatMessage(role="assistant", content=text)
     if kind != "message":
         raise _invalid(

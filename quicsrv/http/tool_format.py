@@ -31,6 +31,7 @@ __all__ = [
     "Piece",
     "TextDelta",
     "ToolFormat",
+    "call_text",
     "tool_format",
     "with_tool_prompt",
 ]
@@ -132,6 +133,13 @@ def with_tool_prompt(messages: list[dict[str, str]], prompt: str) -> list[dict[s
         text = first["content"] + "\n\n" + prompt if first["content"] else prompt
         return [{"role": "system", "content": text}, *messages[1:]]
     return [{"role": "system", "content": prompt}, *messages]
+
+
+def call_text(name: str, arguments: str) -> str:
+    """An earlier call as the conversation shows it to a model whose template knows no tools:
+    what it generated for it, ``{"name": ..., "arguments": ...}`` (``arguments``: JSON text,
+    ``{}`` when empty). Every API renders a call in its history this one way."""
+    return f'{{"name": {json.dumps(name)}, "arguments": {arguments or "{}"}}}'
 
 
 def system_text(instructions: str | None, tools: object) -> str | None:
