@@ -535,6 +535,7 @@ def message_object(
         "content": content,
         "stop_reason": stop,
         "stop_sequence": stop_sequence,
+        "stop_details": None,  # no refusal classifier here: nothing to say of any stop
         "usage": counts,
     }
 

@@ -176,7 +176,7 @@ class MessageEncoder:
         events += [
             {
                 "type": "message_delta",
-                "delta": {"stop_reason": reason, "stop_sequence": matched},
+                "delta": {"stop_reason": reason, "stop_sequence": matched, "stop_details": None},
                 "usage": anthropic_api.usage(end),
             },
             {"type": "message_stop"},
