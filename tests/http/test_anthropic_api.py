@@ -82,12 +82,14 @@ def _accumulated(events: list[tuple[str | None, str | None, dict[str, Any]]]) ->
     snapshot = None
     buffers: dict[int, bytes] = {}
     for _, _, data in events:
-        snapshot = accumulate_event(event=data, current_snapshot=snapshot, json_bufs=buffers)  # type: ignore[arg-type]
+        # The helper reads a raw event dict too (it constructs the model itself).
+        raw: Any = data
+        snapshot = accumulate_event(event=raw, current_snapshot=snapshot, json_bufs=buffers)
     assert snapshot is not None
-    return snapshot.to_dict()  # type: ignore[no-any-return]
+    return snapshot.to_dict()
 
 
-def test_a_text_stream_is_anthropic_s_sequence_with_cursors_numbering_its_events():
+def test_a_text_stream_is_anthropic_s_sequence_with_cursors_numbering_its_events() -> None:
     texts = ["Hel", "", "lo"]
     end = _end(texts, EndReason.LENGTH, tail="!")
     events = _events(_stream(_shape(), _frames(texts, end)))
@@ -134,7 +136,7 @@ def test_a_text_stream_is_anthropic_s_sequence_with_cursors_numbering_its_events
         (EndReason.CANCELLED, ("cancelled", None)),
     ],
 )
-def test_stop_reasons(reason, expected):
+def test_stop_reasons(reason: EndReason, expected: tuple[str, str | None]) -> None:
     texts = ["a", "b"]
     events = _events(_stream(_shape(), _frames(texts, _end(texts, reason))))
     assert tuple(events[-2][2]["delta"].values())[:2] == expected
@@ -155,7 +157,9 @@ def _split(text: str, sizes: list[int]) -> list[str]:
 
 @settings(max_examples=60, deadline=None)
 @given(sizes=_CHUNKS, answer=st.sampled_from(["calls", "text", "named", "plain"]))
-def test_every_suffix_is_the_tail_and_the_sdk_accumulates_the_unstreamed_body(sizes, answer):
+def test_every_suffix_is_the_tail_and_the_sdk_accumulates_the_unstreamed_body(
+    sizes: list[int], answer: str
+) -> None:
     if answer == "calls":
         shape, text = _shape(generic=True), CALLS
     elif answer == "text":
@@ -189,7 +193,7 @@ def test_every_suffix_is_the_tail_and_the_sdk_accumulates_the_unstreamed_body(si
         ]
 
 
-def test_a_generic_answer_with_nothing_in_it_is_one_empty_text_block():
+def test_a_generic_answer_with_nothing_in_it_is_one_empty_text_block() -> None:
     texts = ['{"resp']
     events = _events(_stream(_shape(generic=True), _frames(texts, _end(texts, EndReason.LENGTH))))
     assert [n for _, n, _ in events][1:] == [
@@ -202,7 +206,7 @@ def test_a_generic_answer_with_nothing_in_it_is_one_empty_text_block():
     assert body["content"] == [{"type": "text", "text": ""}]
 
 
-def test_a_restart_ends_the_stream_with_an_error_event_without_id():
+def test_a_restart_ends_the_stream_with_an_error_event_without_id() -> None:
     frames = _frames(["a"], quicsrv_proto.End(reason=EndReason.SHUTDOWN))
     data = _stream(_shape(), frames)
     *_, last = data.decode().split("\n\n")[:-1]
@@ -231,7 +235,9 @@ def test_a_restart_ends_the_stream_with_an_error_event_without_id():
         (ErrorCode.SESSION_EXPIRED, 410, "invalid_request_error"),
     ],
 )
-def test_every_refusal_has_anthropic_s_status_and_type(code, status, kind):
+def test_every_refusal_has_anthropic_s_status_and_type(
+    code: ErrorCode, status: int, kind: str
+) -> None:
     error = from_code(code, "why")
     assert anthropic_status(error) == status
     assert anthropic_payload(error) == {
@@ -240,7 +246,7 @@ def test_every_refusal_has_anthropic_s_status_and_type(code, status, kind):
     }
 
 
-def test_a_body_over_the_limit_is_request_too_large():
+def test_a_body_over_the_limit_is_request_too_large() -> None:
     from quicsrv.http.router import request_too_large
 
     payload = anthropic_payload(request_too_large(10))
@@ -273,7 +279,7 @@ def _chat(request: anthropic_api.MessagesRequest) -> list[tuple[str, str]]:
     return [(m.role, m.content) for m in request.generate.messages]
 
 
-def test_a_conversation_with_a_tool_loop_becomes_the_chat_the_template_renders():
+def test_a_conversation_with_a_tool_loop_becomes_the_chat_the_template_renders() -> None:
     request = _create(
         system=[{"type": "text", "text": "Be brief.", "cache_control": {"type": "ephemeral"}}],
         tools=[WEATHER],
@@ -320,7 +326,7 @@ def test_a_conversation_with_a_tool_loop_becomes_the_chat_the_template_renders()
     assert request.generate.top_k == 5 and request.generate.seed == 3
 
 
-def test_tool_choice_maps_onto_the_shared_machinery():
+def test_tool_choice_maps_onto_the_shared_machinery() -> None:
     required = _create(tools=[WEATHER, TIME], tool_choice={"type": "any"}).tools
     assert required is not None and getattr(required, "required", False)
     one = _create(
@@ -424,12 +430,14 @@ def test_tool_choice_maps_onto_the_shared_machinery():
         ({"stop_sequences": "x"}, 400, "invalid_value", "stop_sequences"),
     ],
 )
-def test_bad_requests_are_refused_naming_the_field(changes, status, code, param):
+def test_bad_requests_are_refused_naming_the_field(
+    changes: dict[str, Any], status: int, code: str, param: str
+) -> None:
     error = _refused(**changes)
     assert (error.status, error.code, error.param) == (status, code, param)
 
 
-def test_count_tokens_reads_the_same_prompt_and_refuses_max_tokens():
+def test_count_tokens_reads_the_same_prompt_and_refuses_max_tokens() -> None:
     fields = {"model": MODEL, "system": "s", "tools": [WEATHER], "messages": OK["messages"]}
     counted = parse_count(json.dumps(fields).encode(), model_id=MODEL)
     created = _create(**fields)
@@ -449,8 +457,8 @@ def test_count_tokens_reads_the_same_prompt_and_refuses_max_tokens():
         (b"v1", False),
     ],
 )
-def test_anthropic_version(version, ok):
-    headers = {} if version is None else {b"anthropic-version": version}
+def test_anthropic_version(version: bytes | None, ok: bool) -> None:
+    headers: dict[bytes, bytes] = {} if version is None else {b"anthropic-version": version}
     if ok:
         anthropic_api.check_version(headers)
     else:
@@ -459,7 +467,7 @@ def test_anthropic_version(version, ok):
         assert refused.value.code == "unsupported_version"
 
 
-def test_the_stop_sequence_that_matched_is_the_earliest_found():
+def test_the_stop_sequence_that_matched_is_the_earliest_found() -> None:
     text = TextAssembler(("lo", "el", "x"))
     assert text.push(b"He") == "H" and text.matched is None
     assert text.push(b"llo") == "" and text.stopped and text.matched == "el"
