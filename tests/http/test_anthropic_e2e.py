@@ -56,6 +56,13 @@ WEATHER = {
     },
 }
 VERSION = {"anthropic-version": "2023-06-01"}
+# Long enough (over one 64-token block) for the prefix cache to keep it.
+NOTES = (
+    "You tell short stories about the sea. Notes for the night shift at the lighthouse: the "
+    "lamp is lit at dusk, the lens is cleaned at dawn, the logbook records every ship that "
+    "passes, the fog horn sounds every thirty seconds in fog, and the keeper checks the oil "
+    "twice a night."
+)
 
 
 def _model(server: RunningServer) -> str:
@@ -93,12 +100,12 @@ async def test_the_sdk_streams_and_not_the_same_message_and_counts_its_prompt(en
         params: dict[str, Any] = dict(
             model=_model(server),
             max_tokens=32,
-            system="You tell short stories.",
+            system=NOTES,
             messages=[{"role": "user", "content": QUESTION}],
             extra_body=GREEDY,
         )
         raw = await client.messages.with_raw_response.create(**params)
-        whole = raw.parse()
+        whole = await raw.parse()
         async with client.messages.stream(**params) as stream:
             texts = [text async for text in stream.text_stream]
             final = await stream.get_final_message()
@@ -510,12 +517,17 @@ async def test_the_readme_examples_run(engine, certs, tmp_path):
 
         for code in python:
             namespace: dict[str, Any] = {}
-            await asyncio.to_thread(exec, compile(localized(code), "README.md", "exec"), namespace)
+            try:
+                await asyncio.to_thread(
+                    exec, compile(localized(code), "README.md", "exec"), namespace
+                )
+            finally:
+                if isinstance(namespace.get("client"), anthropic.Anthropic):
+                    namespace["client"].close()  # the example leaves it open, as a script may
         for script in shell:
             process = await asyncio.create_subprocess_exec(
                 "bash",
-                "-euo",
-                "pipefail",
+                "-eu",  # not pipefail: `curl | head` cuts the stream on purpose
                 "-c",
                 localized(script),
                 cwd=tmp_path,
