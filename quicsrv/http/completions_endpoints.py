@@ -13,7 +13,6 @@ expired, and the API key that made it is the one asking.
 from __future__ import annotations
 
 import time
-import urllib.parse
 from typing import Any
 
 import quicsrv_proto
@@ -22,7 +21,7 @@ from quicsrv_proto.http3 import SESSION_HEADER
 from ..apikeys import ClientId
 from ..sessions.manager import SessionManager
 from . import openai_api, tool_format
-from .cursor import InvalidCursor, decode_cursor
+from .cursor import Cursor
 from .errors import ApiError
 from .messages import (
     FullResponse,
@@ -119,32 +118,10 @@ class CompletionsEndpoints:
         )
         return json_response(200, body, ((SESSION_HEADER, session.session_id.hex().encode()),))
 
-    async def resume(
-        self, request: HttpRequest, who: ClientId, session_id: bytes, query: str
-    ) -> SessionStream:
-        """``GET /v1/streams/{session}``: the stream's events after the one its
-        ``Last-Event-ID`` names."""
-        last = request.headers.get(b"last-event-id")
-        text = last.decode("latin-1").strip() if last is not None else _query_value(query)
-        if not text:
-            raise ApiError(
-                400,
-                "resuming a stream needs the last event id it received (Last-Event-ID)",
-                code="missing_last_event_id",
-                param="Last-Event-ID",
-            )
-        keys = self._sessions.keys.verifying_keys(time.time())
-        try:
-            cursor = decode_cursor(text, keys)
-        except InvalidCursor as exc:
-            raise ApiError(403, str(exc), code="invalid_cursor", param="Last-Event-ID") from None
-        if cursor.session_id != session_id:
-            raise ApiError(
-                403,
-                "the cursor belongs to another stream",
-                code="invalid_cursor",
-                param="Last-Event-ID",
-            )
+    async def resume(self, who: ClientId, cursor: Cursor) -> SessionStream:
+        """``GET /v1/streams/{session}``: the stream's events after the one ``cursor`` (its
+        ``Last-Event-ID``, read by :func:`~.cursor.read_cursor`) names."""
+        session_id = cursor.session_id
         session = await self._sessions.reattach(session_id, cursor.index + 1, key_id=who.key_id)
         record = session.record
         names = (record.api or {}).get("tools")
@@ -188,8 +165,3 @@ class CompletionsEndpoints:
             "completion_tokens": end.completion_tokens,
         }
         return json_response(200, body)
-
-
-def _query_value(query: str) -> str:
-    values = urllib.parse.parse_qs(query).get("last_event_id", [])
-    return values[0].strip() if values else ""

@@ -8,7 +8,13 @@ stream looked like (chat or text completion, usage chunk wanted), so a resumed s
 rendered exactly like the original.
 
 The index is the last token the event covers: -1 for the opening event, a token index for a
-token's event, and the completion's token count for the finishing event.
+token's event, and the completion's token count for the finishing event. A stream of
+Anthropic's Messages API (``FLAG_MESSAGES``) has several events for some tokens and none for
+others, so there the index is the event's own number in the stream (0: ``message_start``):
+:mod:`.anthropic_stream`.
+
+:func:`read_cursor` is the one reading of a resume request's cursor (``Last-Event-ID``, or
+``?last_event_id=`` for a client that cannot set headers), whichever API's stream it names.
 """
 
 from __future__ import annotations
@@ -17,20 +23,25 @@ import base64
 import binascii
 import hmac
 import struct
+import urllib.parse
 from dataclasses import dataclass
 
 import blake3
 
 from quicsrv_proto.frames import MAX_TOKEN_INDEX
 
+from .errors import ApiError
+
 __all__ = [
     "CURSOR_CHARS",
     "FLAG_CHAT",
+    "FLAG_MESSAGES",
     "FLAG_USAGE",
     "Cursor",
     "InvalidCursor",
     "decode_cursor",
     "encode_cursor",
+    "read_cursor",
 ]
 
 _DOMAIN = b"quicsrv-sse-cursor/1\x00"
@@ -41,6 +52,7 @@ CURSOR_CHARS = (_RAW_BYTES * 8 + 5) // 6
 
 FLAG_CHAT = 1
 FLAG_USAGE = 2
+FLAG_MESSAGES = 4  # an Anthropic Messages stream: the index numbers events, not tokens
 
 
 class InvalidCursor(ValueError):
@@ -54,11 +66,16 @@ class Cursor:
     index: int
     """The last token index the event covers (see the module docstring)."""
     flags: int
-    """``FLAG_CHAT`` | ``FLAG_USAGE``: how the stream is rendered."""
+    """``FLAG_CHAT`` | ``FLAG_USAGE`` | ``FLAG_MESSAGES``: how the stream is rendered."""
 
     @property
     def chat(self) -> bool:
         return bool(self.flags & FLAG_CHAT)
+
+    @property
+    def messages(self) -> bool:
+        """The stream is one of Anthropic's Messages API (:mod:`.anthropic_stream`)."""
+        return bool(self.flags & FLAG_MESSAGES)
 
     @property
     def include_usage(self) -> bool:
@@ -101,3 +118,35 @@ def decode_cursor(text: str, keys: list[bytes]) -> Cursor:
     if not -1 <= index <= MAX_TOKEN_INDEX:
         raise InvalidCursor("the cursor is not one this server issued")
     return Cursor(session_id=session_id, index=index, flags=flags)
+
+
+def read_cursor(
+    last_event_id: bytes | None, query: str, session_id: bytes, keys: list[bytes]
+) -> Cursor:
+    """The cursor a resume of ``session_id``'s stream presents (``Last-Event-ID``, else the
+    query's ``last_event_id``), verified under ``keys``: 400 without one, 403 for one this
+    server did not issue for that stream."""
+    if last_event_id is not None:
+        text = last_event_id.decode("latin-1").strip()
+    else:
+        values = urllib.parse.parse_qs(query).get("last_event_id", [])
+        text = values[0].strip() if values else ""
+    if not text:
+        raise ApiError(
+            400,
+            "resuming a stream needs the last event id it received (Last-Event-ID)",
+            code="missing_last_event_id",
+            param="Last-Event-ID",
+        )
+    try:
+        cursor = decode_cursor(text, keys)
+    except InvalidCursor as exc:
+        raise ApiError(403, str(exc), code="invalid_cursor", param="Last-Event-ID") from None
+    if cursor.session_id != session_id:
+        raise ApiError(
+            403,
+            "the cursor belongs to another stream",
+            code="invalid_cursor",
+            param="Last-Event-ID",
+        )
+    return cursor

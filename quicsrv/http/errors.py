@@ -9,7 +9,10 @@ OpenAI's error ``type``, its message, and its retry hint (a typed field on each 
 never guessed). Anything else is a bug: ``refusal_for`` returns None and the caller answers
 ``internal_error``. A native request is answered with the status and one ERROR frame; the JSON
 API with an OpenAI-style :class:`ApiError` (``{"error": {"message", "type", "param", "code"}}``),
-which request validation also raises directly with OpenAI's own codes (``unknown_parameter``).
+which request validation also raises directly with OpenAI's own codes (``unknown_parameter``);
+Anthropic's Messages API renders the same :class:`ApiError` in Anthropic's shape
+(:func:`anthropic_status`, :func:`anthropic_payload`: ``{"type": "error", "error": {"type",
+"message", "details": {"error_code"}}}``), the stable code in ``details.error_code``.
 """
 
 from __future__ import annotations
@@ -25,7 +28,16 @@ from ..apikeys import AccessDenied
 from ..engine import EngineError
 from ..sessions.errors import RequestRejected, engine_error_code
 
-__all__ = ["CHALLENGE", "ApiError", "Refusal", "error_type_for", "from_code", "refusal_for"]
+__all__ = [
+    "CHALLENGE",
+    "ApiError",
+    "Refusal",
+    "anthropic_payload",
+    "anthropic_status",
+    "error_type_for",
+    "from_code",
+    "refusal_for",
+]
 
 # Who gets a Bearer challenge (RFC 6750 §3) with a 401.
 CHALLENGE = ((b"www-authenticate", b'Bearer realm="quicsrv"'),)
@@ -161,3 +173,49 @@ def from_code(
     return ApiError(
         http_status_for(code), message, code=slug, param=param, retry_after_s=retry_after_s
     )
+
+
+# --- Anthropic's rendering ------------------------------------------------------------------
+
+# Anthropic's error types, by the status Anthropic answers with (its "Errors" page); another
+# 4xx is an invalid_request_error there too, another 5xx an api_error.
+_ANTHROPIC_TYPES = {
+    400: "invalid_request_error",
+    401: "authentication_error",
+    403: "permission_error",
+    404: "not_found_error",
+    413: "request_too_large",
+    429: "rate_limit_error",
+    500: "api_error",
+    504: "timeout_error",
+    529: "overloaded_error",
+}
+# Where Anthropic's status differs from quicsrv's for the same refusal: a prompt over the
+# context is a 400 there (413 is for bytes, before the request is read), and a server that is
+# out of capacity answers 529 (its SDK retries it like any 5xx).
+_ANTHROPIC_STATUS = {
+    ErrorCode.PROMPT_TOO_LONG.slug: 400,
+    ErrorCode.OVERLOADED.slug: 529,
+}
+
+
+def anthropic_status(error: ApiError) -> int:
+    """The HTTP status Anthropic's API gives the refusal ``error`` stands for."""
+    return _ANTHROPIC_STATUS.get(error.code, error.status)
+
+
+def anthropic_payload(error: ApiError) -> dict[str, Any]:
+    """``error`` as Anthropic's error body (and its SSE ``error`` event's data): its type by
+    status, the message, and in ``details`` the stable code (its SDKs expose it as
+    ``error_code``) and the field at fault when one is."""
+    status = anthropic_status(error)
+    kind = _ANTHROPIC_TYPES.get(status, "api_error" if status >= 500 else "invalid_request_error")
+    details: dict[str, Any] = {"error_code": error.code}
+    if error.param is not None:
+        details["param"] = error.param
+    if error.retry_after_s is not None:
+        details["retry_after_s"] = round(error.retry_after_s, 3)
+    return {
+        "type": "error",
+        "error": {"type": kind, "message": error.message, "details": details},
+    }

@@ -12,7 +12,8 @@ Every field a request names is one of three kinds (the README's "Fields: one pol
   the output (``unsupported_parameter``: a setting silently ignored would be a lie) or a field
   the API does not define (``unknown_parameter``).
 
-The tables below are the policy; :meth:`FieldPolicy.check` applies one of them.
+The tables below are the policy; :meth:`FieldPolicy.check` applies one of them. Anthropic's
+Messages API (``MESSAGES``, ``COUNT_TOKENS``) follows the same three kinds with its own fields.
 """
 
 from __future__ import annotations
@@ -27,6 +28,8 @@ from .errors import ApiError
 __all__ = [
     "CHAT",
     "COMPLETIONS",
+    "COUNT_TOKENS",
+    "MESSAGES",
     "RESPONSES",
     "FieldPolicy",
     "check_metadata",
@@ -223,6 +226,77 @@ RESPONSES = FieldPolicy(
         "conversation": (),
         "context_management": (),
     },
+)
+
+
+def _no_thinking(value: object) -> bool:
+    """Anthropic's ``thinking`` that makes no thinking blocks: ``disabled``, or ``adaptive``
+    (the model decides whether to think; this one never does)."""
+    return (
+        isinstance(value, dict)
+        and set(value) <= {"type", "display"}
+        and value.get("type") in ("disabled", "adaptive")
+    )
+
+
+def _ephemeral(value: object) -> bool:
+    """Anthropic's ``cache_control``: where to cache a prefix (quicsrv's cache keeps them
+    all)."""
+    return (
+        isinstance(value, dict)
+        and value.get("type") == "ephemeral"
+        and set(value) <= {"type", "ttl"}
+        and value.get("ttl", "5m") in ("5m", "1h")
+    )
+
+
+#: Anthropic's fields that change nothing here, on both of its endpoints: the reasoning a model
+#: without it never does, a cache breakpoint, where or how fast to run it; the features this
+#: server has none of (code execution containers, MCP servers, context editing, structured
+#: output and effort settings, cache diagnostics) only when absent or null.
+_ANTHROPIC: dict[str, Neutral] = {
+    "thinking": _no_thinking,
+    "cache_control": _ephemeral,
+    "speed": ("standard",),
+    "output_config": ({},),
+    "context_management": (),
+    "mcp_servers": ([],),
+    "container": (),
+    "diagnostics": (),
+}
+MESSAGES = FieldPolicy(
+    honoured=frozenset(
+        {
+            "model",
+            "messages",
+            "system",
+            "max_tokens",
+            "temperature",
+            "top_p",
+            "top_k",
+            "stop_sequences",
+            "stream",
+            "metadata",  # checked by its parser: Anthropic's holds user_id only
+            "tools",
+            "tool_choice",
+            # Extensions: quicsrv's, and llama-server's names.
+            "seed",
+            "min_p",
+            "repeat_penalty",
+            "ignore_eos",
+            "deadline_ms",
+            "truncation",
+        }
+    ),
+    neutral={
+        **_ANTHROPIC,
+        "service_tier": ("auto", "standard_only"),
+        "inference_geo": _is_text,
+    },
+)
+COUNT_TOKENS = FieldPolicy(
+    honoured=frozenset({"model", "messages", "system", "tools", "tool_choice"}),
+    neutral=_ANTHROPIC,
 )
 
 

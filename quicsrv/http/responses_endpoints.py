@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import json
 import urllib.parse
 from typing import Any
 
@@ -135,7 +134,7 @@ class ResponsesEndpoints:
         calls = ResponseView.of(previous, "").calls
         single = len(calls) == 1
         if single:  # the conversation shows the call, as a template without tools can
-            answer = f'{{"name": {json.dumps(calls[0])}, "arguments": {answer or "{}"}}}'
+            answer = tool_format.calls_text([(calls[0], answer)])
         given = create.generate.messages or ()
         messages = (
             *given[: len(given) - len(create.input)],  # the instructions, if any

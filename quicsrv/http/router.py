@@ -17,20 +17,25 @@ sessions:
 - ``POST /v1/responses``, ``GET /v1/responses/{id}`` (with ``?stream=true``: its events),
   ``POST /v1/responses/{id}/cancel``, ``DELETE /v1/responses/{id}``: OpenAI's Responses API
   (:class:`~.responses_endpoints.ResponsesEndpoints`);
+- ``POST /v1/messages``, ``POST /v1/messages/count_tokens``: Anthropic's Messages API
+  (:class:`~.anthropic_endpoints.AnthropicEndpoints`); its streams resume on
+  ``GET /v1/streams/{session}`` like the others, the cursor saying whose they are;
 - ``GET /`` and ``/ui/...``: the chat page (:mod:`.webui`), no key needed;
 - ``GET /metrics``, ``/healthz``, ``/readyz``: the operator endpoints
   (:class:`~.operator.PlainRoutes`), with their own access rules.
 
 Every other request needs an API key when keys are configured (401 before anything else is
-looked at). The 0-RTT policy is one rule here (RFC 8470): a request that arrived in early data
-may be a replay, so a route that starts compute (:data:`STARTS_COMPUTE`) answers it
+looked at): ``authorization: Bearer <key>``, or Anthropic's ``x-api-key: <key>`` (the same
+keys). The 0-RTT policy is one rule here (RFC 8470): a request that arrived in early data may be
+a replay, so a route that starts compute (:data:`STARTS_COMPUTE`) answers it
 ``too_early`` and the client sends it again after the handshake; reading, resuming or stopping
 what exists is harmless twice. Shutting down is one rule here too: once the server stops
 accepting, every route that starts or resumes a generation is refused ``shutting_down`` (the
 client resumes on the next process); reading and stopping what exists still work. Every
 refusal goes through the one error table (:func:`.errors.refusal_for`) and is rendered for its
-API: an ERROR frame on the native paths (and on unknown paths outside ``/v1/`` over HTTP/3), an
-OpenAI-style error elsewhere.
+API: an ERROR frame on the native paths (and on unknown paths outside ``/v1/`` over HTTP/3),
+Anthropic's shape on its paths (and on ``/v1/streams/`` for a request that says
+``anthropic-version``, as Anthropic's clients all do), an OpenAI-style error elsewhere.
 """
 
 from __future__ import annotations
@@ -38,7 +43,9 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import functools
+import json
 import logging
+import time
 import urllib.parse
 from collections import Counter
 from collections.abc import Awaitable, Callable
@@ -52,9 +59,11 @@ from ..apikeys import ApiKeys, ClientId
 from ..metrics import ServerMetrics
 from ..sessions.errors import RequestRejected
 from ..sessions.manager import SessionManager
-from . import native, responses_api, responses_endpoints, webui
+from . import anthropic_stream, native, responses_api, responses_endpoints, webui
+from .anthropic_endpoints import AnthropicEndpoints
 from .completions_endpoints import CompletionsEndpoints
-from .errors import ApiError, Refusal, refusal_for
+from .cursor import read_cursor
+from .errors import ApiError, Refusal, anthropic_payload, anthropic_status, refusal_for
 from .faults import StreamFaults
 from .messages import FullResponse, HttpRequest, KeepAlive, Response, SessionStream
 from .native_endpoints import NativeEndpoints
@@ -73,11 +82,14 @@ _MODELS_PREFIX = "/v1/models/"
 _STREAMS_PREFIX = "/v1/streams/"
 _RESPONSES_PATH = "/v1/responses"
 _RESPONSES_PREFIX = "/v1/responses/"
+_MESSAGES_PATH = "/v1/messages"
+_COUNT_TOKENS_PATH = "/v1/messages/count_tokens"
+_MESSAGES_PREFIX = "/v1/messages/"
 _GENERATE_PATH = http3.GENERATE_PATH.decode()
 _RESUME_PATH = http3.RESUME_PATH.decode()
 
 #: The endpoints whose request starts compute: a replay of its 0-RTT data would start it twice.
-STARTS_COMPUTE = frozenset({"generate", "chat_completions", "completions", "responses"})
+STARTS_COMPUTE = frozenset({"generate", "chat_completions", "completions", "responses", "messages"})
 
 
 @dataclass(frozen=True, slots=True)
@@ -118,6 +130,9 @@ class Router:
         self._responses = ResponsesEndpoints(
             sessions=sessions, model_id=model_id, keepalive=keepalive
         )
+        # Anthropic's streams keep alive with its own event, which its SDKs skip.
+        ping = KeepAlive(anthropic_stream.PING, sse_keepalive_s) if sse_keepalive_s > 0 else None
+        self._anthropic = AnthropicEndpoints(sessions=sessions, model_id=model_id, keepalive=ping)
         self.refusals: Counter[ErrorCode] = Counter()
         """Requests refused with a wire code, per code (401, 429, 503, 504, ...)."""
         self.early_starts_refused = 0
@@ -142,8 +157,7 @@ class Router:
         if self._is_native(request):
             message = f"the request frame exceeds {self.max_body_bytes} bytes"
             return native.error_response(Refusal(code=ErrorCode.FRAME_TOO_LARGE, message=message))
-        error = request_too_large(self.max_body_bytes)
-        return FullResponse(status=error.status, body=error.body(), headers=error.headers)
+        return _error_response(request, request_too_large(self.max_body_bytes))
 
     def refuse_websocket(self, path: str) -> FullResponse:
         """The answer to a WebSocket upgrade (OpenAI's WebSocket mode of ``/v1/responses``):
@@ -181,9 +195,7 @@ class Router:
         endpoint = _endpoint(bare)
         is_native = self._is_native(request)
         try:
-            who = self._api_keys.authorize(
-                request.headers.get(b"authorization"), connection=request.connection
-            )
+            who = self._api_keys.authorize(_credential(request), connection=request.connection)
             if request.early_data and endpoint in STARTS_COMPUTE:
                 # A replayed 0-RTT flight would start the compute twice (RFC 8470 §5.2).
                 raise RequestRejected(
@@ -204,7 +216,7 @@ class Router:
             raise
         except ApiError as exc:
             self._refused(request, endpoint, exc.status, exc.code, exc.message)
-            return FullResponse(status=exc.status, body=exc.body(), headers=exc.response_headers())
+            return _error_response(request, exc)
         except Exception as exc:
             refusal = refusal_for(exc)
             if refusal is None:  # a bug: the peer still gets an answer, the log the traceback
@@ -222,10 +234,7 @@ class Router:
             self._refused(request, endpoint, refusal.status, refusal.code.slug, refusal.message)
             if is_native:
                 return native.error_response(refusal)
-            error = refusal.api_error()
-            return FullResponse(
-                status=error.status, body=error.body(), headers=error.response_headers()
-            )
+            return _error_response(request, refusal.api_error())
         self._metrics.request_finished(endpoint, "ok")
         return response
 
@@ -285,14 +294,30 @@ class Router:
                 events = functools.partial(self._responses.resume, request, who, session_id, query)
                 return _Route(events, generates=True)
             return _Route(functools.partial(self._responses.retrieve, who, session_id))
+        if path == _MESSAGES_PATH:
+            _allow(request, "POST")
+            return _Route(functools.partial(self._anthropic.create, request, who), generates=True)
+        if path == _COUNT_TOKENS_PATH:
+            _allow(request, "POST")
+            return _Route(functools.partial(self._anthropic.count_tokens, request))
         if path.startswith(_STREAMS_PREFIX):
             session_id = _session_id(path[len(_STREAMS_PREFIX) :])
             if request.method == "DELETE":
                 return _Route(functools.partial(self._completions.stop, who, session_id))
             _allow(request, "GET", "DELETE")
-            resume = functools.partial(self._completions.resume, request, who, session_id, query)
+            resume = functools.partial(self._resume_stream, request, who, session_id, query)
             return _Route(resume, generates=True)
         raise unknown_endpoint(request.method, path)
+
+    async def _resume_stream(
+        self, request: HttpRequest, who: ClientId, session_id: bytes, query: str
+    ) -> SessionStream:
+        """``GET /v1/streams/{session}``: the API whose stream the cursor names answers."""
+        keys = self._sessions.keys.verifying_keys(time.time())
+        cursor = read_cursor(request.headers.get(b"last-event-id"), query, session_id, keys)
+        if cursor.messages:
+            return await self._anthropic.resume(who, cursor)
+        return await self._completions.resume(who, cursor)
 
     def _refused(
         self, request: HttpRequest, endpoint: str, status: int, code: str, message: str
@@ -321,6 +346,36 @@ def unknown_endpoint(method: str, path: str) -> ApiError:
     )
 
 
+def _credential(request: HttpRequest) -> bytes | None:
+    """The API key a request presents: ``authorization`` (a Bearer key), else Anthropic's
+    ``x-api-key``, read as the same key."""
+    authorization = request.headers.get(b"authorization")
+    if authorization is None and (key := request.headers.get(b"x-api-key")) is not None:
+        return b"Bearer " + key.strip()
+    return authorization
+
+
+def _speaks_anthropic(request: HttpRequest) -> bool:
+    """Whether a refusal of ``request`` takes Anthropic's shape: on its paths, and on the
+    streams' resume route for a client that says ``anthropic-version``."""
+    bare = request.path.partition("?")[0]
+    if bare == _MESSAGES_PATH or bare.startswith(_MESSAGES_PREFIX):
+        return True
+    return bare.startswith(_STREAMS_PREFIX) and b"anthropic-version" in request.headers
+
+
+def _error_response(request: HttpRequest, error: ApiError) -> FullResponse:
+    """``error`` in the shape of the API ``request`` spoke (its headers: the 401 challenge,
+    ``retry-after``)."""
+    if _speaks_anthropic(request):
+        return FullResponse(
+            status=anthropic_status(error),
+            body=json.dumps(anthropic_payload(error)).encode(),
+            headers=error.response_headers(),
+        )
+    return FullResponse(status=error.status, body=error.body(), headers=error.response_headers())
+
+
 def _endpoint(path: str) -> str:
     """The ``endpoint`` metrics label (bounded: anything unknown is "other")."""
     if path.startswith(_STREAMS_PREFIX):
@@ -329,11 +384,15 @@ def _endpoint(path: str) -> str:
         return "response"
     if path.startswith(_MODELS_PREFIX):
         return "models"
+    if path.startswith(_MESSAGES_PREFIX) and path != _COUNT_TOKENS_PATH:
+        return "other"
     return {
         _CHAT_PATH: "chat_completions",
         _TEXT_PATH: "completions",
         _MODELS_PATH: "models",
         _RESPONSES_PATH: "responses",
+        _MESSAGES_PATH: "messages",
+        _COUNT_TOKENS_PATH: "count_tokens",
         _GENERATE_PATH: "generate",
         _RESUME_PATH: "resume",
     }.get(path, "other")

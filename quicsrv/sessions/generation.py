@@ -33,6 +33,7 @@ __all__ = [
     "build_request",
     "prepare_off_loop",
     "prompt_chars",
+    "prompt_length",
 ]
 
 log = logging.getLogger(__name__)
@@ -76,6 +77,16 @@ def prompt_chars(frame: quicsrv_proto.Generate) -> int:
     if frame.messages is not None:
         return sum(len(m.role) + len(m.content) + _MESSAGE_OVERHEAD_CHARS for m in frame.messages)
     return len(frame.prompt or "")
+
+
+def prompt_length(engine: Engine, frame: quicsrv_proto.Generate) -> int:
+    """How many tokens the prompt of ``frame`` is, rendered and tokenized as
+    :func:`build_request` does for a new generation (a chat through the model's template); no
+    limit is checked and nothing is dropped (``truncation`` is not applied)."""
+    if frame.messages is not None:
+        return len(_chat_tokens(engine, frame.messages))
+    assert frame.prompt is not None  # proto guarantees exactly one of the two
+    return len(engine.tokenize(frame.prompt, add_special=True))
 
 
 def build_request(

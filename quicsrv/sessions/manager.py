@@ -29,10 +29,13 @@ from .authorization import check_admit, check_hash, check_owner, reattach_index
 from .custody import Custody
 from .errors import RequestRejected
 from .generation import (
+    INLINE_PROMPT_CHARS,
     PreparedRequest,
     PriorTurn,
     build_request,
     prepare_off_loop,
+    prompt_chars,
+    prompt_length,
 )
 from .handover import HandOver, hand_over
 from .live import LiveSessions
@@ -363,6 +366,22 @@ class SessionManager:
         if upto is None and record.end is not None:
             parts.append(text.finish())
         return "".join(parts)
+
+    def matched_stop(self, record: SessionRecord) -> str | None:
+        """The stop sequence that ended a record's text (None: none did, or not yet)."""
+        text = TextAssembler(record.spec.stop)
+        for token in record.generated:
+            text.push(self._engine.piece(token))
+            if text.stopped:
+                break
+        return text.matched
+
+    async def count_prompt_tokens(self, frame: quicsrv_proto.Generate) -> int:
+        """How many tokens the prompt of ``frame`` would be as a generation's (its chat
+        template applied), without starting one; a long prompt is tokenized off the loop."""
+        if prompt_chars(frame) <= INLINE_PROMPT_CHARS:
+            return prompt_length(self._engine, frame)
+        return await asyncio.to_thread(prompt_length, self._engine, frame)
 
     def run_unattended_again(self) -> int:
         """Start again the unattended sessions (background responses) that the previous

@@ -17,6 +17,8 @@ class TextAssembler:
         self._utf8 = codecs.getincrementaldecoder("utf-8")(errors="replace")
         self._held = ""  # decoded text not yet released: it may be the start of a stop sequence
         self.stopped = False
+        self.matched: str | None = None
+        """The stop sequence that ended the text (the first listed of those found earliest)."""
 
     def push(self, piece: bytes) -> str:
         """The text one token releases; sets ``stopped`` when a stop sequence matched."""
@@ -26,9 +28,11 @@ class TextAssembler:
         held = self._held
         hits = [held.find(s) for s in self._stop if s in held]
         if hits:
+            first = min(hits)
             self._held = ""
             self.stopped = True
-            return held[: min(hits)]
+            self.matched = next(s for s in self._stop if held.find(s) == first)
+            return held[:first]
         keep = 0
         for stop in self._stop:
             for length in range(min(len(stop) - 1, len(held)), 0, -1):

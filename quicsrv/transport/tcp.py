@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import logging
 import socket
 from collections import deque
@@ -28,7 +29,7 @@ from hypercorn.asyncio import serve
 from hypercorn.config import Config as HypercornConfig
 
 from ..http.messages import FullResponse, HttpRequest, SessionStream
-from ..http.router import Router, request_too_large
+from ..http.router import Router
 
 __all__ = ["TcpListener", "open_tcp_socket", "start_tcp_listener"]
 
@@ -194,17 +195,6 @@ class AsgiAdapter:
         arrived_at = asyncio.get_running_loop().time()
         body = bytearray()
         limit = self._router.max_body_bytes
-        while True:
-            message = await receive()
-            if message["type"] == "http.disconnect":
-                return
-            body += message.get("body", b"")
-            if len(body) > limit:
-                error = request_too_large(limit)
-                await _send_full(send, FullResponse(status=error.status, body=error.body()))
-                return
-            if not message.get("more_body", False):
-                break
         client = scope.get("client") or ("?", 0)
         raw_path = scope.get("raw_path") or scope["path"].encode()
         query = scope.get("query_string", b"")
@@ -213,11 +203,23 @@ class AsgiAdapter:
             method=scope["method"],
             path=path,
             headers={k.lower(): v for k, v in scope["headers"]},
-            body=bytes(body),
+            body=b"",
             connection=f"tcp:{client[0]}:{client[1]}",
             arrived_at=arrived_at,
             protocol="h2" if scope.get("http_version") == "2" else "http/1.1",
         )
+        while True:
+            message = await receive()
+            if message["type"] == "http.disconnect":
+                return
+            body += message.get("body", b"")
+            if len(body) > limit:
+                # In the shape of the API the path belongs to (the router's one rule).
+                await _send_full(send, self._router.too_large(request))
+                return
+            if not message.get("more_body", False):
+                break
+        request = dataclasses.replace(request, body=bytes(body))
         # The peer may leave while a completion is being started or generated.
         disconnected = asyncio.ensure_future(_until_disconnect(receive))
         try:

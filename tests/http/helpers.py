@@ -9,6 +9,7 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from typing import Any
 
+import anthropic
 import httpx
 import niquests
 import openai
@@ -21,6 +22,8 @@ from quicsrv.transport import RunningServer
 class SseEvent:
     id: str | None
     data: str
+    event: str | None = None
+    """The ``event:`` line's name (Anthropic's and the Responses API's events have one)."""
 
     @property
     def json(self) -> Any:
@@ -31,14 +34,17 @@ def parse_sse(lines: list[str]) -> list[SseEvent]:
     """Events from ``text/event-stream`` lines (WHATWG HTML §9.2.6, the parts used here)."""
     events: list[SseEvent] = []
     event_id: str | None = None
+    name: str | None = None
     data: list[str] = []
     for line in lines:
         if not line:
             if data:
-                events.append(SseEvent(event_id, "\n".join(data)))
-            event_id, data = None, []
+                events.append(SseEvent(event_id, "\n".join(data), name))
+            event_id, name, data = None, None, []
         elif line.startswith("id: "):
             event_id = line[4:]
+        elif line.startswith("event: "):
+            name = line[7:]
         elif line.startswith("data: "):
             data.append(line[6:])
     return events
@@ -82,6 +88,24 @@ async def tcp_client(
         timeout=120,
     ) as client:
         yield client
+
+
+@contextlib.asynccontextmanager
+async def anthropic_client(
+    server: RunningServer, certs: DevCertPaths, api_key: str = "unused"
+) -> AsyncIterator[anthropic.AsyncAnthropic]:
+    """Anthropic's official SDK, over TCP, trusting the dev CA (it sends ``x-api-key``)."""
+    client = anthropic.AsyncAnthropic(
+        base_url=base_url(server),
+        api_key=api_key,
+        http_client=anthropic.DefaultAsyncHttpxClient(verify=tls_context(certs)),
+        max_retries=0,
+        timeout=120,
+    )
+    try:
+        yield client
+    finally:
+        await client.close()
 
 
 @contextlib.asynccontextmanager
