@@ -4,12 +4,13 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import subprocess
 import tempfile
 from collections.abc import AsyncIterator, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 from aioquic.asyncio import QuicConnectionProtocol, connect
 from aioquic.h3.connection import H3_ALPN, H3Connection
@@ -176,3 +177,13 @@ async def server_process(
     ]
     async with spawn_server_async(args, prefix=prefix or ()) as server:
         yield server.process, server.port
+
+
+_End = TypeVar("_End")
+
+
+def uncached(end: _End) -> _End:
+    """A generation's end as two runs of it must agree on: ``cached_tokens`` says what the prefix
+    cache held when each started (a short prompt reuses the cells its slot kept), not what was
+    generated."""
+    return dataclasses.replace(end, cached_tokens=0)  # type: ignore[type-var]

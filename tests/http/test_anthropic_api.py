@@ -314,7 +314,8 @@ def test_a_conversation_with_a_tool_loop_becomes_the_chat_the_template_renders()
         thinking={"type": "disabled"},
     )
     chat = _chat(request)
-    assert chat[0][0] == "system" and chat[0][1].startswith("Be brief.\n\nYou have access to these tools")
+    assert chat[0][0] == "system"
+    assert chat[0][1].startswith("Be brief.\n\nYou have access to these tools")
     assert chat[1:] == [
         ("user", "Weather in Paris?"),
         ("assistant", 'Let me look.\n{"name": "get_weather", "arguments": {"city": "Paris"}}'),

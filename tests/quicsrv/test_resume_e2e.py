@@ -23,7 +23,7 @@ from quicsrv_client import (
     TokenReceived,
 )
 from quicsrv_proto import ErrorCode
-from tests.helpers import running_server, session_settings
+from tests.helpers import running_server, session_settings, uncached
 
 pytestmark = [pytest.mark.model, pytest.mark.asyncio]
 
@@ -149,7 +149,7 @@ async def test_cut_at_20_points_and_resume_gives_the_uninterrupted_output(
         joined = await _run_with_cuts(server, certs.ca_cert, _cutter(tokens, checkpoints), **params)
     assert joined.ids == reference.ids
     assert joined.joined_text == reference.joined_text
-    assert joined.end == reference.end
+    assert uncached(joined.end) == uncached(reference.end)
     assert len(joined.paths) == 20
     expected = "kv-restore" if kv_budget else "replay"
     # Cuts before any token or after the last one need no engine ("none").
