@@ -15,8 +15,9 @@ from quicsrv.http.responses_api import parse_create
 MODEL = "m"
 
 
-def pdf(text: str) -> bytes:
-    """A one-page PDF whose text layer says ``text`` (Helvetica, no compression)."""
+def pdf(text: str, *, xref: bool = True) -> bytes:
+    """A one-page PDF whose text layer says ``text`` (Helvetica, no compression); without
+    ``xref``, no cross-reference table (as the Open Responses suite's fixture)."""
     stream = f"BT /F1 12 Tf 72 72 Td ({text}) Tj ET".encode()
     objects = [
         b"<< /Type /Catalog /Pages 2 0 R >>",
@@ -31,12 +32,14 @@ def pdf(text: str) -> bytes:
     for number, body in enumerate(objects, 1):
         offsets.append(len(out))
         out += b"%d 0 obj\n" % number + body + b"\nendobj\n"
-    xref = len(out)
+    if not xref:
+        return bytes(out + b"trailer\n<< /Root 1 0 R >>\n%%EOF")
+    where = len(out)
     out += b"xref\n0 %d\n0000000000 65535 f \n" % (len(objects) + 1)
     out += b"".join(b"%010d 00000 n \n" % o for o in offsets)
     out += b"trailer\n<< /Size %d /Root 1 0 R >>\nstartxref\n%d\n%%%%EOF\n" % (
         len(objects) + 1,
-        xref,
+        where,
     )
     return bytes(out)
 
@@ -50,6 +53,11 @@ def test_a_pdf_is_read_as_its_text_under_its_name() -> None:
     part = {"filename": "menu.pdf", "file_data": menu}
     text = file_text(part, "input[0].content[1]")
     assert "[menu.pdf]\nSoup of the day\n[end of menu.pdf]" in text
+
+
+def test_a_pdf_without_a_cross_reference_table_is_read_too() -> None:
+    part = {"file_data": data_url("application/pdf", pdf("Title: Fixture", xref=False))}
+    assert "Title: Fixture" in file_text(part, "p")
 
 
 def test_a_text_file_is_read_as_utf8() -> None:
