@@ -128,6 +128,11 @@ class FieldPolicy:
         refuse_unless_neutral(request, self.neutral)
 
 
+#: quicsrv's sampling and scheduling extensions, with llama-server's names where it has them
+#: (``top_k``, ``min_p``, ``repeat_penalty``, ``ignore_eos``), honoured on every generating
+#: endpoint (Anthropic's ``top_k`` is its own field of the same meaning).
+_EXTENSIONS = frozenset({"seed", "top_k", "min_p", "repeat_penalty", "ignore_eos", "deadline_ms"})
+
 CHAT = FieldPolicy(
     honoured=frozenset(
         {
@@ -137,7 +142,6 @@ CHAT = FieldPolicy(
             "max_completion_tokens",
             "temperature",
             "top_p",
-            "seed",
             "stop",
             "stream",
             "stream_options",
@@ -145,15 +149,10 @@ CHAT = FieldPolicy(
             "tools",
             "tool_choice",
             "parallel_tool_calls",
-            # Extensions: llama-server's names, and quicsrv's.
-            "top_k",
-            "min_p",
-            "repeat_penalty",
-            "ignore_eos",
-            "deadline_ms",
             "truncation",
         }
-    ),
+    )
+    | _EXTENSIONS,
     neutral={
         **_COMPLETION_COMMON,
         "top_logprobs": (0,),
@@ -175,17 +174,12 @@ COMPLETIONS = FieldPolicy(
             "max_tokens",
             "temperature",
             "top_p",
-            "seed",
             "stop",
             "stream",
             "stream_options",
-            "top_k",
-            "min_p",
-            "repeat_penalty",
-            "ignore_eos",
-            "deadline_ms",
         }
-    ),
+    )
+    | _EXTENSIONS,
     neutral={**_COMPLETION_COMMON, "echo": (False,), "suffix": (), "best_of": (1,)},
 )
 RESPONSES = FieldPolicy(
@@ -205,14 +199,9 @@ RESPONSES = FieldPolicy(
             "text",
             "tools",
             "tool_choice",
-            "seed",
-            "top_k",
-            "min_p",
-            "repeat_penalty",
-            "ignore_eos",
-            "deadline_ms",
         }
-    ),
+    )
+    | _EXTENSIONS,
     neutral={
         **_EVERYWHERE,
         **_SAMPLING,  # Open Responses defines both penalties on the request
@@ -273,21 +262,15 @@ MESSAGES = FieldPolicy(
             "max_tokens",
             "temperature",
             "top_p",
-            "top_k",
             "stop_sequences",
             "stream",
             "metadata",  # checked by its parser: Anthropic's holds user_id only
             "tools",
             "tool_choice",
-            # Extensions: quicsrv's, and llama-server's names.
-            "seed",
-            "min_p",
-            "repeat_penalty",
-            "ignore_eos",
-            "deadline_ms",
             "truncation",
         }
-    ),
+    )
+    | _EXTENSIONS,
     neutral={
         **_ANTHROPIC,
         "service_tier": ("auto", "standard_only"),
