@@ -18,14 +18,11 @@ from __future__ import annotations
 import base64
 import binascii
 import io
-import logging
 from typing import Any
 
 from .errors import ApiError
 
 __all__ = ["MAX_PAGES", "MAX_TEXT_CHARS", "file_text"]
-
-log = logging.getLogger(__name__)
 
 MAX_PAGES = 200
 MAX_TEXT_CHARS = 1 << 20
