@@ -114,7 +114,7 @@ class SlotPlacement:
         of the entry used longest ago (a scrap first), which becomes a blob (or is forgotten).
         With the slot, for a new ``request`` without a hit: what its prompt reuses of the
         cells that were in it (:meth:`.prefix_cache.PrefixCache.reusable`), already cut to
-        that length; None: the slot is empty."""
+        that length; None: it reuses nothing there (the slot holds no cells)."""
         cache = self._cache
         if cache is None:
             return min(free), None
