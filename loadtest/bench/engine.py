@@ -33,7 +33,9 @@ class _Sink:
         self.result = result
         self.done = threading.Event()
 
-    def token_generated(self, index: int, token_id: int, piece: bytes) -> None:
+    def token_generated(
+        self, index: int, token_id: int, piece: bytes, logprobs: object = None
+    ) -> None:
         self.result.token_times_s.append(time.perf_counter())
 
     def sequence_finished(self, reason: FinishReason, completion_tokens: int) -> None:

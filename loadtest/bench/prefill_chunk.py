@@ -51,7 +51,9 @@ class _Recorder:
         self.finished = False
         self._changed = threading.Condition()
 
-    def token_generated(self, index: int, token_id: int, piece: bytes) -> None:
+    def token_generated(
+        self, index: int, token_id: int, piece: bytes, logprobs: object = None
+    ) -> None:
         with self._changed:
             self.times.append(time.perf_counter())
             self._changed.notify_all()

@@ -49,7 +49,9 @@ class _Sink:
         self.plan: PrefillPlan | None = None
         self.done = threading.Event()
 
-    def token_generated(self, index: int, token_id: int, piece: bytes) -> None:
+    def token_generated(
+        self, index: int, token_id: int, piece: bytes, logprobs: object = None
+    ) -> None:
         self.tokens.append(token_id)
 
     def sequence_finished(self, reason: FinishReason, completion_tokens: int) -> None:

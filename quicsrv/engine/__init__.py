@@ -2,6 +2,7 @@
 
 from ._api import (
     CONSTRAINED_SAMPLING,
+    MAX_TOP_LOGPROBS,
     CannotReplay,
     Engine,
     EngineError,
@@ -21,6 +22,7 @@ from ._api import (
     SequenceHandle,
     SequenceRequest,
     StepListener,
+    TokenLogprobs,
     TokenSink,
 )
 from .model import default_model_path
@@ -35,6 +37,7 @@ __all__ = [
     "FinishReason",
     "Grammar",
     "InvalidSchema",
+    "MAX_TOP_LOGPROBS",
     "Overloaded",
     "PausedState",
     "PrefillPlan",
@@ -46,6 +49,7 @@ __all__ = [
     "SequenceHandle",
     "SequenceRequest",
     "StepListener",
+    "TokenLogprobs",
     "TokenSink",
     "default_model_path",
 ]

@@ -16,7 +16,7 @@ from enum import IntEnum
 from operator import attrgetter
 from typing import Any, TypeVar
 
-from ._api import FinishReason, PrefillPlan, ResumePath, SequenceRequest
+from ._api import FinishReason, PrefillPlan, ResumePath, SequenceRequest, TokenLogprobs
 
 __all__ = [
     "Allow",
@@ -133,6 +133,7 @@ class TokenGenerated:
     index: int
     token_id: int
     piece: bytes
+    logprobs: TokenLogprobs | None
 
 
 @_pickled_as_fields

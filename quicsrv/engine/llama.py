@@ -46,7 +46,7 @@ from ._api import (
 )
 from .pieces import RULES_VERSION, share_calls
 from .placement import KvCells, SlotPlacement
-from .sampling import GrammarState, GrammarViolation, SequenceSampler
+from .sampling import GrammarState, GrammarViolation, SequenceSampler, token_logprobs
 from .sequence import BatchEntry, LlamaSequence
 from .vocab import Vocabulary, file_digest
 
@@ -573,7 +573,9 @@ class LlamaEngine(ModelFacts):
             self._finish(sequence, FinishReason.EOS)
             return
         piece = b"" if is_eog else self.vocabulary.piece(token)
-        sequence.sink.token_generated(index, token, piece)
+        top = sequence.request.logprobs
+        logprobs = None if top is None else token_logprobs(logits, token, top)
+        sequence.sink.token_generated(index, token, piece, logprobs)
         if sequence.generated >= sequence.request.max_tokens:
             self._finish(sequence, FinishReason.LENGTH)
 

@@ -530,7 +530,9 @@ class WorkerEngine(ModelFacts):
                 sequence.history.append(event.token_id)
                 self.tokens_generated_total += 1
                 stepped.append(event.key)
-                sequence.sink.token_generated(event.index, event.token_id, event.piece)
+                sequence.sink.token_generated(
+                    event.index, event.token_id, event.piece, event.logprobs
+                )
             elif isinstance(event, SequenceFinished):
                 sequence.sink.sequence_finished(event.reason, event.completion_tokens)
             elif isinstance(event, SequenceResumed):

@@ -20,7 +20,7 @@ from quicsrv_proto.http3 import SESSION_HEADER
 
 from ..apikeys import ClientId
 from ..sessions.manager import SessionManager
-from . import openai_api, tool_format
+from . import logprobs, openai_api, tool_format
 from .cursor import Cursor
 from .errors import ApiError
 from .messages import (
@@ -96,8 +96,13 @@ class CompletionsEndpoints:
             tools=call,
             generic=generic,
         )
+        scored = completion.generate.logprobs is not None
         if completion.stream:
-            encoder = SseEncoder(shape, mac_key=self._sessions.keys.current)
+            encoder = SseEncoder(
+                shape,
+                mac_key=self._sessions.keys.current,
+                piece=self._sessions.piece if scored else None,
+            )
             return event_stream(
                 session,
                 0,
@@ -115,6 +120,7 @@ class CompletionsEndpoints:
             text=answer.text,
             end=answer.end,
             tools=tools,
+            logprobs=self._logprobs(answer.scored, chat=chat) if scored else None,
         )
         return json_response(200, body, ((SESSION_HEADER, session.session_id.hex().encode()),))
 
@@ -137,11 +143,15 @@ class CompletionsEndpoints:
         )
         # Past the last token (the finishing or usage event): only the END is left to send.
         from_index = min(cursor.index + 1, len(record.generated))
+        scored = record.logprobs is not None
+        # Tool calls' deltas, and text completions' text_offset, depend on the text before.
+        before = names or generic or (scored and not cursor.chat)
         encoder = SseEncoder(
             shape,
             mac_key=self._sessions.keys.current,
             after=cursor.index,
-            text_before=self._sessions.text_of(record, upto=from_index) if names or generic else "",
+            text_before=self._sessions.text_of(record, upto=from_index) if before else "",
+            piece=self._sessions.piece if scored else None,
         )
         return event_stream(
             session,
@@ -151,6 +161,15 @@ class CompletionsEndpoints:
             fresh=False,
             keepalive=self._keepalive,
         )
+
+    def _logprobs(self, tokens: tuple[quicsrv_proto.Token, ...], *, chat: bool) -> dict[str, Any]:
+        """A ``stream: false`` answer's ``logprobs``, in its endpoint's shape."""
+        if chat:
+            return {"content": logprobs.entries(tokens, self._sessions.piece), "refusal": None}
+        body = logprobs.CompletionLogprobs(self._sessions.piece)
+        for token in tokens:
+            body.add_token(token)
+        return body.body()
 
     async def stop(self, who: ClientId, session_id: bytes) -> FullResponse:
         """``DELETE /v1/streams/{session}``: stop the generation; its end, as a stream object."""

@@ -167,6 +167,7 @@ def build_request(
         ignore_eos=frame.ignore_eos,
         prefill_chunk=engine.prefill_chunk,
         grammar=grammar,
+        logprobs=frame.logprobs,
     )
     return PreparedRequest(spec=spec, messages=messages, continued=continued)
 

@@ -1,8 +1,9 @@
 """What is known of one session: :class:`SessionRecord`, and its persisted form.
 
 A record is kept as two parts by every store: its metadata (canonical CBOR of everything but the
-generated tokens, rewritten whole when it changes) and its token log (4 bytes a token, appended
-before the token is sent: :mod:`.tokens`).
+generated tokens, rewritten whole when it changes) and its token log (4 bytes a token, with its
+log-probabilities where the session asked for them, appended before the token is sent:
+:mod:`.tokens`).
 """
 
 from __future__ import annotations
@@ -13,9 +14,10 @@ from typing import Any
 
 from quicsrv_proto import EndReason
 
-from ..engine import PrefillPlan, Segment
+from ..engine import PrefillPlan, Segment, TokenLogprobs
 from .snapshot import Snapshot
 from .spec import GenerationSpec
+from .tokens import LogprobLog, entry_bytes, pack_entry, unpack_log
 
 __all__ = ["SessionEnd", "SessionRecord"]
 
@@ -54,6 +56,26 @@ class SessionRecord:
     api: dict[str, Any] | None = None
     """What a front end keeps with the session to answer about it later (the Responses API:
     its request fields and the conversation the prompt was rendered from); CBOR values."""
+    logprobs: LogprobLog | None = None
+    """The generated tokens' log-probabilities, where the spec asks for them (made empty for a
+    new record); None: not kept."""
+
+    def __post_init__(self) -> None:
+        if self.logprobs is None and self.spec.logprobs is not None:
+            self.logprobs = LogprobLog(self.spec.logprobs)
+
+    @property
+    def entry_bytes(self) -> int:
+        """Bytes a generated token takes in its token log."""
+        return entry_bytes(self.spec.logprobs)
+
+    def add_token(self, token: int, logprobs: TokenLogprobs | None) -> bytes:
+        """Record a generated token (and its log-probabilities, where they are kept); its entry
+        as the token log holds it."""
+        self.generated.append(token)
+        if self.logprobs is not None:
+            self.logprobs.append(logprobs)
+        return pack_entry(token, self.spec.logprobs, logprobs)
 
     @property
     def cached_tokens(self) -> int:
@@ -98,7 +120,16 @@ class SessionRecord:
         return meta
 
     @classmethod
-    def from_meta(cls, meta: Any, tokens: array[int]) -> SessionRecord:
+    def from_log(cls, meta: Any, log: bytes) -> SessionRecord:
+        """Read back what :meth:`meta` wrote and the token log (entries :meth:`add_token` made)."""
+        spec_logprobs = meta.get("logprobs")
+        tokens, logprobs = unpack_log(log, None if spec_logprobs is None else int(spec_logprobs))
+        return cls.from_meta(meta, tokens, logprobs)
+
+    @classmethod
+    def from_meta(
+        cls, meta: Any, tokens: array[int], logprobs: LogprobLog | None = None
+    ) -> SessionRecord:
         """Read back what :meth:`meta` wrote, with the token log's ``tokens``."""
         end = meta.get("end")
         plan = meta.get("plan")
@@ -120,4 +151,5 @@ class SessionRecord:
             ),
             unattended=bool(meta.get("unattended", False)),
             api=meta.get("api"),
+            logprobs=logprobs,
         )

@@ -44,6 +44,9 @@ class GenerationSpec:
     """Prompt tokens fed per step when it first ran: a replay must feed them the same way."""
     grammar: Grammar | None = None
     """What constrains its tokens (structured output); None: nothing."""
+    logprobs: int | None = None
+    """Each token's log-probability is kept with this many alternatives; None: none. Not a
+    part of the MAC: it decides what is kept of the tokens, not which they are."""
 
     def request(
         self,
@@ -63,6 +66,7 @@ class GenerationSpec:
             prefill_plan=prefill_plan,
             cache_scope=cache_scope,
             grammar=None if self.grammar is None else self.grammar.gbnf,
+            logprobs=self.logprobs,
         )
 
     def mac_fields(self) -> dict[str, object]:
@@ -92,6 +96,8 @@ class GenerationSpec:
         }
         if self.grammar is not None:
             meta["grammar"] = [self.grammar.digest, self.grammar.gbnf]
+        if self.logprobs is not None:
+            meta["logprobs"] = self.logprobs
         return meta
 
     @classmethod
@@ -111,6 +117,7 @@ class GenerationSpec:
             grammar=None
             if grammar is None
             else Grammar(gbnf=str(grammar[1]), digest=bytes(grammar[0])),
+            logprobs=None if meta.get("logprobs") is None else int(meta["logprobs"]),
         )
 
 

@@ -21,7 +21,9 @@ class RecordingSink:
         self.reason: FinishReason | None = None
         self.completion_tokens: int | None = None
 
-    def token_generated(self, index: int, token_id: int, piece: bytes) -> None:
+    def token_generated(
+        self, index: int, token_id: int, piece: bytes, logprobs: object = None
+    ) -> None:
         self.tokens.append(token_id)
         self.pieces.append(piece)
 
