@@ -154,6 +154,10 @@ class Generate(Frame):
     logprobs: int | None = None
     """Send each TOKEN's log-probability with this many most likely alternatives (0 to
     :data:`MAX_TOP_LOGPROBS`); None: none. A resumed stream sends the same numbers."""
+    score_prompt: bool = False
+    """Keep the prompt's tokens' log-probabilities with the session too (``logprobs``
+    alternatives each), for the HTTP API's ``echo``; its cells are then all computed, none
+    reused. The native stream does not carry them."""
 
     def to_payload(self) -> dict[str, Any]:
         payload: dict[str, Any] = {"max_tokens": self.max_tokens}
@@ -178,6 +182,8 @@ class Generate(Frame):
             payload["json_schema"] = self.json_schema
         if self.logprobs is not None:
             payload["logprobs"] = self.logprobs
+        if self.score_prompt:
+            payload["score_prompt"] = True
         return payload
 
     @classmethod
@@ -220,6 +226,7 @@ class Generate(Frame):
             truncation=truncation,
             json_schema=r.optional_text("json_schema", max_chars=MAX_SCHEMA_CHARS),
             logprobs=r.optional_integer("logprobs", lo=0, hi=MAX_TOP_LOGPROBS),
+            score_prompt=r.flag("score_prompt", default=False),
         )
         r.finish()
         if frame.top_p <= 0.0:

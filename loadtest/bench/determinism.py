@@ -63,6 +63,9 @@ class _Sink:
     ) -> None:
         self.tokens.append(token_id)
 
+    def prompt_scored(self, logprobs: object, ended: object) -> None:
+        pass  # never asked for here
+
     def sequence_finished(self, reason: FinishReason, completion_tokens: int) -> None:
         self.done.set()
 

@@ -38,6 +38,9 @@ class _Sink:
     ) -> None:
         self.result.token_times_s.append(time.perf_counter())
 
+    def prompt_scored(self, logprobs: object, ended: object) -> None:
+        pass  # never asked for here
+
     def sequence_finished(self, reason: FinishReason, completion_tokens: int) -> None:
         self.result.finish = str(reason)
         self.done.set()

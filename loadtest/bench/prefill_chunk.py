@@ -58,6 +58,9 @@ class _Recorder:
             self.times.append(time.perf_counter())
             self._changed.notify_all()
 
+    def prompt_scored(self, logprobs: object, ended: object) -> None:
+        pass  # never asked for here
+
     def sequence_finished(self, reason: FinishReason, completion_tokens: int) -> None:
         with self._changed:
             self.finished = True

@@ -207,6 +207,10 @@ class SequenceRequest:
     logprobs: int | None = None
     """Report each generated token's log-probability with this many most likely alternatives
     (0 to :data:`MAX_TOP_LOGPROBS`); None: none."""
+    prompt_logprobs: bool = False
+    """Score the prompt too (``TokenSink.prompt_scored``, with ``logprobs`` alternatives): its
+    cells are all computed, none taken from the prefix cache, with the logits of every
+    position. A resume never asks: the first run's scores are kept."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -232,6 +236,14 @@ class TokenSink(Protocol):
         """``logprobs``: when the request asked for them (:attr:`SequenceRequest.logprobs`)."""
 
     def sequence_finished(self, reason: FinishReason, completion_tokens: int) -> None: ...
+
+    def prompt_scored(
+        self, logprobs: tuple[TokenLogprobs, ...], ended: tuple[int, TokenLogprobs] | None
+    ) -> None:
+        """A request with ``prompt_logprobs``: its prompt tokens' log-probabilities (all but
+        the first, which nothing predicts), once, before its first token; ``ended``: the first
+        token sampled (id and log-probabilities) when it ended the generation (an
+        end-of-generation token, which is never reported as a token)."""
 
     def sequence_paused(self, state: PausedState) -> None:
         """The sequence left the batch (``pause()`` or its token allowance ran out)."""

@@ -25,6 +25,7 @@ __all__ = [
     "Event",
     "Pause",
     "PrefixHeld",
+    "PromptScored",
     "Ready",
     "SequenceCommand",
     "SequenceFinished",
@@ -138,6 +139,14 @@ class TokenGenerated:
 
 @_pickled_as_fields
 @dataclass(frozen=True, slots=True)
+class PromptScored:
+    key: int
+    logprobs: tuple[TokenLogprobs, ...]
+    ended: tuple[int, TokenLogprobs] | None
+
+
+@_pickled_as_fields
+@dataclass(frozen=True, slots=True)
 class SequenceFinished:
     key: int
     reason: FinishReason
@@ -181,6 +190,7 @@ class PrefixHeld:
 
 Event = (
     TokenGenerated
+    | PromptScored
     | SequenceFinished
     | SequencePaused
     | SequenceResumed

@@ -64,6 +64,7 @@ from .ipc import (
     Event,
     Pause,
     PrefixHeld,
+    PromptScored,
     Ready,
     SequenceCommand,
     SequenceFinished,
@@ -339,6 +340,11 @@ class _Sink:
     ) -> None:
         self._worker._report(TokenGenerated(self._key, index, token_id, piece, logprobs))
 
+    def prompt_scored(
+        self, logprobs: tuple[TokenLogprobs, ...], ended: tuple[int, TokenLogprobs] | None
+    ) -> None:
+        self._worker._report(PromptScored(self._key, logprobs, ended))
+
     def sequence_finished(self, reason: FinishReason, completion_tokens: int) -> None:
         self._worker.forget(self._key)
         self._worker._report(SequenceFinished(self._key, reason, completion_tokens))
@@ -378,6 +384,11 @@ class _CanarySink:
         self, index: int, token_id: int, piece: bytes, logprobs: TokenLogprobs | None
     ) -> None:
         self.tokens += 1
+
+    def prompt_scored(
+        self, logprobs: tuple[TokenLogprobs, ...], ended: tuple[int, TokenLogprobs] | None
+    ) -> None:
+        pass
 
     def sequence_finished(self, reason: FinishReason, completion_tokens: int) -> None:
         self.reason = reason

@@ -20,6 +20,7 @@ from quicsrv_proto.http3 import SESSION_HEADER
 
 from ..apikeys import ClientId
 from ..sessions.manager import SessionManager
+from ..sessions.record import SessionRecord
 from . import logprobs, openai_api, tool_format
 from .cursor import Cursor
 from .errors import ApiError
@@ -95,6 +96,7 @@ class CompletionsEndpoints:
             created=int(session.record.created_at_s),
             tools=call,
             generic=generic,
+            echo=(completion.generate.prompt or "") if completion.echo else "",
         )
         scored = completion.generate.logprobs is not None
         if completion.stream:
@@ -117,10 +119,10 @@ class CompletionsEndpoints:
             chat=chat,
             model=shape.model,
             created=shape.created,
-            text=answer.text,
+            text=shape.echo + answer.text,
             end=answer.end,
             tools=tools,
-            logprobs=self._logprobs(answer.scored, chat=chat) if scored else None,
+            logprobs=self._logprobs(session.record, answer.scored, chat=chat) if scored else None,
         )
         return json_response(200, body, ((SESSION_HEADER, session.session_id.hex().encode()),))
 
@@ -162,13 +164,27 @@ class CompletionsEndpoints:
             keepalive=self._keepalive,
         )
 
-    def _logprobs(self, tokens: tuple[quicsrv_proto.Token, ...], *, chat: bool) -> dict[str, Any]:
-        """A ``stream: false`` answer's ``logprobs``, in its endpoint's shape."""
+    def _logprobs(
+        self, record: SessionRecord, tokens: tuple[quicsrv_proto.Token, ...], *, chat: bool
+    ) -> dict[str, Any]:
+        """A ``stream: false`` answer's ``logprobs``, in its endpoint's shape: a text
+        completion's with ``echo`` starts with the prompt's tokens (the first with none, as
+        nothing predicts it), and ends with the end-of-generation token where that was the
+        first one sampled (so that a scorer that drops the last entry, the sampled token, gets
+        every prompt token's)."""
+        piece = self._sessions.piece
         if chat:
-            return {"content": logprobs.entries(tokens, self._sessions.piece), "refusal": None}
-        body = logprobs.CompletionLogprobs(self._sessions.piece)
+            return {"content": logprobs.entries(tokens, piece), "refusal": None}
+        body = logprobs.CompletionLogprobs(piece)
+        if record.prompt_logprobs is not None:
+            prompt = record.spec.prompt_tokens
+            body.add(prompt[0], None, None)
+            for token_id, scores in zip(prompt[1:], record.prompt_logprobs, strict=True):
+                body.add_scored(token_id, scores)
         for token in tokens:
             body.add_token(token)
+        if record.ended_by is not None:
+            body.add_scored(*record.ended_by)
         return body.body()
 
     async def stop(self, who: ClientId, session_id: bytes) -> FullResponse:

@@ -108,10 +108,17 @@ class CompletionLogprobs:
         self._offset += len(raw.decode("utf-8", errors="replace"))
 
     def add_token(self, token: quicsrv_proto.Token) -> None:
+        self.add(token.token_id, token.logprob, self._top(token.top_logprobs))
+
+    def add_scored(self, token_id: int, logprobs: TokenLogprobs) -> None:
+        self.add(token_id, logprobs.logprob, self._top(logprobs.top))
+
+    def _top(self, alternatives: Iterable[tuple[int, float]]) -> dict[str, float]:
+        # Two ids may share a text: the likelier one's value is kept, as OpenAI's object can.
         top: dict[str, float] = {}
-        for token_id, logprob in token.top_logprobs:
+        for token_id, logprob in alternatives:
             top.setdefault(token_name(self._piece(token_id)), _number(logprob))
-        self.add(token.token_id, token.logprob, top)
+        return top
 
     def body(self) -> dict[str, Any]:
         return {

@@ -118,8 +118,14 @@ def parse_completion(body: bytes, *, chat: bool, model_id: str) -> CompletionReq
     if top_logprobs is not None:
         payload["logprobs"] = top_logprobs
     echo = False if chat else optional(request, "echo", bool, False)
-    if echo:
-        raise _invalid("echo is not supported yet", "echo", "unsupported_value")
+    if echo and top_logprobs is not None:
+        if stream:
+            raise _invalid(
+                "echo with logprobs is answered whole: set stream to false",
+                "echo",
+                "unsupported_value",
+            )
+        payload["score_prompt"] = True
     tools = None
     if chat:
         schema = json_schema_of(request.get("response_format"), "response_format")

@@ -81,6 +81,8 @@ class StreamShape:
     """The answer is a call of one of these functions (``tool_calls`` deltas, not content)."""
     generic: bool = False
     """The answer is in the generic tool format: text or calls (:mod:`.tool_format`)."""
+    echo: str = ""
+    """Text completions' ``echo``: the prompt, the opening event's text."""
 
     @property
     def flags(self) -> int:
@@ -150,7 +152,7 @@ class SseEncoder:
                 return self._tool_event(-1, "", role=True)  # one function: named at once
             if self._answer is not None:  # text or calls: not known yet
                 return self._event(-1, text=None, role=True)
-            return self._event(-1, text="", role=True)
+            return self._event(-1, text=self.shape.echo, role=True)
         if isinstance(frame, quicsrv_proto.End):
             return self._end(frame)
         if isinstance(frame, quicsrv_proto.Error):

@@ -168,6 +168,7 @@ def build_request(
         prefill_chunk=engine.prefill_chunk,
         grammar=grammar,
         logprobs=frame.logprobs,
+        score_prompt=frame.score_prompt,
     )
     return PreparedRequest(spec=spec, messages=messages, continued=continued)
 

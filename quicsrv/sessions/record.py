@@ -59,6 +59,12 @@ class SessionRecord:
     logprobs: LogprobLog | None = None
     """The generated tokens' log-probabilities, where the spec asks for them (made empty for a
     new record); None: not kept."""
+    prompt_logprobs: tuple[TokenLogprobs, ...] | None = None
+    """A scored prompt's (``spec.score_prompt``) tokens' log-probabilities, but the first's;
+    None: not scored (yet)."""
+    ended_by: tuple[int, TokenLogprobs] | None = None
+    """A scored prompt's first token when it ended the generation (an end-of-generation
+    token, never recorded as a token), with its log-probabilities."""
 
     def __post_init__(self) -> None:
         if self.logprobs is None and self.spec.logprobs is not None:
@@ -117,6 +123,10 @@ class SessionRecord:
             meta["api"] = self.api
         if self.prefill_plan is not None:
             meta["plan"] = [self.prefill_plan.reused, [list(s) for s in self.prefill_plan.segments]]
+        if self.prompt_logprobs is not None:
+            meta["prompt_logprobs"] = [_logprobs_wire(lp) for lp in self.prompt_logprobs]
+        if self.ended_by is not None:
+            meta["ended_by"] = [self.ended_by[0], _logprobs_wire(self.ended_by[1])]
         return meta
 
     @classmethod
@@ -152,4 +162,18 @@ class SessionRecord:
             unattended=bool(meta.get("unattended", False)),
             api=meta.get("api"),
             logprobs=logprobs,
+            prompt_logprobs=None
+            if meta.get("prompt_logprobs") is None
+            else tuple(_logprobs_read(v) for v in meta["prompt_logprobs"]),
+            ended_by=None
+            if meta.get("ended_by") is None
+            else (int(meta["ended_by"][0]), _logprobs_read(meta["ended_by"][1])),
         )
+
+
+def _logprobs_wire(logprobs: TokenLogprobs) -> list[object]:
+    return [logprobs.logprob, [[token, lp] for token, lp in logprobs.top]]
+
+
+def _logprobs_read(value: Any) -> TokenLogprobs:
+    return TokenLogprobs(float(value[0]), tuple((int(t), float(lp)) for t, lp in value[1]))

@@ -277,6 +277,14 @@ class Session:
             self._pump_posted = True
             self._inbox.post(self._posted_pump)
 
+    def prompt_scored(
+        self, logprobs: tuple[TokenLogprobs, ...], ended: tuple[int, TokenLogprobs] | None
+    ) -> None:
+        if self.stale:
+            return
+        self.record.prompt_logprobs, self.record.ended_by = logprobs, ended
+        self._store.save(self.record)
+
     def sequence_finished(self, reason: FinishReason, completion_tokens: int) -> None:
         finish = FINISHES[reason]
         self._transition(finish.event)

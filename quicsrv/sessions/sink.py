@@ -44,6 +44,13 @@ class LoopSink:
         if target is not None:
             self._inbox.post(target.token_generated, index, token_id, piece, logprobs)
 
+    def prompt_scored(
+        self, logprobs: tuple[TokenLogprobs, ...], ended: tuple[int, TokenLogprobs] | None
+    ) -> None:
+        target = self.target
+        if target is not None:
+            self._inbox.post(target.prompt_scored, logprobs, ended)
+
     def sequence_finished(self, reason: FinishReason, completion_tokens: int) -> None:
         target = self.target
         if target is not None:

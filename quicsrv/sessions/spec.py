@@ -47,6 +47,9 @@ class GenerationSpec:
     logprobs: int | None = None
     """Each token's log-probability is kept with this many alternatives; None: none. Not a
     part of the MAC: it decides what is kept of the tokens, not which they are."""
+    score_prompt: bool = False
+    """The prompt's tokens' log-probabilities are kept too (text completions' ``echo``): its
+    first run computes every prompt position, none taken from the prefix cache."""
 
     def request(
         self,
@@ -54,8 +57,11 @@ class GenerationSpec:
         resume: ResumePoint | None = None,
         prefill_plan: PrefillPlan | None = None,
         cache_scope: str = "",
+        scored: bool = False,
     ) -> SequenceRequest:
-        """The engine request of a start (``resume`` None) or of a restart."""
+        """The engine request of a start (``resume`` None) or of a restart (``scored``: the
+        prompt's scores are kept already)."""
+        score = self.score_prompt and not scored and not (resume is not None and resume.generated)
         return SequenceRequest(
             prompt_tokens=self.prompt_tokens,
             max_tokens=self.max_tokens,
@@ -67,6 +73,7 @@ class GenerationSpec:
             cache_scope=cache_scope,
             grammar=None if self.grammar is None else self.grammar.gbnf,
             logprobs=self.logprobs,
+            prompt_logprobs=score,
         )
 
     def mac_fields(self) -> dict[str, object]:
@@ -98,6 +105,8 @@ class GenerationSpec:
             meta["grammar"] = [self.grammar.digest, self.grammar.gbnf]
         if self.logprobs is not None:
             meta["logprobs"] = self.logprobs
+        if self.score_prompt:
+            meta["score_prompt"] = True
         return meta
 
     @classmethod
@@ -118,6 +127,7 @@ class GenerationSpec:
             if grammar is None
             else Grammar(gbnf=str(grammar[1]), digest=bytes(grammar[0])),
             logprobs=None if meta.get("logprobs") is None else int(meta["logprobs"]),
+            score_prompt=bool(meta.get("score_prompt", False)),
         )
 
 

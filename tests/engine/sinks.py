@@ -27,6 +27,9 @@ class RecordingSink:
         self.tokens.append(token_id)
         self.pieces.append(piece)
 
+    def prompt_scored(self, logprobs: object, ended: object) -> None:
+        pass  # never asked for here
+
     def sequence_finished(self, reason: FinishReason, completion_tokens: int) -> None:
         self.reason = reason
         self.completion_tokens = completion_tokens

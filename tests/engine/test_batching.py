@@ -39,6 +39,9 @@ class Recorder:
         self.log.append((self.name, index))
         self.first_token.set()
 
+    def prompt_scored(self, logprobs: object, ended: object) -> None:
+        pass  # never asked for here
+
     def sequence_finished(self, reason: FinishReason, completion_tokens: int) -> None:
         self.reason = reason
         self.done.set()

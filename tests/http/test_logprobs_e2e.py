@@ -148,3 +148,43 @@ async def test_the_openai_sdk_reads_chat_completion_and_responses_logprobs(engin
     assert len(part.logprobs) == response.usage.output_tokens
     # The same prompt and settings: the same tokens and numbers as the chat completion.
     assert [e.model_dump() for e in part.logprobs] == [c.model_dump() for c in content]
+
+
+async def test_echo_scores_the_prompt_as_the_generation_scored_its_own_tokens(engine, certs):
+    prompt = "The three primary colours are"
+    async with running_server(engine, certs) as server, openai_client(server, certs) as client:
+        model = server.app.router.model_id
+        made = await client.completions.create(
+            model=model,
+            prompt=prompt,
+            max_tokens=12,
+            temperature=0,
+            logprobs=1,
+            extra_body={"ignore_eos": True},
+        )
+        text = made.choices[0].text
+        scored = await client.completions.create(
+            model=model, prompt=prompt + text, max_tokens=1, temperature=0, logprobs=1, echo=True
+        )
+    generated = made.choices[0].logprobs
+    echo = scored.choices[0]
+    n_prompt = scored.usage.prompt_tokens
+    assert echo.text.startswith(prompt + text)
+    logprobs = echo.logprobs
+    # Every prompt token, then the one sampled (an end token included: a scorer drops it).
+    assert len(logprobs.tokens) == n_prompt + 1
+    assert logprobs.token_logprobs[0] is None and logprobs.top_logprobs[0] is None
+    assert "".join(logprobs.tokens[:n_prompt]) == prompt + text
+    assert logprobs.text_offset[:n_prompt] == [
+        len("".join(logprobs.tokens[:i])) for i in range(n_prompt)
+    ]
+    # The answer's tokens, scored as a prompt (computed in one batch, not one by one): the
+    # same tokens, and log-probabilities within float32 rounding of the kernels' sums.
+    tail = slice(n_prompt - len(generated.tokens), n_prompt)
+    assert logprobs.tokens[tail] == generated.tokens
+    pairs = zip(logprobs.token_logprobs[tail], generated.token_logprobs, strict=True)
+    for as_prompt, as_answer in pairs:
+        assert as_prompt == pytest.approx(as_answer, abs=0.05)
+    assert math.fsum(logprobs.token_logprobs[tail]) == pytest.approx(
+        math.fsum(generated.token_logprobs), abs=0.2
+    )

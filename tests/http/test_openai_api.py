@@ -135,7 +135,7 @@ def test_bad_chat_fields_get_400_naming_the_parameter(fields, param, code):
     [
         ({"prompt": ["a", "b"]}, "prompt", "unsupported_value"),
         ({"prompt": [1, 2, 3]}, "prompt", "unsupported_value"),
-        ({"echo": True}, "echo", "unsupported_value"),
+        ({"echo": True, "logprobs": 1, "stream": True}, "echo", "unsupported_value"),
         ({"logprobs": 21}, "logprobs", "invalid_value"),
         ({"logprobs": True}, "logprobs", "invalid_value"),
         ({"best_of": 3}, "best_of", "unsupported_parameter"),

@@ -90,6 +90,7 @@ def generates(draw: st.DrawFn) -> Generate:
         ignore_eos=draw(st.booleans()),
         deadline_ms=draw(st.none() | st.integers(1, MAX_DEADLINE_MS)),
         logprobs=draw(st.none() | st.integers(0, MAX_TOP_LOGPROBS)),
+        score_prompt=draw(st.booleans()),
     )
 
 
