@@ -188,3 +188,47 @@ async def test_echo_scores_the_prompt_as_the_generation_scored_its_own_tokens(en
     assert math.fsum(logprobs.token_logprobs[tail]) == pytest.approx(
         math.fsum(generated.token_logprobs), abs=0.2
     )
+
+
+@SAMPLINGS
+async def test_responses_logprobs_resumed_from_starting_after_are_the_uninterrupted_ones(
+    engine, certs, sampling
+):
+    from .test_responses_e2e import _cut, _read
+
+    params = dict(
+        input=CHAT[0]["content"],
+        max_output_tokens=24,
+        include=["message.output_text.logprobs"],
+        top_logprobs=2,
+        extra_body={
+            "ignore_eos": True,
+            **({"seed": sampling["seed"]} if "seed" in sampling else {}),
+        },
+        temperature=sampling["temperature"],
+    )
+    async with running_server(engine, certs) as server, openai_client(server, certs) as client:
+        model = server.app.router.model_id
+        whole = await _read(await client.responses.create(model=model, stream=True, **params))
+        first, _ = await _cut(
+            server, await client.responses.create(model=model, stream=True, **params), 10
+        )
+        rest = await _read(
+            await client.responses.retrieve(
+                first[0].response.id, stream=True, starting_after=first[-1].sequence_number
+            )
+        )
+
+    def deltas(events: list[Any]) -> list[dict[str, Any]]:
+        return [
+            entry.model_dump()
+            for e in events
+            if e.type == "response.output_text.delta"
+            for entry in e.logprobs
+        ]
+
+    assert deltas(first) + deltas(rest) == deltas(whole)
+    assert len(deltas(whole)) == 24
+    done = next(e for e in whole if e.type == "response.output_text.done")
+    assert [entry.model_dump() for entry in done.logprobs] == deltas(whole)
+    _check_entries(deltas(whole), 2, greedy=sampling["temperature"] == 0)
