@@ -100,6 +100,8 @@ class Drained:
     cut_short: int
     """Connections still answering, yet with data unacknowledged when the deadline (the one
     grace period of the whole shutdown) passed."""
+    deadline_passed: bool
+    """The wait ended at the deadline (else: nobody it waited for was left)."""
 
     def describe(self) -> str:
         return (

@@ -318,6 +318,7 @@ class RunningServer:
             acknowledged=acknowledged,
             quiet=tuple(quiet),
             cut_short=cut_short,
+            deadline_passed=now >= deadline,
         )
 
 
