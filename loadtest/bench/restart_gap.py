@@ -242,7 +242,7 @@ async def _run(work: Path, rounds: int, readers: int, vanished: int) -> list[Rou
     data = work / "data"
     serve = ["--host", "127.0.0.1", "--data-dir", str(data)]
     serve += ["--cert", str(certs.server_cert), "--key", str(certs.server_key)]
-    results = []
+    results: list[Round] = []
     async with contextlib.AsyncExitStack() as stack:
         server = await stack.enter_async_context(
             spawn_server_async([*serve, "--port", "0"], log=work / "server-0.log")
@@ -257,8 +257,8 @@ async def _run(work: Path, rounds: int, readers: int, vanished: int) -> list[Rou
         references = {}
         async with Client("127.0.0.1", server.port, ca=certs.ca_cert) as c:
             for prompt in PROMPTS[: max(readers, vanished, 1)]:
-                result = await c.generate_text(prompt, max_tokens=MAX_TOKENS, ignore_eos=True)
-                references[prompt] = list(result.token_ids)
+                reference = await c.generate_text(prompt, max_tokens=MAX_TOKENS, ignore_eos=True)
+                references[prompt] = list(reference.token_ids)
         for number in range(rounds):
             result, server = await _round(
                 stack, server, serve, work, number, certs, references, readers, vanished, env
