@@ -15,7 +15,7 @@ class ReconnectPolicy:
     max_attempts: int = 12
     """Consecutive reconnect attempts without a new token before giving up. The defaults ride
     out at least 26 s of pauses (53 s without jitter), plus each attempt's connect timeout:
-    a server restart is the old process's hand-over (up to ``shutdown_grace_s`` twice, 10 s by
+    a server restart is the old process's hand-over (up to ``shutdown_grace_s``, 5 s by
     default) and the new one's start (about 3 s here: Python, model load, canary)."""
     initial_delay_s: float = 0.05
     max_delay_s: float = 10.0

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
@@ -67,6 +67,12 @@ class SessionFacts:
     """...and their count: in memory, on disk."""
     refusals: Mapping[tuple[ErrorCode, str], int]
     """New requests refused at admission, by code and client."""
+    slots: int = 0
+    """Engine slots the server hands out (0: not told)."""
+    queued_resumes: int = 0
+    """Returning sessions (a reader's resume) waiting for a slot; they go before new requests."""
+    states: Mapping[str, int] = field(default_factory=dict)
+    """Live sessions by lifecycle state (what a stalled resume waits on: a slot, the engine)."""
 
 
 class TransportFacts:
@@ -290,8 +296,22 @@ class _StateCollector(Collector):
             return
         facts = self.sessions()
         yield _gauge("quicsrv_generations_active", "Engine slots in use", facts.active)
+        yield _gauge("quicsrv_generations_slots", "Engine slots handed out in all", facts.slots)
         yield _gauge(
             "quicsrv_generations_queued", "Requests and resumes waiting for a slot", facts.queued
+        )
+        yield _gauge(
+            "quicsrv_resumes_queued",
+            "Returning sessions waiting for a slot (they go before new requests)",
+            facts.queued_resumes,
+        )
+        yield _labelled(
+            GaugeMetricFamily,
+            "quicsrv_sessions_by_state",
+            "Live sessions by lifecycle state: queued (a new generation in line), starting (a "
+            "resume waiting for a slot and its KV cells), running, pausing, parked, ...",
+            "state",
+            sorted(facts.states.items()),
         )
         yield _gauge(
             "quicsrv_sessions_live", "Sessions running or read now (in memory)", facts.live

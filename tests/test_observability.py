@@ -112,6 +112,24 @@ def test_refusals_are_exported_per_code_and_client():
     assert values["quicsrv_kv_store_bytes", frozenset({("where", "memory")})] == 10
 
 
+def test_the_slots_the_resumes_in_line_and_the_sessions_states_are_exported():
+    metrics = ServerMetrics()
+    facts = _facts(
+        active=8,
+        queued=5,
+        slots=8,
+        queued_resumes=3,
+        states={"starting": 3, "running": 8},
+        refusals={},
+    )
+    metrics.bind_sessions(lambda: facts)
+    values = samples(metrics)
+    assert values["quicsrv_generations_slots", frozenset()] == 8
+    assert values["quicsrv_resumes_queued", frozenset()] == 3
+    assert values["quicsrv_sessions_by_state", frozenset({("state", "starting")})] == 3
+    assert values["quicsrv_sessions_by_state", frozenset({("state", "running")})] == 8
+
+
 def test_refusal_series_are_bounded_whatever_the_clients():
     metrics = ServerMetrics()
     refusals = {(ErrorCode.OVERLOADED, f"conn:{i}"): 1 for i in range(MAX_REFUSAL_SERIES + 50)}

@@ -55,6 +55,7 @@ import cbor2
 import httpx
 
 from loadtest.bench.machine import CpuMeter
+from loadtest.bench.resume_watch import ResumeWait, ResumeWatch, summary
 from quicsrv.devcerts import DevCertPaths, ensure_dev_certs
 from quicsrv.spawn import spawn_server_async
 from quicsrv_client import Client, GenerationEnded, SessionStarted, TokenReceived
@@ -418,6 +419,18 @@ class Tally:
     kinds: Counter[str] = field(default_factory=Counter)
     resume_paths: Counter[str] = field(default_factory=Counter)
     tokens: int = 0
+    resumes: list[ResumeWait] = field(default_factory=list)
+    """Each resume's wait for its first token and the server's state then (issue 46)."""
+
+
+def _scraper(server: ServerUnderTest) -> Callable[[], Awaitable[dict[str, float]]]:
+    """A ``/metrics`` scrape of ``server`` on a connection of its own (a resume's watch)."""
+
+    async def scrape() -> dict[str, float]:
+        async with server.client() as client:
+            return await metrics(client)
+
+    return scrape
 
 
 async def _complete(server: ServerUnderTest, settings: SoakSettings, tally: Tally, _: int) -> None:
@@ -444,14 +457,17 @@ async def _cut_resume(
     _expect(position is not None, "no position to resume from")
     assert position is not None
     await _paused(server, position.session_id, settings.settle_timeout_s)
+    watch = ResumeWatch(Kind.CUT_RESUME.value, position.session_id, _scraper(server))
     async with server.client() as client:
         async for event in client.resume_from(position):
             if isinstance(event, SessionStarted) and event.resume_path:
                 tally.resume_paths[event.resume_path] += 1
             elif isinstance(event, TokenReceived):
+                watch.first_token()
                 got = event.index + 1
             elif isinstance(event, GenerationEnded):
                 _expect(event.completion_tokens == settings.max_tokens, f"{event}")
+    tally.resumes.append(await watch.finish())
     tally.tokens += got
 
 
@@ -493,20 +509,30 @@ async def _sse_cut_resume(
                         break  # leaving the block unread closes the connection: a cut
     await _paused(server, session_id, settings.settle_timeout_s)
     if _variant(i, 2):
+        # The answer comes whole: its wait is to the whole answer, not to the first token.
+        kind = f"{Kind.SSE_CUT_RESUME.value} h3 (whole answer)"
+        watch = ResumeWatch(kind, session_id, _scraper(server))
         async with server.client() as client:  # the same cursor over HTTP/3
             answer = await client.get(
                 f"/v1/streams/{session_id}?last_event_id={ids[-1]}", timeout_s=_PATIENCE_S
             )
+        watch.first_token()
         _expect(answer.status == 200, f"resume over HTTP/3 answered {answer.status}")
         lines = answer.body.decode().splitlines()
     else:
+        watch = ResumeWatch(f"{Kind.SSE_CUT_RESUME.value} tcp", session_id, _scraper(server))
         async with server.http() as http:
             resumed = http.stream(
                 "GET", f"/v1/streams/{session_id}", headers={"last-event-id": ids[-1]}
             )
             async with resumed as response:
                 _expect(response.status_code == 200, f"resume answered {response.status_code}")
-                lines = [line async for line in response.aiter_lines()]
+                lines = []
+                async for line in response.aiter_lines():
+                    if line.startswith("id: "):
+                        watch.first_token()
+                    lines.append(line)
+    tally.resumes.append(await watch.finish())
     _expect("data: [DONE]" in lines, "the resumed stream did not end with [DONE]")
     tally.tokens += len(ids) + sum(line.startswith("id: ") for line in lines)
 
@@ -613,6 +639,8 @@ class RoundResult:
     kinds: dict[str, int]
     resume_paths: dict[str, int]
     differences: list[str]
+    resume_waits: list[ResumeWait] = field(default_factory=list)
+    """Each resume's wait for its first token, and the server's state then and meanwhile."""
 
     def line(self) -> str:
         paths = ", ".join(f"{p} {n}" for p, n in sorted(self.resume_paths.items())) or "none"
@@ -620,7 +648,7 @@ class RoundResult:
         return (
             f"round {self.round}: {self.census.describe()} | {self.tokens} tokens in "
             f"{self.run_s:.1f} s (others' CPU {self.others_cpu:.0%}), resumes: {paths}; at rest "
-            f"in {self.settle_s:.2f} s: {verdict}"
+            f"in {self.settle_s:.2f} s: {verdict}\n    {summary(self.resume_waits)}"
         )
 
 
@@ -684,6 +712,7 @@ async def soak(
             kinds=dict(tally.kinds),
             resume_paths=dict(tally.resume_paths),
             differences=differences,
+            resume_waits=tally.resumes,
         )
         report(result)
         results.append(result)

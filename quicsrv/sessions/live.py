@@ -8,6 +8,7 @@ report here, to the live copy of the record they settled.
 from __future__ import annotations
 
 import asyncio
+from collections import Counter
 from collections.abc import Iterator
 
 from ..engine import Engine
@@ -74,6 +75,9 @@ class LiveSessions:
             kv_bytes=(kv.memory_bytes, kv.disk_bytes),
             kv_blobs=(kv.memory_blobs, kv.disk_blobs),
             refusals=self._gate.refusals,
+            slots=self._gate.limits.slots,
+            queued_resumes=self._gate.queued - self._gate.queued_new,
+            states=Counter(s.state.value for s in live),
         )
 
     def make(self, record: SessionRecord) -> Session:

@@ -454,7 +454,11 @@ class SessionManager:
     async def hand_over(self, grace_s: float) -> HandOver:
         """After :meth:`shutdown`: give every session to the next process (:mod:`.handover`)."""
         return await hand_over(
-            list(self._live), kv=self.kv, persisted=self.persisted, grace_s=grace_s
+            list(self._live),
+            kv=self.kv,
+            persisted=self.persisted,
+            grace_s=grace_s,
+            engine_health=self._engine.health,
         )
 
     def close(self) -> None:

@@ -11,16 +11,19 @@ passed on are :data:`TESTED_AIOQUIC_VERSIONS`, and pyproject.toml pins that rang
 
 from __future__ import annotations
 
+from aioquic import tls
 from aioquic.asyncio.server import QuicServer
 from aioquic.quic.connection import QuicConnection, QuicConnectionState
 
 __all__ = [
     "TESTED_AIOQUIC_VERSIONS",
-    "has_unfinished_requests",
     "peer_address",
     "peer_closed",
+    "probe_timeout_s",
     "server_port",
     "stream_offsets",
+    "unacknowledged_since",
+    "unfinished_requests",
 ]
 
 TESTED_AIOQUIC_VERSIONS = ("1.2.0", "1.3.0", "1.4.0", "1.5.0", "1.6.1", "1.7.2")
@@ -53,14 +56,35 @@ def peer_closed(quic: QuicConnection) -> bool:
     return quic._state is QuicConnectionState.DRAINING
 
 
-def has_unfinished_requests(quic: QuicConnection) -> bool:
-    """Whether a request stream still has response data the peer has not acknowledged."""
+def unfinished_requests(quic: QuicConnection) -> tuple[int, ...]:
+    """The request streams that still have response data the peer has not acknowledged."""
     # Client-initiated bidirectional streams are the requests (RFC 9000 §2.1).
-    return any(
-        not stream.sender.is_finished
+    return tuple(
+        stream_id
         for stream_id, stream in quic._streams.items()
-        if stream_id % 4 == 0
+        if stream_id % 4 == 0 and not stream.sender.is_finished
     )
+
+
+def probe_timeout_s(quic: QuicConnection) -> float:
+    """The connection's probe timeout without backoff (RFC 9002 §6.2.1): smoothed RTT, four
+    RTT deviations (at least the timer granularity) and the peer's largest ACK delay; twice the
+    initial RTT before any sample. How long a live peer may take to acknowledge."""
+    return float(quic._loss.get_probe_timeout())
+
+
+def unacknowledged_since(quic: QuicConnection) -> float | None:
+    """When the oldest application packet that the peer must acknowledge and has not was sent
+    (the connection's clock: the loop's); None when none is in flight. A probe timeout does not
+    take a packet off the list, only an acknowledgement or a later one's does (RFC 9002 §6.1),
+    so a peer that stopped answering leaves its oldest packet here."""
+    space = quic._spaces.get(tls.Epoch.ONE_RTT)
+    if space is None:
+        return None
+    for packet in space.sent_packets.values():  # in packet number order: oldest first
+        if packet.is_ack_eliciting and packet.sent_time is not None:
+            return float(packet.sent_time)
+    return None
 
 
 def server_port(server: QuicServer) -> int:

@@ -57,6 +57,7 @@ from ..peer_errors import install_filters
 from ..sessions.handover import HandOver
 from ..sessions.manager import SessionManager
 from . import aioquic_internals
+from .drain import Drained, PeerDrain, QuietPeer, silent_s, still_waiting
 from .sockets import AppliedSocketOptions, SocketOptions, open_udp_socket, serve_on_socket
 from .streams import RequestStreams
 from .tcp import TcpListener, open_tcp_socket, start_tcp_listener
@@ -65,6 +66,10 @@ from .tickets import TicketStore
 __all__ = ["QuicServerApp", "RunningServer", "start_server"]
 
 log = logging.getLogger("quicsrv")
+
+#: How often the last wait of a shutdown looks at the connections again: a small part of a
+#: loopback probe timeout (about 30 ms), so a quiet peer costs little more than its three.
+_DRAIN_POLL_S = 0.01
 
 
 class QuicServerApp:
@@ -143,6 +148,7 @@ class _H3ServerProtocol(QuicConnectionProtocol):
         self._handshake_done = False
         # Without API keys, a client is its connection (a number never reused by this process).
         self._streams = RequestStreams(self, app.router, f"conn:{next(app.connection_ids)}")
+        self._heard_at = asyncio.get_running_loop().time()  # the last datagram from the peer
         app.connections.add(self)
         app.metrics.connections_opened.inc()
 
@@ -183,11 +189,17 @@ class _H3ServerProtocol(QuicConnectionProtocol):
     def handshake_complete(self) -> bool:
         return self._handshake_done
 
-    @property
-    def has_unacked_requests(self) -> bool:
-        return aioquic_internals.has_unfinished_requests(self._quic)
+    def drain_state(self) -> PeerDrain:
+        """What a shutdown's last wait needs to know of this connection (:mod:`.drain`)."""
+        return PeerDrain(
+            unacked_streams=aioquic_internals.unfinished_requests(self._quic),
+            heard_at=self._heard_at,
+            unacked_since=aioquic_internals.unacknowledged_since(self._quic),
+            probe_timeout_s=aioquic_internals.probe_timeout_s(self._quic),
+        )
 
     def datagram_received(self, data: bytes | str, addr: Any) -> None:
+        self._heard_at = asyncio.get_running_loop().time()
         super().datagram_received(data, addr)
         if aioquic_internals.peer_closed(self._quic):
             # Nobody reads any more: pause now, not after the drain period.
@@ -232,6 +244,10 @@ class RunningServer:
     """HTTP/1.1 + HTTP/2 on the same port number (None when ``tcp_listener`` is off)."""
     on_closed: Callable[[], None] = lambda: None
     """Called once everything is stopped (the composition root lets go of the engine)."""
+    handed: HandOver | None = None
+    """What the shutdown's hand-over left for the next process (None: no shutdown yet)."""
+    drained: Drained | None = None
+    """How the shutdown's wait for the END frames' acknowledgements ended."""
     _shut_down: bool = False
 
     @property
@@ -244,21 +260,24 @@ class RunningServer:
 
     async def shutdown(self, grace_s: float) -> None:
         """Hand every generation over (paused, KV cells saved, streams told with
-        END(shutdown)), then close connections; at most about ``grace_s`` for each phase.
-        Only the first call does anything."""
+        END(shutdown)), then close connections. ``grace_s`` bounds the whole hand-over: the
+        pauses the engine is still making, then the wait for live peers to acknowledge their
+        END frames (a peer gone quiet is not waited for, :mod:`.drain`). Only the first call
+        does anything."""
         if self._shut_down:
             return
         self._shut_down = True
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + grace_s
         self.sweeper.cancel()
         with contextlib.suppress(asyncio.CancelledError):
             await self.sweeper
-        handed = await self.app.hand_over(grace_s)
-        log.info("shutdown: %s", handed.describe(), extra={"event": "hand_over"})
-        loop = asyncio.get_running_loop()
-        deadline = loop.time() + grace_s
-        # Give the END frames a chance to be acknowledged before the connections close.
-        while loop.time() < deadline and any(c.has_unacked_requests for c in self.app.connections):
-            await asyncio.sleep(0.05)
+        self.handed = await self.app.hand_over(grace_s)
+        log.info("shutdown: %s", self.handed.describe(), extra={"event": "hand_over"})
+        self.drained = await self._drain(deadline)
+        for peer in self.drained.quiet:
+            log.info("shutdown: not waiting for %s", peer.describe())
+        log.info("shutdown: %s", self.drained.describe(), extra={"event": "drained"})
         for connection in list(self.app.connections):
             connection.close()
         if self.tcp is not None:
@@ -267,6 +286,40 @@ class RunningServer:
         self.tickets.close()
         await self.app.sessions.aclose()
         self.on_closed()
+
+    async def _drain(self, deadline: float) -> Drained:
+        """Give the END frames a chance to be acknowledged before the connections close: wait
+        while a peer that still answers has some unacknowledged, until ``deadline``."""
+        loop = asyncio.get_running_loop()
+        told_at = now = loop.time()
+        while now < deadline and any(
+            still_waiting(c.drain_state(), told_at=told_at, now=now) for c in self.app.connections
+        ):
+            await asyncio.sleep(_DRAIN_POLL_S)  # polling acknowledgements, not waiting for them
+            now = loop.time()
+        quiet, acknowledged, cut_short = [], 0, 0
+        for connection in self.app.connections:
+            state = connection.drain_state()
+            if not state.unacked_streams:
+                acknowledged += 1
+            elif still_waiting(state, told_at=told_at, now=now):
+                cut_short += 1
+            else:
+                quiet.append(
+                    QuietPeer(
+                        peer=connection.peer,
+                        streams=state.unacked_streams,
+                        silent_s=silent_s(state, told_at=told_at, now=now),
+                        probe_timeout_s=state.probe_timeout_s,
+                    )
+                )
+        return Drained(
+            waited_s=now - told_at,
+            acknowledged=acknowledged,
+            quiet=tuple(quiet),
+            cut_short=cut_short,
+            deadline_passed=now >= deadline,
+        )
 
 
 async def start_server(

@@ -88,15 +88,36 @@ def test_server_reads_sent_and_acknowledged_offsets(
 
     server.send_stream_data(stream_id, b"x" * 3000)
     assert server_internals.stream_offsets(server, stream_id) == (3000, 0)
-    assert server_internals.has_unfinished_requests(server)
+    assert server_internals.unfinished_requests(server) == (stream_id,)
     _exchange(client, server, clock)
     assert server_internals.stream_offsets(server, stream_id) == (3000, 3000)
     assert client_internals.received_offset(client, stream_id) == 3000
 
     server.send_stream_data(stream_id, b"y", end_stream=True)
     _exchange(client, server, clock)
-    assert not server_internals.has_unfinished_requests(server)
+    assert server_internals.unfinished_requests(server) == ()
     assert server_internals.stream_offsets(server, 1 << 40) is None
+
+
+def test_server_reads_the_probe_timeout_and_the_oldest_unacknowledged_packet(
+    pair: tuple[QuicConnection, QuicConnection, Clock],
+) -> None:
+    client, server, clock = pair
+    unsampled = QuicConnection(configuration=QuicConfiguration(is_client=True, initial_rtt=0.3))
+    assert server_internals.probe_timeout_s(unsampled) == pytest.approx(0.6)  # twice the initial
+    # The pair's handshake took one tick each way: an RTT of two ticks, plus the ACK delay.
+    assert 2 * 0.05 < server_internals.probe_timeout_s(server) < 0.6
+
+    stream_id = client.get_next_available_stream_id()
+    client.send_stream_data(stream_id, b"request", end_stream=True)
+    _exchange(client, server, clock)
+    assert server_internals.unacknowledged_since(server) is None
+    server.send_stream_data(stream_id, b"x" * 100)
+    sent_at = clock.tick()
+    assert server.datagrams_to_send(now=sent_at)  # the client never gets them: it vanished
+    server.send_stream_data(stream_id, b"y" * 100)
+    assert server.datagrams_to_send(now=clock.tick())
+    assert server_internals.unacknowledged_since(server) == sent_at  # the oldest one
 
 
 def test_client_grants_stream_windows_itself(
