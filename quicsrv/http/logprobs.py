@@ -19,19 +19,23 @@ Two shapes:
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable
 from typing import Any
 
 import quicsrv_proto
 
 from ..engine import TokenLogprobs
+from ..sessions.record import SessionRecord
+from .errors import ApiError
 
 __all__ = [
     "CompletionLogprobs",
     "Piece",
+    "completion_request",
     "entries",
     "entry",
-    "recorded_entries",
+    "recorded",
+    "responses_request",
     "token_name",
 ]
 
@@ -75,13 +79,83 @@ def entries(tokens: Iterable[quicsrv_proto.Token], piece: Piece) -> list[dict[st
     return [entry(t.token_id, t.logprob, t.top_logprobs, piece) for t in tokens]
 
 
-def recorded_entries(
-    generated: Sequence[int], log: Iterable[TokenLogprobs], piece: Piece
-) -> list[dict[str, Any]]:
-    """The entries of a session record's tokens (its token log's log-probabilities)."""
-    return [
-        entry(token, lp.logprob, lp.top, piece) for token, lp in zip(generated, log, strict=False)
-    ]
+def recorded(record: SessionRecord, piece: Piece) -> tuple[dict[str, Any], ...]:
+    """The entries of a session record's tokens, from its token log (none if it keeps none)."""
+    if record.logprobs is None:
+        return ()
+    return tuple(
+        entry(token, lp.logprob, lp.top, piece)
+        for token, lp in zip(record.generated, record.logprobs, strict=True)
+    )
+
+
+# --- what a request asks for ---------------------------------------------------------------
+
+
+def completion_request(request: dict[str, Any], *, chat: bool) -> int | None:
+    """How many alternatives each token's log-probability comes with; None: none asked for.
+    Chat: ``logprobs`` true and ``top_logprobs`` 0-20 (OpenAI's rule: only with logprobs);
+    text completions: ``logprobs`` itself, an integer (OpenAI stops at 5, llama-server and
+    vLLM go further; here the chat bound)."""
+    bound = quicsrv_proto.MAX_TOP_LOGPROBS
+    if not chat:
+        value = request.get("logprobs")
+        if value is None:
+            return None
+        if not isinstance(value, int) or isinstance(value, bool) or not 0 <= value <= bound:
+            raise _invalid(f"logprobs must be an integer from 0 to {bound}", "logprobs")
+        return value
+    wanted = _flag(request, "logprobs")
+    top = request.get("top_logprobs")
+    if top is None:
+        return 0 if wanted else None
+    if not isinstance(top, int) or isinstance(top, bool) or not 0 <= top <= bound:
+        raise _invalid(f"top_logprobs must be an integer from 0 to {bound}", "top_logprobs")
+    if not wanted:
+        if top:
+            raise _invalid("logprobs must be true when top_logprobs is given", "top_logprobs")
+        return None
+    return top
+
+
+#: What ``include`` may name: the output text's log-probabilities, and encrypted reasoning
+#: (there is never any: the output is the same with or without it).
+_INCLUDES = ("message.output_text.logprobs", "reasoning.encrypted_content")
+
+
+def responses_request(request: dict[str, Any]) -> int | None:
+    """How many alternatives each output token's log-probability comes with (``include``
+    names ``message.output_text.logprobs``, or ``top_logprobs`` asks for some); None: none."""
+    include = request.get("include")
+    if include is None:
+        include = []
+    if not isinstance(include, list) or any(v not in _INCLUDES for v in include):
+        raise _invalid(f"include may hold only {', '.join(_INCLUDES)}", "include")
+    top = request.get("top_logprobs")
+    bound = quicsrv_proto.MAX_TOP_LOGPROBS
+    if top is not None and (
+        not isinstance(top, int) or isinstance(top, bool) or not 0 <= top <= bound
+    ):
+        raise _invalid(f"top_logprobs must be an integer from 0 to {bound}", "top_logprobs")
+    if "message.output_text.logprobs" in include or top:
+        return top or 0
+    return None
+
+
+def _flag(request: dict[str, Any], name: str) -> bool:
+    value = request.get(name)
+    if value is None:
+        return False
+    if not isinstance(value, bool):
+        raise _invalid(f"{name} must be a boolean", name)
+    return value
+
+
+def _invalid(message: str, param: str) -> ApiError:
+    return ApiError(400, message, code="invalid_value", param=param)
+
+
+# --- what an answer shows ----------------------------------------------------------------
 
 
 class CompletionLogprobs:

@@ -25,7 +25,7 @@ import quicsrv_proto
 from quicsrv_proto import EndReason
 from quicsrv_proto.frames import CHAT_ROLES, MAX_SEED
 
-from . import field_policy
+from . import field_policy, logprobs
 from .errors import ApiError
 from .file_parts import file_text
 from .tool_calls import CallText, ToolChoice, call_id, parse_tool_choice
@@ -114,7 +114,7 @@ def parse_completion(body: bytes, *, chat: bool, model_id: str) -> CompletionReq
     if stop:
         payload["stop"] = stop
     payload["ignore_eos"] = optional(request, "ignore_eos", bool, False)
-    top_logprobs = _logprobs(request, chat)
+    top_logprobs = logprobs.completion_request(request, chat=chat)
     if top_logprobs is not None:
         payload["logprobs"] = top_logprobs
     echo = False if chat else optional(request, "echo", bool, False)
@@ -161,32 +161,6 @@ def parse_completion(body: bytes, *, chat: bool, model_id: str) -> CompletionReq
         tools=tools,
         echo=echo,
     )
-
-
-def _logprobs(request: dict[str, Any], chat: bool) -> int | None:
-    """How many alternatives each token's log-probability comes with; None: none asked for.
-    Chat: ``logprobs`` true and ``top_logprobs`` 0-20 (OpenAI's rule: only with logprobs);
-    text completions: ``logprobs`` itself, an integer (OpenAI stops at 5, llama-server and
-    vLLM go further; here the chat bound)."""
-    bound = quicsrv_proto.MAX_TOP_LOGPROBS
-    if not chat:
-        value = request.get("logprobs")
-        if value is None:
-            return None
-        if not isinstance(value, int) or isinstance(value, bool) or not 0 <= value <= bound:
-            raise _invalid(f"logprobs must be an integer from 0 to {bound}", "logprobs")
-        return value
-    wanted = optional(request, "logprobs", bool, False)
-    top = request.get("top_logprobs")
-    if top is None:
-        return 0 if wanted else None
-    if not isinstance(top, int) or isinstance(top, bool) or not 0 <= top <= bound:
-        raise _invalid(f"top_logprobs must be an integer from 0 to {bound}", "top_logprobs")
-    if not wanted:
-        if top:
-            raise _invalid("logprobs must be true when top_logprobs is given", "top_logprobs")
-        return None
-    return top
 
 
 # --- responses ----------------------------------------------------------------------------

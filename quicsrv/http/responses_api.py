@@ -58,7 +58,7 @@ from quicsrv_proto.frames import MAX_MESSAGES, MAX_PROMPT_CHARS
 from ..sessions.record import SessionRecord
 from . import field_policy, openai_api, tool_format
 from .errors import ApiError
-from .logprobs import Piece, recorded_entries
+from .logprobs import Piece, recorded, responses_request
 from .tool_calls import CallText, ToolChoice, ToolFormat, call_id, parse_tool_choice
 
 __all__ = [
@@ -144,16 +144,10 @@ class ResponseView:
 
     @classmethod
     def of(
-        cls,
-        record: SessionRecord,
-        text: str,
-        *,
-        queued: bool = False,
-        piece: Piece | None = None,
+        cls, record: SessionRecord, text: str, *, queued: bool = False, piece: Piece | None = None
     ) -> ResponseView:
-        """``piece``: the vocabulary, to show the tokens' log-probabilities where the record
-        keeps them."""
-        scored = () if piece is None else recorded_logprobs(record, piece)
+        """``piece``: the vocabulary, to show the log-probabilities the record keeps."""
+        scored = () if piece is None else recorded(record, piece)
         return cls(
             session_id=record.session_id,
             created_at=int(record.created_at_s),
@@ -167,13 +161,6 @@ class ResponseView:
             completed_at=ended_at(record),
             logprobs=scored,
         )
-
-
-def recorded_logprobs(record: SessionRecord, piece: Piece) -> tuple[dict[str, Any], ...]:
-    """The output text's ``logprobs``: every token of the record (none if it keeps none)."""
-    if record.logprobs is None:
-        return ()
-    return tuple(recorded_entries(record.generated, record.logprobs, piece))
 
 
 def is_response(record: SessionRecord) -> bool:
@@ -518,7 +505,7 @@ def parse_create(body: bytes, *, model_id: str) -> CreateRequest:
             raise _invalid("a function call and text.format cannot both shape the output", "text")
         schema = tools.schema
     sampling = openai_api.sampling_payload(request)
-    top_logprobs = _top_logprobs(request)
+    top_logprobs = responses_request(request)
     system_text = tool_format.system_text(instructions, tools)
     system = () if system_text is None else (ChatMessage(role="system", content=system_text),)
     payload: dict[str, Any] = {
@@ -571,30 +558,6 @@ def parse_create(body: bytes, *, model_id: str) -> CreateRequest:
         previous_response_id=previous,
         fields=fields,
     )
-
-
-#: What ``include`` may name: the output text's log-probabilities, and encrypted reasoning
-#: (there is never any: the output is the same with or without it).
-_INCLUDES = ("message.output_text.logprobs", "reasoning.encrypted_content")
-
-
-def _top_logprobs(request: dict[str, Any]) -> int | None:
-    """How many alternatives each output token's log-probability comes with (``include``
-    names ``message.output_text.logprobs``, or ``top_logprobs`` asks for some); None: none."""
-    include = request.get("include")
-    if include is None:
-        include = []
-    if not isinstance(include, list) or any(v not in _INCLUDES for v in include):
-        raise _invalid(f"include may hold only {', '.join(_INCLUDES)}", "include")
-    top = request.get("top_logprobs")
-    bound = quicsrv_proto.MAX_TOP_LOGPROBS
-    if top is not None and (
-        not isinstance(top, int) or isinstance(top, bool) or not 0 <= top <= bound
-    ):
-        raise _invalid(f"top_logprobs must be an integer from 0 to {bound}", "top_logprobs")
-    if "message.output_text.logprobs" in include or top:
-        return top or 0
-    return None
 
 
 def echoed_tools(tools: object) -> list[dict[str, Any]]:

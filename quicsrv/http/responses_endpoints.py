@@ -26,7 +26,7 @@ from ..sessions.generation import PreparedRequest, PriorTurn
 from ..sessions.lifecycle import SessionState
 from ..sessions.manager import SessionManager
 from ..sessions.record import SessionRecord
-from . import responses_api, tool_format
+from . import logprobs, responses_api, tool_format
 from .errors import ApiError
 from .messages import (
     FullResponse,
@@ -240,7 +240,7 @@ class ResponsesEndpoints:
         piece = self._sessions.piece
         return {
             "piece": piece,
-            "logprobs_of": functools.partial(responses_api.recorded_logprobs, record, piece),
+            "logprobs_of": functools.partial(logprobs.recorded, record, piece),
         }
 
     async def cancel(self, who: ClientId, session_id: bytes) -> FullResponse:
