@@ -145,6 +145,9 @@ class ServerConfig:
     # The HTTP API over TCP (HTTP/1.1 + HTTP/2) on the same port number as HTTP/3 (UDP).
     tcp_listener: bool = True
     tcp_keep_alive_timeout_s: float = 30.0  # an idle HTTP/1.1 or HTTP/2 connection closes
+    # Closing a TLS connection waits this long for the peer's close_notify (asyncio's default,
+    # 30 s, held a task per idle client that never reads); the peer error is counted after it.
+    tcp_tls_shutdown_timeout_s: float = 2.0
     model_name: str = ""  # the id /v1/models lists; empty: the model file's name, less .gguf
     # Resumable sessions.
     data_dir: Path = Path(".quicsrv")

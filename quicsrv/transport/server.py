@@ -328,6 +328,7 @@ async def start_server(
             cert_path=str(config.cert_path),
             key_path=str(config.key_path),
             keep_alive_timeout_s=config.tcp_keep_alive_timeout_s,
+            tls_shutdown_timeout_s=config.tcp_tls_shutdown_timeout_s,
             grace_s=config.shutdown_grace_s,
         )
         log.info("HTTP/1.1 + HTTP/2 on TCP port %d (alt-svc: h3)", tcp.port)
