@@ -15,6 +15,7 @@ Every name starts with ``quicsrv_``; the README's Observability section lists th
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
@@ -67,6 +68,10 @@ class SessionFacts:
     """...and their count: in memory, on disk."""
     refusals: Mapping[tuple[ErrorCode, str], int]
     """New requests refused at admission, by code and client."""
+    rate_limited: Mapping[str, int] = dataclasses.field(default_factory=dict)
+    """New generations refused by a rate limit, by limit (``requests``, ``tokens``)."""
+    rate_limit_clients: int = 0
+    """Clients whose rate-limit buckets are kept (not full)."""
 
 
 class TransportFacts:
@@ -333,6 +338,19 @@ class _StateCollector(Collector):
         for slug, summed in sorted(others.items()):
             refusals.add_metric([slug, OTHER_CLIENTS], summed)
         yield refusals
+        limited = CounterMetricFamily(
+            "quicsrv_rate_limited",
+            "New generations refused rate_limit_exceeded, by the limit spent",
+            labels=["limit"],
+        )
+        for limit in ("requests", "tokens"):
+            limited.add_metric([limit], facts.rate_limited.get(limit, 0))
+        yield limited
+        yield _gauge(
+            "quicsrv_rate_limit_clients",
+            "Clients (API keys, or source addresses) with rate-limit buckets kept",
+            facts.rate_limit_clients,
+        )
 
     def _engine(self) -> Iterator[Metric]:
         engine = self.engine

@@ -8,10 +8,12 @@ report here, to the live copy of the record they settled.
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
+from functools import partial
 
 from ..engine import Engine
 from ..metrics import ServerMetrics, SessionFacts
+from ..rate_limits import RateLimiter
 from .admission import FairGate
 from .inbox import LoopInbox
 from .keys import KeyRing
@@ -37,6 +39,7 @@ class LiveSessions:
         flow: FlowSettings,
         gate: FairGate,
         metrics: ServerMetrics,
+        rates: RateLimiter,
     ) -> None:
         self._engine = engine
         self._store = store
@@ -45,6 +48,7 @@ class LiveSessions:
         self._flow = flow
         self._gate = gate
         self._metrics = metrics
+        self._rates = rates
         self._table: dict[bytes, Session] = {}
         self._loop_inbox: LoopInbox | None = None
         store.on_appended = self._appended
@@ -74,12 +78,15 @@ class LiveSessions:
             kv_bytes=(kv.memory_bytes, kv.disk_bytes),
             kv_blobs=(kv.memory_blobs, kv.disk_blobs),
             refusals=self._gate.refusals,
+            rate_limited=self._rates.refusals,
+            rate_limit_clients=len(self._rates),
         )
 
     def make(self, record: SessionRecord) -> Session:
         """A session object for ``record``, not (yet) in the table: :meth:`add` it once it
-        runs or is read."""
-        return Session(
+        runs or is read. Its generated tokens are charged to its API key's rate limits (when
+        it has a key; a new generation's opener may name other ones: :meth:`meter`)."""
+        session = Session(
             record,
             engine=self._engine,
             store=self._store,
@@ -92,6 +99,13 @@ class LiveSessions:
             on_idle=self._forget,
             trace=self._metrics.trace(record.session_id, resumed=bool(record.generated)),
         )
+        if record.owner:
+            session.meter = self.meter(record.owner)
+        return session
+
+    def meter(self, quota_key: str) -> Callable[[int], None]:
+        """What charges generated tokens to ``quota_key``'s rate limits."""
+        return partial(self._rates.charge_tokens, quota_key)
 
     def add(self, session: Session) -> Session:
         self._table[session.session_id] = session

@@ -24,6 +24,7 @@ from quicsrv_proto import ErrorCode
 
 from ..engine import Engine
 from ..metrics import ServerMetrics, SessionFacts
+from ..rate_limits import Quota, RateLimiter
 from .admission import FairGate, Place, Slot
 from .authorization import check_admit, check_hash, check_owner, reattach_index
 from .custody import Custody
@@ -75,6 +76,8 @@ class SessionManager:
         self.keys = self._persistence.keys
         self.kv = self._persistence.kv
         self.gate = FairGate(settings.admission_limits(engine))
+        self.rates = RateLimiter()
+        """Every client's requests and generated tokens per minute (:mod:`quicsrv.rate_limits`)."""
         self._live = LiveSessions(
             engine=engine,
             store=self.store,
@@ -83,6 +86,7 @@ class SessionManager:
             flow=settings.flow,
             gate=self.gate,
             metrics=self.metrics,
+            rates=self.rates,
         )
         self._custody = Custody(store=self.store, live=self._live, kv=self.kv, clock=clock)
         self.accepting = True
@@ -118,13 +122,16 @@ class SessionManager:
         prior: PriorTurn | None = None,
         api: Callable[[PreparedRequest], dict[str, Any]] | None = None,
         unattended: bool = False,
+        quota: Quota | None = None,
     ) -> Session:
         """A new generation, from a GENERATE to a session whose record is on disk: the one way
-        every front end opens one. Checks and tokenizes it (a long prompt off the loop), takes
-        ``client``'s place in line for a slot, starts it for ``owner`` (the API key id, or "")
-        or leaves it waiting its fair turn (:meth:`Session.enter_line`, bounded from
-        ``arrived_at``, the loop's clock), and returns once its record is on disk, so that
-        whoever learns the session id can resume it, even after a kill -9 of this process.
+        every front end opens one. Spends a request of ``quota``'s rate limits (raises
+        RateLimited when they are spent: nothing else is done), checks and tokenizes it (a
+        long prompt off the loop), takes ``client``'s place in line for a slot, starts it for
+        ``owner`` (the API key id, or "") or leaves it waiting its fair turn
+        (:meth:`Session.enter_line`, bounded from ``arrived_at``, the loop's clock), and
+        returns once its record is on disk, so that whoever learns the session id can resume
+        it, even after a kill -9 of this process.
         Raises RequestRejected or EngineError for what is known at once (a bad request, the
         client's or the server's queue full, an engine refusal); what happens in line reaches
         the session's reader.
@@ -136,6 +143,8 @@ class SessionManager:
         record (``api``: made from the prepared request, saved with the record's first write)
         and have the session run to its end with nobody reading (``unattended``).
         """
+        if quota is not None:
+            self.rates.admit(quota)
         prepared = await prepare_off_loop(self.prepare, frame, prior)
         self.check_accepting()
         place = self.gate.queue(client)
@@ -152,6 +161,9 @@ class SessionManager:
         except BaseException:
             place.leave()
             raise
+        if quota is not None and quota.key != session.record.owner:
+            # Before any token: they reach the session through the loop, after this returns.
+            session.meter = self._live.meter(quota.key)
         try:
             await self.persisted()
         except asyncio.CancelledError:

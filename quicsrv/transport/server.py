@@ -151,6 +151,11 @@ class _H3ServerProtocol(QuicConnectionProtocol):
         address = aioquic_internals.peer_address(self._quic)
         return f"{address[0]}:{address[1]}" if address else "?"
 
+    @property
+    def peer_ip(self) -> str:
+        address = aioquic_internals.peer_address(self._quic)
+        return address[0] if address else ""
+
     def stream_offsets(self, stream_id: int) -> tuple[int, int] | None:
         return aioquic_internals.stream_offsets(self._quic, stream_id)
 

@@ -282,6 +282,7 @@ class AsgiAdapter:
             headers={k.lower(): v for k, v in scope["headers"]},
             body=b"",
             connection=f"tcp:{client[0]}:{client[1]}",
+            address=str(client[0]),
             arrived_at=arrived_at,
             protocol="h2" if scope.get("http_version") == "2" else "http/1.1",
         )
