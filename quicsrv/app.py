@@ -181,7 +181,9 @@ async def start(
         api_keys=api_keys,
         plain=PlainRoutes(
             metrics=metrics,
-            readiness=lambda: readiness(engine, accepting=sessions.accepting),
+            readiness=lambda: readiness(
+                engine, accepting=sessions.accepting, store_outage=sessions.store.outage()
+            ),
             authorize_metrics=lambda headers: authorize_metrics(
                 headers, api_keys=api_keys, metrics_public=config.metrics_public
             ),

@@ -44,6 +44,7 @@ from .persistence import Persistence, open_persistence
 from .record import SessionEnd, SessionRecord
 from .session import Session
 from .settings import SessionSettings
+from .store import STORE_RETRY_AFTER_S
 from .text import TextAssembler
 
 __all__ = ["SessionManager"]
@@ -54,7 +55,7 @@ log = logging.getLogger(__name__)
 class SessionManager:
     """See the module docstring. ``persistence``: the store, key ring and KV store (default:
     opened from ``settings``); ``metrics``: the server's instruments (default: a registry of
-    its own)."""
+    its own); ``rates``: the clients' rate-limit buckets (default: on the monotonic clock)."""
 
     def __init__(
         self,
@@ -64,6 +65,7 @@ class SessionManager:
         persistence: Persistence | None = None,
         clock: Callable[[], float] = time.time,
         metrics: ServerMetrics | None = None,
+        rates: RateLimiter | None = None,
     ) -> None:
         self._engine = engine
         self.settings = settings
@@ -76,7 +78,7 @@ class SessionManager:
         self.keys = self._persistence.keys
         self.kv = self._persistence.kv
         self.gate = FairGate(settings.admission_limits(engine))
-        self.rates = RateLimiter()
+        self.rates = rates if rates is not None else RateLimiter()
         """Every client's requests and generated tokens per minute (:mod:`quicsrv.rate_limits`)."""
         self._live = LiveSessions(
             engine=engine,
@@ -439,7 +441,19 @@ class SessionManager:
         return len(expired)
 
     async def run_sweeper(self, interval_s: float) -> None:
-        """Expire sessions every ``interval_s``; log the store's usage whenever it changed."""
+        """Expire sessions every ``interval_s``, logging the store's usage whenever it
+        changed; and ask the store whether it answers every :data:`STORE_RETRY_AFTER_S`
+        (``/readyz`` says so while a shared store is out, even with no traffic)."""
+        async with asyncio.TaskGroup() as chores:
+            chores.create_task(self._sweep_every(interval_s))
+            chores.create_task(self._probe_every(STORE_RETRY_AFTER_S))
+
+    async def _probe_every(self, interval_s: float) -> None:
+        while True:
+            await asyncio.sleep(interval_s)  # a periodic chore, not synchronisation
+            await self.store.probe()
+
+    async def _sweep_every(self, interval_s: float) -> None:
         logged = ""
         while True:
             await asyncio.sleep(interval_s)  # a periodic chore, not synchronisation
