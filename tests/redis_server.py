@@ -1,9 +1,10 @@
 """A real ``redis-server`` for the tests: started on a Unix socket in a temporary directory.
 
 No TCP port (so nothing collides with another test run), no persistence (``--save ''``; an
-append-only file where a test asks for one), gone with the test session. ``make test`` (and so CI) installs Debian's ``redis-server`` first; only
-where it is absent and cannot be installed do the Redis tests skip, and under CI they fail
-instead, so a broken install step cannot hide behind a skip.
+append-only file where a test asks for one), gone with the test session. ``make test`` (and so
+CI) installs Debian's ``redis-server`` first; only where it is absent and cannot be installed
+do the Redis tests skip, and under CI they fail instead, so a broken install step cannot hide
+behind a skip.
 """
 
 from __future__ import annotations

@@ -12,10 +12,7 @@ nothing left running or held.
 from __future__ import annotations
 
 import asyncio
-import contextlib
-from pathlib import Path
 
-import httpx
 import pytest
 
 from quicsrv.sessions.manager import SessionManager
