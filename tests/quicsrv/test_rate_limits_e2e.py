@@ -28,16 +28,16 @@ def _still() -> float:
 
 
 async def test_each_api_refuses_a_spent_key_in_its_own_shape_and_never_cuts_a_generation(
-    engine, model_path, certs, tmp_path: Path
+    engine, certs, tmp_path: Path
 ):
     alice, bob = new_key(), new_key()
     keys_file = tmp_path / "keys"
-    keys_file.write_text(f"{hash_key(alice)} alice rpm=2\n{hash_key(bob)} bob tpm=10\n")
+    keys_file.write_text(f"{hash_key(alice)} alice rpm=2\n{hash_key(bob)} bob tpm=4\n")
     sessions = SessionManager(engine, session_settings(tmp_path), rates=RateLimiter(clock=_still))
-    model = model_path.stem
     async with running_server(
         engine, certs, sessions=sessions, api_keys_file=keys_file, metrics_public=True
     ) as server:
+        model = server.app.router.model_id
         ca = certs.ca_cert
         # alice: two requests a minute, over the native protocol; the third is refused.
         async with Client("127.0.0.1", server.port, ca=ca, api_key=alice) as c:
@@ -69,20 +69,20 @@ async def test_each_api_refuses_a_spent_key_in_its_own_shape_and_never_cuts_a_ge
         assert refused_too.value.status_code == 429
         assert refused_too.value.body["error"]["type"] == "rate_limit_error"  # type: ignore[index]
 
-        # bob: 10 generated tokens a minute. One generation of 30 runs to its end (a limit
+        # bob: 4 generated tokens a minute. One generation of 12 runs to its end (a limit
         # never cuts one); the debt then refuses the next, as a token limit.
         async with tcp_client(server, certs, authorization=f"Bearer {bob}") as http:
-            body = {"model": model, "prompt": "Hi", "max_tokens": 30, "ignore_eos": True}
+            body = {"model": model, "prompt": "Hi", "max_tokens": 12, "ignore_eos": True}
             answered = await http.post("/v1/completions", json=body)
             assert answered.status_code == 200
-            assert answered.json()["usage"]["completion_tokens"] == 30
-            assert answered.headers["x-ratelimit-limit-tokens"] == "10"
+            assert answered.json()["usage"]["completion_tokens"] == 12
+            assert answered.headers["x-ratelimit-limit-tokens"] == "4"
             refused_bob = await http.post("/v1/completions", json=body)
             assert refused_bob.status_code == 429
             assert refused_bob.json()["error"]["type"] == "tokens"
             assert refused_bob.headers["x-ratelimit-remaining-tokens"] == "0"
-            # The 20 tokens of debt and one more, at 6 s each.
-            assert refused_bob.headers["retry-after"] == "126"
+            # The 8 tokens of debt and one more, at 15 s each.
+            assert refused_bob.headers["retry-after"] == "135"
             assert refused_bob.headers["x-ratelimit-reset-tokens"] == "3m0s"
             # Reads are not limited: the models list, the metrics.
             assert (await http.get("/v1/models")).status_code == 200
