@@ -116,6 +116,6 @@ async def test_a_redis_outage_mid_generation_is_ridden_out(engine, certs, tmp_pa
             await _nothing_left(server)
             # The server serves on, and says it is ready again.
             async with Client("127.0.0.1", server.port, ca=certs.ca_cert) as c:
-                again = await c.generate_text(PROMPT, **GREEDY)
-            assert list(again.token_ids) == reference
+                again = await c.generate_text(PROMPT, max_tokens=4, ignore_eos=True)
+            assert list(again.token_ids) == reference[:4]
             assert await _readyz(server, certs) == (200, "ready\n")
