@@ -33,11 +33,25 @@ from tests.redis_server import RedisServer, redis_server
 pytestmark = [pytest.mark.model, pytest.mark.asyncio]
 
 PROMPT = "The three most important inventions of the last century are"
-GREEDY = dict(max_tokens=24, ignore_eos=True)
-KILL_AT = 8  # tokens received when Redis is killed
+# Long enough that Redis dies while the server still generates (at ~64-94 tokens/s here, the
+# rest after KILL_AT takes over a second); short enough to cost a few seconds in all.
+GREEDY = dict(max_tokens=96, ignore_eos=True)
+KILL_AT = 4  # tokens received when Redis is killed
 WAIT_S = 120.0  # bounds a broken test; nothing waits for it to pass
 # Quick retries (the test waits for the second failed resume before it restarts Redis).
 POLICY = ReconnectPolicy(max_attempts=50, initial_delay_s=0.01, max_delay_s=2.0)
+
+
+_REFERENCE: list[int] = []
+
+
+async def _reference(server: RunningServer, certs) -> list[int]:
+    """The tokens of an uninterrupted run (greedy: the same on every server of this engine),
+    generated once for both cases."""
+    if not _REFERENCE:
+        async with Client("127.0.0.1", server.port, ca=certs.ca_cert) as c:
+            _REFERENCE.extend((await c.generate_text(PROMPT, **GREEDY)).token_ids)
+    return list(_REFERENCE)
 
 
 async def _readyz(server: RunningServer, certs) -> tuple[int, str]:
@@ -92,12 +106,12 @@ async def test_a_redis_outage_mid_generation_is_ridden_out(engine, certs, tmp_pa
     with redis_server(append_only=append_only) as redis:
         sessions = SessionManager(engine, session_settings(tmp_path, store_url=redis.url))
         async with running_server(engine, certs, sessions=sessions, store=redis.url) as server:
-            async with Client("127.0.0.1", server.port, ca=certs.ca_cert) as c:
-                reference = list((await c.generate_text(PROMPT, **GREEDY)).token_ids)
+            reference = await _reference(server, certs)
             async with asyncio.timeout(WAIT_S):
                 ids, reconnects, end, failure, readyz = await _outage(server, certs, redis)
             # While Redis was down: the stream's ERROR and the refused resume, each with its
             # hint, became reconnects; /readyz said why the server could not serve.
+            assert len(reconnects) >= 2, "the generation ended before Redis was killed"
             first, second = reconnects[:2]
             assert first.last_index >= KILL_AT - 1 and second.last_index == first.last_index
             assert "store_unavailable" in first.error and "store_unavailable" in second.error
