@@ -53,6 +53,15 @@ __all__ = [
 RESUME_PATH = http3.RESUME_PATH.decode()
 
 
+#: The server's errors a resumable generation rides out: reconnect, back off, resume.
+_RIDDEN_OUT = frozenset(
+    {
+        quicsrv_proto.ErrorCode.SHUTTING_DOWN,  # a restart: the next process resumes it
+        quicsrv_proto.ErrorCode.STORE_UNAVAILABLE,  # the shared session store is out for now
+    }
+)
+
+
 class RequestSender(Protocol):
     """What a :class:`Generation` needs from its client (a :class:`~client.Client`)."""
 
@@ -143,12 +152,18 @@ class Generation:
                 except TransportError as exc:
                     await self._resume_after(exc)
                 except ServerError as exc:
-                    if exc.code != quicsrv_proto.ErrorCode.SHUTTING_DOWN or not self._resumable:
+                    if exc.code not in _RIDDEN_OUT or not self._resumable:
                         raise
-                    # A resume that reached the old server while it hands over: come back
-                    # to whichever process serves next.
-                    self._client.server_going_away()
-                    await self._resume_after(NetworkError(f"server: {exc}"))
+                    if exc.code == quicsrv_proto.ErrorCode.SHUTTING_DOWN:
+                        # A resume that reached the old server while it hands over: come
+                        # back to whichever process serves next.
+                        self._client.server_going_away()
+                    # Else the session store is out (the stream ended, or a resume was
+                    # refused): the session is kept where the store had it; try again, on
+                    # the same connection, no sooner than the server's hint.
+                    await self._resume_after(
+                        NetworkError(f"server: {exc}"), not_before_s=exc.retry_after_s
+                    )
             event = self._pending.popleft()
             if (
                 isinstance(event, GenerationEnded)
@@ -220,8 +235,12 @@ class Generation:
             self._ended = True
         return event
 
-    async def _resume_after(self, error: TransportError) -> None:
-        """Reconnect and resume, or re-raise ``error`` when that is not possible."""
+    async def _resume_after(
+        self, error: TransportError, *, not_before_s: float | None = None
+    ) -> None:
+        """Reconnect and resume, or re-raise ``error`` when that is not possible; the first
+        attempt waits at least ``not_before_s`` (the server's retry hint, up to the policy's
+        longest delay)."""
         policy = self._client.reconnect_policy
         position = self.position
         if policy is None or position is None or self._ended:
@@ -232,6 +251,9 @@ class Generation:
             # Backoff with jitter: many clients of one restarted server must not come back
             # in lockstep. A pause by design, not a synchronisation.
             delay = policy.delay_s(self._failures)
+            if not_before_s is not None:
+                delay = max(delay, min(not_before_s, policy.max_delay_s))
+                not_before_s = None
             await asyncio.sleep(delay)
             try:
                 early = await self._client.reconnect()

@@ -62,6 +62,7 @@ class ErrorCode(IntEnum):
     TOO_EARLY = 32
     CLIENT_LIMIT = 33  # this client's own cap on active or queued generations, not the server's
     DEADLINE_EXCEEDED = 34  # the request could not start before its deadline
+    RATE_LIMIT_EXCEEDED = 35  # the client's requests or generated tokens per minute are spent
     # Resumable sessions.
     UNKNOWN_SESSION = 40
     SESSION_EXPIRED = 41
@@ -145,6 +146,7 @@ _HTTP_STATUS: dict[ErrorCode, int] = {
     ErrorCode.SHUTTING_DOWN: 503,
     ErrorCode.TOO_EARLY: 425,  # RFC 8470 §5.2
     ErrorCode.CLIENT_LIMIT: 429,
+    ErrorCode.RATE_LIMIT_EXCEEDED: 429,
     ErrorCode.DEADLINE_EXCEEDED: 504,
     ErrorCode.UNKNOWN_SESSION: 404,
     ErrorCode.SESSION_EXPIRED: 410,

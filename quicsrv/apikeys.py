@@ -4,9 +4,11 @@ Keys are stored hashed (BLAKE3 of the key): a leaked keys file lets nobody in. A
 random bytes, so a fast hash is enough; a presented key is hashed and compared with every known
 hash in constant time, all of them, so the time taken says nothing about which one matched.
 
-The keys file holds one ``<hash hex> [name]`` per line (``#`` starts a comment) and is read
-again when it changes on disk (its mtime, size or inode), at most once per ``recheck_s``: adding
-or revoking a key needs no restart.
+The keys file holds one ``<hash hex> [name] [rpm=N] [tpm=N]`` per line (``#`` starts a
+comment) and is read again when it changes on disk (its mtime, size or inode), at most once per
+``recheck_s``: adding or revoking a key, or changing its limits, needs no restart. ``rpm`` and
+``tpm`` are the key's requests and generated tokens per minute (:mod:`quicsrv.rate_limits`;
+0: none), in place of the server's defaults.
 """
 
 from __future__ import annotations
@@ -17,10 +19,12 @@ import os
 import secrets
 import time
 from collections.abc import Callable, Iterable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from blake3 import blake3
+
+from .rate_limits import Quota, RateLimits, address_key
 
 __all__ = ["AccessDenied", "ApiKeys", "ClientId", "KeyFileError", "hash_key", "key_id", "new_key"]
 
@@ -69,6 +73,31 @@ class ClientId:
     """The API key id (``key:...``), or the connection's name when the server has no keys."""
     key_id: str | None
     """The API key the request presented; None on an open server."""
+    quota: Quota = field(default=Quota("", RateLimits()), compare=False)
+    """Whose rate limits a new generation spends: the key's, or the source address's on an
+    open server (more connections are not more budget)."""
+
+
+@dataclass(frozen=True, slots=True)
+class _KeyLimits:
+    """A keys file line's own limits; None: the server's default."""
+
+    requests_per_minute: int | None = None
+    tokens_per_minute: int | None = None
+
+    def over(self, default: RateLimits) -> RateLimits:
+        return RateLimits(
+            requests_per_minute=_or(self.requests_per_minute, default.requests_per_minute),
+            tokens_per_minute=_or(self.tokens_per_minute, default.tokens_per_minute),
+        )
+
+
+def _or(value: int | None, default: int) -> int:
+    return default if value is None else value
+
+
+_NO_LIMITS = _KeyLimits()
+_NO_RATE_LIMITS = RateLimits()
 
 
 @dataclass(frozen=True, slots=True)
@@ -88,12 +117,16 @@ class ApiKeys:
         keys_file: Path | None = None,
         recheck_s: float = 1.0,
         clock: Callable[[], float] = time.monotonic,
+        rate_limits: RateLimits = _NO_RATE_LIMITS,
     ) -> None:
+        self.rate_limits = rate_limits
+        """Every client's limits, unless its line in the keys file says otherwise."""
         self._fixed = tuple(bytes.fromhex(hash_key(k)) for k in keys if k)
         self._file = keys_file
         self._recheck_s = recheck_s
         self._clock = clock
         self._file_hashes: tuple[bytes, ...] = ()
+        self._file_limits: dict[bytes, _KeyLimits] = {}
         self._file_state: _FileState | None = None
         self._checked_at = float("-inf")
         if keys_file is not None:
@@ -108,26 +141,37 @@ class ApiKeys:
         self._maybe_reload()
         return len(self._fixed) + len(self._file_hashes)
 
-    def authorize(self, authorization: bytes | None, *, connection: str) -> ClientId:
+    def authorize(
+        self, authorization: bytes | None, *, connection: str, address: str = ""
+    ) -> ClientId:
         """Who sends a request with this ``authorization`` header value over ``connection``
-        (a name for the peer's connection, used as the client on an open server).
+        (a name for the peer's connection, used as the client on an open server) from
+        ``address`` (the peer's IP address: an open server's rate limits are per address).
 
         Raises AccessDenied when keys are configured and the header holds none of them. Any
         front end (QUIC, HTTP) calls this, so one key means one client everywhere.
         """
         if not self.enabled:
-            return ClientId(name=connection, key_id=None)
-        found = self.identify(authorization)
-        if found is None:
+            quota = Quota(address_key(address or connection), self.rate_limits)
+            return ClientId(name=connection, key_id=None, quota=quota)
+        matched = self._match(authorization)
+        if matched is None:
             if authorization is None:
                 raise AccessDenied(
                     "an API key is required (authorization: Bearer <key>)", presented=False
                 )
             raise AccessDenied("the API key is not valid", presented=True)
-        return ClientId(name=found, key_id=found)
+        found = key_id(matched.hex())
+        limits = self._file_limits.get(matched, _NO_LIMITS).over(self.rate_limits)
+        return ClientId(name=found, key_id=found, quota=Quota(found, limits))
 
     def identify(self, authorization: bytes | None) -> str | None:
         """The key id of a valid ``Bearer`` credential, else None (constant time per key)."""
+        matched = self._match(authorization)
+        return None if matched is None else key_id(matched.hex())
+
+    def _match(self, authorization: bytes | None) -> bytes | None:
+        """The known hash a valid ``Bearer`` credential matches (constant time per key)."""
         if authorization is None:
             return None
         scheme, _, credential = authorization.partition(b" ")
@@ -146,7 +190,7 @@ class ApiKeys:
             # Every known hash is compared, whatever matched earlier.
             if hmac.compare_digest(presented, known):
                 matched = known
-        return None if matched is None else key_id(matched.hex())
+        return matched
 
     def _maybe_reload(self) -> None:
         if self._file is None:
@@ -174,25 +218,48 @@ class ApiKeys:
             text = self._file.read_text()
         except (OSError, UnicodeDecodeError) as exc:
             raise KeyFileError(f"cannot read {self._file}: {exc}") from None
-        hashes = _parse_keys_file(text, self._file)
-        self._file_hashes = hashes
+        limits = _parse_keys_file(text, self._file)
+        self._file_hashes = tuple(limits)
+        self._file_limits = {h: v for h, v in limits.items() if v != _NO_LIMITS}
         self._file_state = state
-        log.info("API keys: %d from %s", len(hashes), self._file)
+        log.info("API keys: %d from %s", len(limits), self._file)
 
 
-def _parse_keys_file(text: str, path: Path) -> tuple[bytes, ...]:
-    hashes: list[bytes] = []
+#: A keys file line's settings, after the hash and the optional name.
+_LIMIT_WORDS = {"rpm": "requests_per_minute", "tpm": "tokens_per_minute"}
+
+
+def _parse_keys_file(text: str, path: Path) -> dict[bytes, _KeyLimits]:
+    """Each key's hash and its own limits, in the file's order."""
+    keys: dict[bytes, _KeyLimits] = {}
     for number, raw in enumerate(text.splitlines(), 1):
         line = raw.split("#", 1)[0].strip()
         if not line:
             continue
-        digest = line.split()[0].lower()
+        digest, *words = line.split()
+        digest = digest.lower()
         if len(digest) != _HASH_HEX_CHARS or any(c not in "0123456789abcdef" for c in digest):
             raise KeyFileError(
                 f"{path}:{number}: expected a {_HASH_HEX_CHARS}-hex-digit key hash "
                 "(`quicsrv api-key hash KEY` prints one), not a plain key"
             )
-        hashes.append(bytes.fromhex(digest))
-        if len(hashes) > MAX_KEYS:
+        keys[bytes.fromhex(digest)] = _parse_limits(words, f"{path}:{number}")
+        if len(keys) > MAX_KEYS:
             raise KeyFileError(f"{path}: more than {MAX_KEYS} keys")
-    return tuple(hashes)
+    return keys
+
+
+def _parse_limits(words: list[str], where: str) -> _KeyLimits:
+    """``rpm=N`` and ``tpm=N`` among a line's words (the others are its name)."""
+    values: dict[str, int] = {}
+    for word in words:
+        name, eq, value = word.partition("=")
+        if not eq:
+            continue  # a word of the key's name
+        field = _LIMIT_WORDS.get(name)
+        if field is None:
+            raise KeyFileError(f"{where}: unknown setting {name!r} (rpm=N, tpm=N)")
+        if not value.isdigit():
+            raise KeyFileError(f"{where}: {name}={value!r} is not a whole number (0: none)")
+        values[field] = int(value)
+    return _KeyLimits(**values)

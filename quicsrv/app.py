@@ -30,6 +30,7 @@ from .http.operator import PlainRoutes, authorize_metrics, readiness
 from .http.router import Router
 from .logs import quiet_exception_handler
 from .metrics import ServerMetrics
+from .rate_limits import RateLimits
 from .sessions.manager import SessionManager
 from .sessions.persistence import open_persistence
 from .sessions.redis_store import connect
@@ -167,13 +168,22 @@ async def start(
     metrics = sessions.metrics
     metrics.bind_sessions(sessions.facts)
     metrics.bind_engine(engine)
-    api_keys = ApiKeys([config.api_key] if config.api_key else [], keys_file=config.api_keys_file)
+    api_keys = ApiKeys(
+        [config.api_key] if config.api_key else [],
+        keys_file=config.api_keys_file,
+        rate_limits=RateLimits(
+            requests_per_minute=config.rate_limit_requests_per_minute,
+            tokens_per_minute=config.rate_limit_tokens_per_minute,
+        ),
+    )
     router = Router(
         sessions=sessions,
         api_keys=api_keys,
         plain=PlainRoutes(
             metrics=metrics,
-            readiness=lambda: readiness(engine, accepting=sessions.accepting),
+            readiness=lambda: readiness(
+                engine, accepting=sessions.accepting, store_outage=sessions.store.outage()
+            ),
             authorize_metrics=lambda headers: authorize_metrics(
                 headers, api_keys=api_keys, metrics_public=config.metrics_public
             ),

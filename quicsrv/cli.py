@@ -169,6 +169,18 @@ def _parser() -> argparse.ArgumentParser:
         help="generations one client may have waiting for a slot",
     )
     serve.add_argument(
+        "--rate-limit-rpm",
+        type=int,
+        dest="rate_limit_requests_per_minute",
+        help="new generations per minute per API key (or source address); 0: none",
+    )
+    serve.add_argument(
+        "--rate-limit-tpm",
+        type=int,
+        dest="rate_limit_tokens_per_minute",
+        help="generated tokens per minute per API key (or source address); 0: none",
+    )
+    serve.add_argument(
         "--max-queue-wait",
         type=float,
         dest="max_queue_wait_s",

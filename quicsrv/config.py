@@ -90,6 +90,11 @@ class ServerConfig:
     max_active_per_client: int = 0  # 0: three quarters of n_seq_max (at least 1)
     max_queued_per_client: int = 0  # 0: a quarter of max_queued_requests (at least 1)
     max_queue_wait_s: float = 120.0  # a GENERATE that cannot start by then: deadline_exceeded
+    # Rate limits per API key (a keys file line's rpm=/tpm= instead), or per source address on
+    # an open server: new generations per minute, generated tokens per minute. 0: none. A
+    # running generation is never cut; a spent budget refuses new ones (quicsrv/rate_limits.py).
+    rate_limit_requests_per_minute: int = 0
+    rate_limit_tokens_per_minute: int = 0
     # An SSE stream with nothing to say for this long (in line for a slot, a long prefill) gets
     # a comment line, so that a proxy's read timeout does not cut it. 0: never.
     sse_keepalive_s: float = 15.0
@@ -145,6 +150,9 @@ class ServerConfig:
     # The HTTP API over TCP (HTTP/1.1 + HTTP/2) on the same port number as HTTP/3 (UDP).
     tcp_listener: bool = True
     tcp_keep_alive_timeout_s: float = 30.0  # an idle HTTP/1.1 or HTTP/2 connection closes
+    # Closing a TLS connection waits this long for the peer's close_notify (asyncio's default,
+    # 30 s, held a task per idle client that never reads); the peer error is counted after it.
+    tcp_tls_shutdown_timeout_s: float = 2.0
     model_name: str = ""  # the id /v1/models lists; empty: the model file's name, less .gguf
     # Resumable sessions.
     data_dir: Path = Path(".quicsrv")
@@ -208,6 +216,8 @@ class ServerConfig:
             raise ConfigError("worker_poison_strikes must be at least 1")
         if self.n_threads < 0:
             raise ConfigError("n_threads must be 0 (every CPU this process may use) or more")
+        if min(self.rate_limit_requests_per_minute, self.rate_limit_tokens_per_minute) < 0:
+            raise ConfigError("rate_limit_*_per_minute must be 0 (none) or more")
         if self.send_low_watermark_bytes >= self.send_high_watermark_bytes:
             raise ConfigError("send_low_watermark_bytes must be below send_high_watermark_bytes")
 

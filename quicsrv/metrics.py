@@ -73,6 +73,10 @@ class SessionFacts:
     """Returning sessions (a reader's resume) waiting for a slot; they go before new requests."""
     states: Mapping[str, int] = field(default_factory=dict)
     """Live sessions by lifecycle state (what a stalled resume waits on: a slot, the engine)."""
+    rate_limited: Mapping[str, int] = field(default_factory=dict)
+    """New generations refused by a rate limit, by limit (``requests``, ``tokens``)."""
+    rate_limit_clients: int = 0
+    """Clients whose rate-limit buckets are kept (not full)."""
 
 
 class TransportFacts:
@@ -353,6 +357,19 @@ class _StateCollector(Collector):
         for slug, summed in sorted(others.items()):
             refusals.add_metric([slug, OTHER_CLIENTS], summed)
         yield refusals
+        limited = CounterMetricFamily(
+            "quicsrv_rate_limited",
+            "New generations refused rate_limit_exceeded, by the limit spent",
+            labels=["limit"],
+        )
+        for limit in ("requests", "tokens"):
+            limited.add_metric([limit], facts.rate_limited.get(limit, 0))
+        yield limited
+        yield _gauge(
+            "quicsrv_rate_limit_clients",
+            "Clients (API keys, or source addresses) with rate-limit buckets kept",
+            facts.rate_limit_clients,
+        )
 
     def _engine(self) -> Iterator[Metric]:
         engine = self.engine

@@ -1,9 +1,10 @@
 """A real ``redis-server`` for the tests: started on a Unix socket in a temporary directory.
 
-No TCP port (so nothing collides with another test run), no persistence (``--save ''``), gone
-with the test session. ``make test`` (and so CI) installs Debian's ``redis-server`` first; only
-where it is absent and cannot be installed do the Redis tests skip, and under CI they fail
-instead, so a broken install step cannot hide behind a skip.
+No TCP port (so nothing collides with another test run), no persistence (``--save ''``; an
+append-only file where a test asks for one), gone with the test session. ``make test`` (and so
+CI) installs Debian's ``redis-server`` first; only where it is absent and cannot be installed
+do the Redis tests skip, and under CI they fail instead, so a broken install step cannot hide
+behind a skip.
 """
 
 from __future__ import annotations
@@ -25,26 +26,37 @@ __all__ = ["RedisServer", "redis_server"]
 class RedisServer:
     """A running ``redis-server``; ``url`` names it for ``--store``."""
 
-    def __init__(self, directory: Path, *, bind: str = "", port: int = 0) -> None:
+    def __init__(
+        self, directory: Path, *, bind: str = "", port: int = 0, append_only: bool = False
+    ) -> None:
         self.socket_path = directory / "redis.sock"
         self.bind = bind
         self.port = port if bind else 0
-        command = [
+        self._command = [
             _binary(),
             "--port", str(self.port),
             "--unixsocket", str(self.socket_path),
             "--unixsocketperm", "700",
             "--save", "",
-            "--appendonly", "no",
             "--dir", str(directory),
             "--daemonize", "no",
         ]  # fmt: skip
+        if append_only:
+            # Every write on disk before Redis answers it: what it confirmed survives a kill.
+            self._command += ["--appendonly", "yes", "--appendfsync", "always"]
+        else:
+            self._command += ["--appendonly", "no"]
         if bind:
-            command += ["--bind", *bind.split(), "--protected-mode", "no"]
-        self.process = subprocess.Popen(
-            command, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL
+            self._command += ["--bind", *bind.split(), "--protected-mode", "no"]
+        self.process = self._start()
+
+    def _start(self) -> subprocess.Popen[bytes]:
+        process = subprocess.Popen(
+            self._command, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL
         )
+        self.process = process
         self._wait_ready()
+        return process
 
     @property
     def url(self) -> str:
@@ -63,6 +75,11 @@ class RedisServer:
     def stop(self) -> None:
         self.process.kill()
         self.process.wait(10)
+
+    def restart(self) -> None:
+        """Start it again after :meth:`stop` (same socket, same directory: with
+        ``append_only``, the data it confirmed is back)."""
+        self._start()
 
     def _wait_ready(self) -> None:
         import redis
@@ -92,11 +109,14 @@ def _binary() -> str:
 
 
 @contextlib.contextmanager
-def redis_server(*, bind: str = "", port: int = 0) -> Iterator[RedisServer]:
-    """A fresh ``redis-server`` (``bind``: also listen on TCP ``port`` at these addresses)."""
+def redis_server(
+    *, bind: str = "", port: int = 0, append_only: bool = False
+) -> Iterator[RedisServer]:
+    """A fresh ``redis-server`` (``bind``: also listen on TCP ``port`` at these addresses;
+    ``append_only``: with an AOF fsynced at every write)."""
     pytest.importorskip("redis")
     with tempfile.TemporaryDirectory(prefix="quicsrv-redis-") as scratch:
-        server = RedisServer(Path(scratch), bind=bind, port=port)
+        server = RedisServer(Path(scratch), bind=bind, port=port, append_only=append_only)
         try:
             yield server
         finally:

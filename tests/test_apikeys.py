@@ -16,6 +16,7 @@ from quicsrv.apikeys import (
     new_key,
 )
 from quicsrv.cli import main
+from quicsrv.rate_limits import Quota, RateLimits
 
 
 class _Clock:
@@ -110,3 +111,49 @@ def test_the_cli_makes_a_key_and_appends_its_hash(
     assert ApiKeys(keys_file=path).identify(f"Bearer {key}".encode()) is not None
     assert main(["api-key", "hash", key]) == 0
     assert capsys.readouterr().out.strip() == hash_key(key)
+
+
+def test_a_keys_file_line_may_set_its_keys_rate_limits(tmp_path: Path):
+    limited, unlimited, default = new_key(), new_key(), new_key()
+    path = tmp_path / "keys"
+    path.write_text(
+        f"{hash_key(limited)} alice rpm=30 tpm=5000\n"
+        f"{hash_key(unlimited)} rpm=0  # no request limit, the default token limit\n"
+        f"{hash_key(default)} carol\n"
+    )
+    keys = ApiKeys(
+        keys_file=path, rate_limits=RateLimits(requests_per_minute=10, tokens_per_minute=99)
+    )
+
+    def quota(key: str) -> Quota:
+        return keys.authorize(f"Bearer {key}".encode(), connection="conn:1").quota
+
+    assert quota(limited) == Quota(
+        key_id(hash_key(limited)), RateLimits(requests_per_minute=30, tokens_per_minute=5000)
+    )
+    assert quota(unlimited).limits == RateLimits(requests_per_minute=0, tokens_per_minute=99)
+    assert quota(default).limits == RateLimits(requests_per_minute=10, tokens_per_minute=99)
+
+
+@pytest.mark.parametrize(
+    ("words", "error"),
+    [
+        ("rpm=ten", "not a whole number"),
+        ("rpm=-1", "not a whole number"),
+        ("qpm=3", "unknown setting 'qpm'"),
+    ],
+)
+def test_a_bad_limit_in_the_keys_file_names_its_line(tmp_path: Path, words: str, error: str):
+    path = tmp_path / "keys"
+    path.write_text(f"# keys\n{hash_key(new_key())} alice {words}\n")
+    with pytest.raises(KeyFileError, match=f"keys:2: .*{error}"):
+        ApiKeys(keys_file=path)
+
+
+def test_an_open_servers_quota_is_the_peers_address_not_its_connection():
+    limits = RateLimits(requests_per_minute=5)
+    keys = ApiKeys(rate_limits=limits)
+    one = keys.authorize(None, connection="conn:1", address="192.0.2.7")
+    other = keys.authorize(None, connection="conn:2", address="::ffff:192.0.2.7")
+    assert one.name != other.name  # fair shares stay per connection...
+    assert one.quota == other.quota == Quota("addr:192.0.2.7", limits)  # ...budgets per address

@@ -279,6 +279,16 @@ ROOMS_ABOVE = {
         "quicsrv.apikeys",
     }
     | _ROOT_AND_CLI,
+    # A pure policy under the sessions and the API keys, like config.
+    "quicsrv.rate_limits": {
+        "quicsrv.engine",
+        "quicsrv.sessions",
+        "quicsrv.http",
+        "quicsrv.transport",
+        "quicsrv.metrics",
+        "quicsrv.apikeys",
+    }
+    | _ROOT_AND_CLI,
     "quicsrv.config": {
         "quicsrv.engine",
         "quicsrv.sessions",

@@ -188,6 +188,9 @@ def test_readiness_names_what_is_missing():
     healthy = FakeEngine()
     assert readiness(healthy, accepting=True) is None
     assert readiness(healthy, accepting=False) == "shutting down"
+    assert readiness(healthy, accepting=True, store_outage="Connection refused") == (
+        "the session store cannot be reached: Connection refused"
+    )
     failed = FakeEngine(state=EngineHealth(failure="crash loop", restarting=True))
     assert "crash loop" in readiness(failed, accepting=True)  # type: ignore[operator]
     restarting = FakeEngine(state=EngineHealth(restarting=True))

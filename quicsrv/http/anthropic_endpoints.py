@@ -60,6 +60,7 @@ class AnthropicEndpoints:
             client=who.name,
             owner=who.key_id or "",
             arrived_at=request.arrived_at,
+            quota=who.quota,
             api=lambda _: api,
         )
         shape = MessageShape.of(session.record, self._model_id)

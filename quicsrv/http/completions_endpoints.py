@@ -86,6 +86,7 @@ class CompletionsEndpoints:
             client=who.name,
             owner=who.key_id or "",
             arrived_at=request.arrived_at,
+            quota=who.quota,
             api=None if api is None else lambda _: api,
         )
         shape = StreamShape(

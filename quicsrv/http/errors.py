@@ -3,9 +3,11 @@
 :func:`refusal_for` maps an exception from the engine (``Overloaded``, ``PromptTooLong``...:
 the sessions' table, :func:`~quicsrv.sessions.errors.engine_error_code`), the sessions
 (:class:`~quicsrv.sessions.errors.RequestRejected`), access control
-(:class:`~quicsrv.apikeys.AccessDenied`) or the wire format (``quicsrv_proto`` errors) to a
-:class:`Refusal`: its stable :class:`~quicsrv_proto.ErrorCode`, which fixes the HTTP status and
-OpenAI's error ``type``, its message, and its retry hint (a typed field on each of those errors,
+(:class:`~quicsrv.apikeys.AccessDenied`), rate limits (:class:`~quicsrv.rate_limits.RateLimited`:
+OpenAI's ``rate_limit_exceeded``, its ``type`` saying which limit, ``requests`` or ``tokens``)
+or the wire format (``quicsrv_proto`` errors) to a :class:`Refusal`: its stable
+:class:`~quicsrv_proto.ErrorCode`, which fixes the HTTP status and OpenAI's error ``type``, its
+message, and its retry hint (a typed field on each of those errors,
 never guessed). Anything else is a bug: ``refusal_for`` returns None and the caller answers
 ``internal_error``. A native request is answered with the status and one ERROR frame; the JSON
 API with an OpenAI-style :class:`ApiError` (``{"error": {"message", "type", "param", "code"}}``),
@@ -26,6 +28,7 @@ from quicsrv_proto import ErrorCode, http_status_for
 
 from ..apikeys import AccessDenied
 from ..engine import EngineError
+from ..rate_limits import RateLimited
 from ..sessions.errors import RequestRejected, engine_error_code
 
 __all__ = [
@@ -55,6 +58,8 @@ class Refusal:
     """When trying again may succeed (None: no hint)."""
     headers: tuple[tuple[bytes, bytes], ...] = ()
     """Extra response headers (a 401's challenge)."""
+    error_type: str | None = None
+    """OpenAI's error ``type`` where it is not the status's (a rate limit: which one)."""
 
     @property
     def status(self) -> int:
@@ -62,7 +67,7 @@ class Refusal:
 
     @property
     def openai_type(self) -> str:
-        return error_type_for(self.status)
+        return self.error_type or error_type_for(self.status)
 
     def frame(self) -> quicsrv_proto.Error:
         """The native answer's body: one ERROR frame."""
@@ -74,6 +79,7 @@ class Refusal:
         """The JSON API's answer."""
         error = from_code(self.code, self.message, self.retry_after_s)
         error.headers = self.headers
+        error.error_type = self.error_type
         return error
 
 
@@ -83,6 +89,13 @@ def refusal_for(exc: BaseException) -> Refusal | None:
         return Refusal(code=exc.code, message=exc.message, retry_after_s=exc.retry_after_s)
     if isinstance(exc, quicsrv_proto.ProtocolError):
         return Refusal(code=exc.error_code, message=exc.message)
+    if isinstance(exc, RateLimited):
+        return Refusal(
+            code=ErrorCode.RATE_LIMIT_EXCEEDED,
+            message=exc.message,
+            retry_after_s=exc.retry_after_s,
+            error_type=exc.limit,
+        )
     if isinstance(exc, AccessDenied):
         return Refusal(code=ErrorCode.UNAUTHORIZED, message=exc.message, headers=CHALLENGE)
     if isinstance(exc, EngineError):
@@ -126,6 +139,7 @@ class ApiError(Exception):
         param: str | None = None,
         retry_after_s: float | None = None,
         headers: tuple[tuple[bytes, bytes], ...] = (),
+        error_type: str | None = None,
     ) -> None:
         super().__init__(message)
         self.status = status
@@ -134,12 +148,14 @@ class ApiError(Exception):
         self.param = param
         self.retry_after_s = retry_after_s
         self.headers = headers
+        self.error_type = error_type
+        """OpenAI's ``type`` when not the status's (None: :func:`error_type_for`)."""
 
     def payload(self) -> dict[str, Any]:
         """The error object, as the body's ``error`` (and an SSE error event's data) holds it."""
         error: dict[str, Any] = {
             "message": self.message,
-            "type": error_type_for(self.status),
+            "type": self.error_type or error_type_for(self.status),
             "param": self.param,
             "code": self.code,
         }

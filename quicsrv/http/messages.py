@@ -55,6 +55,8 @@ class HttpRequest:
     """The peer's connection, which is its client on a server without API keys."""
     arrived_at: float
     """When the request arrived, on the event loop's clock."""
+    address: str = ""
+    """The peer's IP address (an open server's rate limits are per address); "": unknown."""
     early_data: bool = False
     """It arrived in TLS 1.3 early data (0-RTT) and could be a replay."""
     protocol: str = "http/1.1"

@@ -35,7 +35,11 @@ class NativeEndpoints:
         """``POST /v1/generate``: the new session's frames, from the first."""
         frame = native.read_generate(request.body, max_payload_bytes=self._max_body_bytes)
         session = await self._sessions.open_generation(
-            frame, client=who.name, owner=who.key_id or "", arrived_at=request.arrived_at
+            frame,
+            client=who.name,
+            owner=who.key_id or "",
+            arrived_at=request.arrived_at,
+            quota=who.quota,
         )
         return _frames(session, 0, who, fresh=True)
 

@@ -5,8 +5,9 @@ Transport-independent: the router (:mod:`.router`) hands these paths to
 :class:`~.messages.FullResponse` (plain text), so every listener serves the very same answers.
 
 - ``/healthz``: 200 while the process runs (liveness).
-- ``/readyz``: 200 when the model is loaded, the engine worker is up and healthy and the server
-  is not shutting down; else 503 with the reason (readiness, for a load balancer). While the
+- ``/readyz``: 200 when the model is loaded, the engine worker is up and healthy, a shared
+  session store (Redis) answers and the server is not shutting down; else 503 with the reason
+  (readiness, for a load balancer). While the
   worker restart breaker is open (a crash loop) the reason says when a worker is tried again;
   half-open, the server takes work and is ready.
 - ``/metrics``: the Prometheus text exposition. When API keys are configured it needs one
@@ -61,10 +62,13 @@ def authorize_metrics(
     return api_keys.identify(headers.get(b"authorization")) is not None
 
 
-def readiness(engine: Engine, *, accepting: bool) -> str | None:
-    """Why the server cannot take generations now, or None when it can."""
+def readiness(engine: Engine, *, accepting: bool, store_outage: str | None = None) -> str | None:
+    """Why the server cannot take generations now, or None when it can (``store_outage``:
+    why the shared session store cannot be reached, as its last call or probe found)."""
     if not accepting:
         return "shutting down"
+    if store_outage is not None:
+        return f"the session store cannot be reached: {store_outage}"
     health = engine.health()
     if health.failure is not None:
         return f"the engine failed: {health.failure}"

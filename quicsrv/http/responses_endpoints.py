@@ -82,6 +82,7 @@ class ResponsesEndpoints:
             client=who.name,
             owner=who.key_id or "",
             arrived_at=request.arrived_at,
+            quota=who.quota,
             prior=prior,
             api=api,
             unattended=create.background,

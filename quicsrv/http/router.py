@@ -194,8 +194,12 @@ class Router:
             return webui.page(bare)
         endpoint = _endpoint(bare)
         is_native = self._is_native(request)
+        who: ClientId | None = None
+        response: Response
         try:
-            who = self._api_keys.authorize(_credential(request), connection=request.connection)
+            who = self._api_keys.authorize(
+                _credential(request), connection=request.connection, address=request.address
+            )
             if request.early_data and endpoint in STARTS_COMPUTE:
                 # A replayed 0-RTT flight would start the compute twice (RFC 8470 §5.2).
                 raise RequestRejected(
@@ -216,7 +220,7 @@ class Router:
             raise
         except ApiError as exc:
             self._refused(request, endpoint, exc.status, exc.code, exc.message)
-            return _error_response(request, exc)
+            response = _error_response(request, exc)
         except Exception as exc:
             refusal = refusal_for(exc)
             if refusal is None:  # a bug: the peer still gets an answer, the log the traceback
@@ -233,10 +237,25 @@ class Router:
                 self.early_starts_refused += 1
             self._refused(request, endpoint, refusal.status, refusal.code.slug, refusal.message)
             if is_native:
-                return native.error_response(refusal)
-            return _error_response(request, refusal.api_error())
-        self._metrics.request_finished(endpoint, "ok")
+                response = native.error_response(refusal)
+            else:
+                response = _error_response(request, refusal.api_error())
+        else:
+            self._metrics.request_finished(endpoint, "ok")
+        if who is not None and endpoint in STARTS_COMPUTE:
+            response = self._with_rate_headers(response, who)
         return response
+
+    def _with_rate_headers(self, response: Response, who: ClientId) -> Response:
+        """``response`` with OpenAI's ``x-ratelimit-*`` headers when ``who`` is rate limited
+        (an answer of an endpoint that starts compute, a refusal too)."""
+        state = self._sessions.rates.state(who.quota)
+        if state is None:
+            return response
+        if isinstance(response, SessionStream):
+            response.headers += state.headers()
+            return response
+        return dataclasses.replace(response, headers=(*response.headers, *state.headers()))
 
     # --- routing ------------------------------------------------------------------------
 

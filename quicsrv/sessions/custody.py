@@ -21,7 +21,7 @@ from .kvstore import KVStore
 from .live import LiveSessions
 from .record import SessionRecord
 from .session import Session
-from .store import Found, SessionStore, StoreUnavailable
+from .store import STORE_RETRY_AFTER_S, Found, SessionStore, StoreUnavailable
 
 __all__ = ["Check", "Custody"]
 
@@ -109,5 +109,7 @@ class Custody:
         except StoreUnavailable as exc:
             log.error("session %s: session store: %s", session_id.hex(), exc)
             raise RequestRejected(
-                ErrorCode.STORE_UNAVAILABLE, "the session store cannot be reached"
+                ErrorCode.STORE_UNAVAILABLE,
+                "the session store cannot be reached",
+                STORE_RETRY_AFTER_S,
             ) from None

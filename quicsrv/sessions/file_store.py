@@ -142,6 +142,12 @@ class FileSessionStore:
     async def claim(self, session: bytes) -> Found | None:
         return await self.fetch(session)  # nobody else can own it
 
+    def outage(self) -> str | None:
+        return None  # a write that fails is this process's disk: the process's problem
+
+    async def probe(self) -> None:
+        pass
+
     def close(self) -> None:
         self._writes.shutdown()
         for fd in self._logs.values():

@@ -115,11 +115,17 @@ class SharedKeyRing(KeyRing):
         super().__init__(self._fetch(), previous_key_ttl_s)
 
     def refresh(self) -> None:
-        """Reread the keys (blocking: call it off the event loop); keep ours on any failure."""
+        """Reread the keys (blocking: call it off the event loop); keep ours on any failure.
+        A Redis that came back without them (restarted with no persistence) gets ours back,
+        so that every process and the next one verify the checkpoints already handed out."""
         import redis
 
         try:
-            self._keys = self._fetch()
+            raw = self._client.get(self._redis_key)
+            if raw is None:
+                self._client.set(self._redis_key, self.to_json(), nx=True)
+                raw = self._client.get(self._redis_key)
+            self._keys = _parse(raw)
         except (redis.RedisError, ValueError, KeyError):
             pass
 

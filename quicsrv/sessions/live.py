@@ -9,10 +9,12 @@ from __future__ import annotations
 
 import asyncio
 from collections import Counter
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
+from functools import partial
 
 from ..engine import Engine
 from ..metrics import ServerMetrics, SessionFacts
+from ..rate_limits import RateLimiter
 from .admission import FairGate
 from .inbox import LoopInbox
 from .keys import KeyRing
@@ -38,6 +40,7 @@ class LiveSessions:
         flow: FlowSettings,
         gate: FairGate,
         metrics: ServerMetrics,
+        rates: RateLimiter,
     ) -> None:
         self._engine = engine
         self._store = store
@@ -46,6 +49,7 @@ class LiveSessions:
         self._flow = flow
         self._gate = gate
         self._metrics = metrics
+        self._rates = rates
         self._table: dict[bytes, Session] = {}
         self._loop_inbox: LoopInbox | None = None
         store.on_appended = self._appended
@@ -78,12 +82,15 @@ class LiveSessions:
             slots=self._gate.limits.slots,
             queued_resumes=self._gate.queued - self._gate.queued_new,
             states=Counter(s.state.value for s in live),
+            rate_limited=self._rates.refusals,
+            rate_limit_clients=len(self._rates),
         )
 
     def make(self, record: SessionRecord) -> Session:
         """A session object for ``record``, not (yet) in the table: :meth:`add` it once it
-        runs or is read."""
-        return Session(
+        runs or is read. Its generated tokens are charged to its API key's rate limits (when
+        it has a key; a new generation's opener may name other ones: :meth:`meter`)."""
+        session = Session(
             record,
             engine=self._engine,
             store=self._store,
@@ -96,6 +103,13 @@ class LiveSessions:
             on_idle=self._forget,
             trace=self._metrics.trace(record.session_id, resumed=bool(record.generated)),
         )
+        if record.owner:
+            session.meter = self.meter(record.owner)
+        return session
+
+    def meter(self, quota_key: str) -> Callable[[int], None]:
+        """What charges generated tokens to ``quota_key``'s rate limits."""
+        return partial(self._rates.charge_tokens, quota_key)
 
     def add(self, session: Session) -> Session:
         self._table[session.session_id] = session

@@ -24,6 +24,7 @@ from quicsrv_proto import ErrorCode
 
 from ..engine import Engine
 from ..metrics import ServerMetrics, SessionFacts
+from ..rate_limits import Quota, RateLimiter
 from .admission import FairGate, Place, Slot
 from .authorization import check_admit, check_hash, check_owner, reattach_index
 from .custody import Custody
@@ -43,6 +44,7 @@ from .persistence import Persistence, open_persistence
 from .record import SessionEnd, SessionRecord
 from .session import Session
 from .settings import SessionSettings
+from .store import STORE_RETRY_AFTER_S
 from .text import TextAssembler
 
 __all__ = ["SessionManager"]
@@ -53,7 +55,7 @@ log = logging.getLogger(__name__)
 class SessionManager:
     """See the module docstring. ``persistence``: the store, key ring and KV store (default:
     opened from ``settings``); ``metrics``: the server's instruments (default: a registry of
-    its own)."""
+    its own); ``rates``: the clients' rate-limit buckets (default: on the monotonic clock)."""
 
     def __init__(
         self,
@@ -63,6 +65,7 @@ class SessionManager:
         persistence: Persistence | None = None,
         clock: Callable[[], float] = time.time,
         metrics: ServerMetrics | None = None,
+        rates: RateLimiter | None = None,
     ) -> None:
         self._engine = engine
         self.settings = settings
@@ -75,6 +78,8 @@ class SessionManager:
         self.keys = self._persistence.keys
         self.kv = self._persistence.kv
         self.gate = FairGate(settings.admission_limits(engine))
+        self.rates = rates if rates is not None else RateLimiter()
+        """Every client's requests and generated tokens per minute (:mod:`quicsrv.rate_limits`)."""
         self._live = LiveSessions(
             engine=engine,
             store=self.store,
@@ -83,6 +88,7 @@ class SessionManager:
             flow=settings.flow,
             gate=self.gate,
             metrics=self.metrics,
+            rates=self.rates,
         )
         self._custody = Custody(store=self.store, live=self._live, kv=self.kv, clock=clock)
         self.accepting = True
@@ -118,13 +124,16 @@ class SessionManager:
         prior: PriorTurn | None = None,
         api: Callable[[PreparedRequest], dict[str, Any]] | None = None,
         unattended: bool = False,
+        quota: Quota | None = None,
     ) -> Session:
         """A new generation, from a GENERATE to a session whose record is on disk: the one way
-        every front end opens one. Checks and tokenizes it (a long prompt off the loop), takes
-        ``client``'s place in line for a slot, starts it for ``owner`` (the API key id, or "")
-        or leaves it waiting its fair turn (:meth:`Session.enter_line`, bounded from
-        ``arrived_at``, the loop's clock), and returns once its record is on disk, so that
-        whoever learns the session id can resume it, even after a kill -9 of this process.
+        every front end opens one. Spends a request of ``quota``'s rate limits (raises
+        RateLimited when they are spent: nothing else is done), checks and tokenizes it (a
+        long prompt off the loop), takes ``client``'s place in line for a slot, starts it for
+        ``owner`` (the API key id, or "") or leaves it waiting its fair turn
+        (:meth:`Session.enter_line`, bounded from ``arrived_at``, the loop's clock), and
+        returns once its record is on disk, so that whoever learns the session id can resume
+        it, even after a kill -9 of this process.
         Raises RequestRejected or EngineError for what is known at once (a bad request, the
         client's or the server's queue full, an engine refusal); what happens in line reaches
         the session's reader.
@@ -136,6 +145,8 @@ class SessionManager:
         record (``api``: made from the prepared request, saved with the record's first write)
         and have the session run to its end with nobody reading (``unattended``).
         """
+        if quota is not None:
+            self.rates.admit(quota)
         prepared = await prepare_off_loop(self.prepare, frame, prior)
         self.check_accepting()
         place = self.gate.queue(client)
@@ -152,6 +163,9 @@ class SessionManager:
         except BaseException:
             place.leave()
             raise
+        if quota is not None and quota.key != session.record.owner:
+            # Before any token: they reach the session through the loop, after this returns.
+            session.meter = self._live.meter(quota.key)
         try:
             await self.persisted()
         except asyncio.CancelledError:
@@ -427,7 +441,19 @@ class SessionManager:
         return len(expired)
 
     async def run_sweeper(self, interval_s: float) -> None:
-        """Expire sessions every ``interval_s``; log the store's usage whenever it changed."""
+        """Expire sessions every ``interval_s``, logging the store's usage whenever it
+        changed; and ask the store whether it answers every :data:`STORE_RETRY_AFTER_S`
+        (``/readyz`` says so while a shared store is out, even with no traffic)."""
+        async with asyncio.TaskGroup() as chores:
+            chores.create_task(self._sweep_every(interval_s))
+            chores.create_task(self._probe_every(STORE_RETRY_AFTER_S))
+
+    async def _probe_every(self, interval_s: float) -> None:
+        while True:
+            await asyncio.sleep(interval_s)  # a periodic chore, not synchronisation
+            await self.store.probe()
+
+    async def _sweep_every(self, interval_s: float) -> None:
         logged = ""
         while True:
             await asyncio.sleep(interval_s)  # a periodic chore, not synchronisation

@@ -48,13 +48,22 @@ from quicsrv_proto import canonical_cbor
 
 from ..engine import TokenLogprobs
 from .record import SessionRecord
-from .store import AppendOutcome, Found, RecordIndex, SaveQueue, StoreUnavailable, StoreUsage
+from .store import (
+    AppendOutcome,
+    Found,
+    RecordIndex,
+    SaveQueue,
+    StoreHealth,
+    StoreUnavailable,
+    StoreUsage,
+)
 
 __all__ = ["DEFAULT_PREFIX", "RedisSessionStore", "connect", "connect_async", "process_owner_id"]
 
 log = logging.getLogger(__name__)
 
 DEFAULT_PREFIX = "quicsrv:"
+PROBE_TIMEOUT_S = 1.0  # a PING slower than this: the store counts as out
 
 # KEYS: lease, meta, tokens. ARGV: owner, lease_ms, meta, expires_at_ms.
 _SAVE = """
@@ -178,6 +187,7 @@ class RedisSessionStore:
         self._pending: dict[bytes, _PendingAppend] = {}
         self._durable: dict[bytes, int] = {}
         self._loop: asyncio.AbstractEventLoop | None = None
+        self._health = StoreHealth("the session store (redis)")
         self.on_appended: Callable[[SessionRecord, AppendOutcome, str], None] | None = None
 
     # --- what the sessions ask (event loop) ---------------------------------------------
@@ -278,7 +288,9 @@ class RedisSessionStore:
             lease, meta, tokens = self._keys(session)
             raw_meta, raw_tokens, owner = await self._reader.mget([meta, tokens, lease])
         except redis.RedisError as exc:
+            self._health.failed(exc)
             raise StoreUnavailable(str(exc)) from None
+        self._health.answered()
         if raw_meta is None:
             return None
         return self._decode(raw_meta, raw_tokens or b"", owner or b"")
@@ -289,13 +301,30 @@ class RedisSessionStore:
         try:
             found = await asyncio.wrap_future(self._writes.submit(self._claim, session))
         except redis.RedisError as exc:
+            self._health.failed(exc)
             raise StoreUnavailable(str(exc)) from None
+        self._health.answered()
         if found is not None:
             record = found.record
             self.remove(record.session_id)
             self._index.put(record, token_bytes=record.entry_bytes * len(record.generated))
             self._durable[record.session_id] = len(record.generated)
         return found
+
+    def outage(self) -> str | None:
+        return self._health.outage
+
+    async def probe(self) -> None:
+        try:
+            async with asyncio.timeout(PROBE_TIMEOUT_S):
+                if self._reader is not None:
+                    await self._reader.ping()
+                else:
+                    await asyncio.to_thread(self._redis.ping)
+        except (redis.RedisError, OSError) as exc:  # TimeoutError is an OSError
+            self._health.failed(str(exc) or f"no answer to PING in {PROBE_TIMEOUT_S:g} s")
+            return
+        self._health.answered()
 
     def close(self) -> None:
         self._writes.shutdown()
@@ -321,8 +350,10 @@ class RedisSessionStore:
                 args=[self.owner_id, self._lease_ms, data, expires_at_ms],
             )
         except redis.RedisError as exc:
+            self._health.failed(exc)
             log.error("cannot save session %s to redis: %s", session.hex(), exc)
             return
+        self._health.answered()
         if not saved:
             log.info("session %s is owned by another process: not saved", session.hex())
 
@@ -331,7 +362,10 @@ class RedisSessionStore:
         try:
             self._delete_script(keys=[lease, meta, tokens], args=[expires_at_ms])
         except redis.RedisError as exc:
+            self._health.failed(exc)
             log.error("cannot delete session %s from redis: %s", session.hex(), exc)
+            return
+        self._health.answered()
 
     def _flush_appends(self) -> None:
         with self._lock:
@@ -357,8 +391,11 @@ class RedisSessionStore:
                 )
             results: list[Any] = pipe.execute(raise_on_error=False)
         except redis.RedisError as exc:
+            self._health.failed(exc)
             log.error("cannot append tokens to redis: %s", exc)
             results = [exc] * len(sessions)
+        else:
+            self._health.answered()
         settled: list[tuple[SessionRecord, AppendOutcome, str, int]] = []
         for session, result in zip(sessions, results, strict=True):
             pending = batch[session]

@@ -93,6 +93,8 @@ class Session:
         self._attachment: Attachment | None = None
         self.client = ""
         """Who reads it now (an API key id, or a connection): its slots count against them."""
+        self.meter: Callable[[int], None] | None = None
+        """Charges its generated tokens to the rate limits of whoever started it."""
         self.resume_paths: list[ResumePath] = []
         self.pauses = 0
         self.paused = asyncio.Event()  # set while the engine sequence is paused (tests, stats)
@@ -267,6 +269,8 @@ class Session:
             return  # a token decoded after a stop sequence matched: not part of the output
         self._store.append_token(record, token_id, logprobs)  # persisted before it is sent
         self._trace.token_recorded()
+        if self.meter is not None:
+            self.meter(1)
         if self._transcript.add(piece):
             self._transition(SessionEvent.STOP_MATCHED)
             self._runner.cancel()

@@ -33,6 +33,8 @@ __all__ = [
     "RecordIndex",
     "SaveQueue",
     "SessionStore",
+    "STORE_RETRY_AFTER_S",
+    "StoreHealth",
     "StoreUnavailable",
     "StoreUsage",
 ]
@@ -46,6 +48,34 @@ T = TypeVar("T")
 
 class StoreUnavailable(Exception):
     """A shared store could not be reached (the message says why)."""
+
+
+#: The retry hint of ``store_unavailable`` (a reader's ERROR, a refused resume): a shared
+#: store's outage is asked about once a second (:meth:`SessionStore.probe`).
+STORE_RETRY_AFTER_S = 1.0
+
+
+class StoreHealth:
+    """Whether a shared store answered its last call, for readiness: each call's outcome (any
+    thread) sets it, and a change is one log line."""
+
+    def __init__(self, name: str) -> None:
+        self._name = name
+        self._lock = threading.Lock()
+        self.outage: str | None = None
+        """Why the store could not be used at its last call; None: it answered."""
+
+    def failed(self, why: object) -> None:
+        with self._lock:
+            changed, self.outage = self.outage is None, f"{why}"
+        if changed:
+            log.warning("%s cannot be reached: %s", self._name, why)
+
+    def answered(self) -> None:
+        with self._lock:
+            changed, self.outage = self.outage is not None, None
+        if changed:
+            log.info("%s answers again", self._name)
 
 
 class AppendOutcome(Enum):
@@ -144,6 +174,14 @@ class SessionStore(Protocol):
         """Take the session over for this process (whoever owned it) and know the record as
         it stands at that instant; ``owner`` says who had it until then. Raises
         StoreUnavailable."""
+
+    def outage(self) -> str | None:
+        """Why the store cannot be used now, as its last call or probe found (None: it can;
+        a file store always can)."""
+
+    async def probe(self) -> None:
+        """Ask the store whether it answers (a shared store: PING), for :meth:`outage`;
+        never raises."""
 
     def close(self) -> None:
         """Finish the pending writes and let go of what is held open."""

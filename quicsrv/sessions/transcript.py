@@ -22,6 +22,7 @@ from ..engine import TokenLogprobs
 from .keys import KeyRing
 from .record import SessionRecord
 from .snapshot import PrefixSigner
+from .store import STORE_RETRY_AFTER_S
 from .text import TextAssembler
 
 __all__ = ["Transcript"]
@@ -119,7 +120,11 @@ class Transcript:
         store failed (the reader may resume once it is back)."""
         if failure is None:
             return quicsrv_proto.End(reason=EndReason.SUPERSEDED)
-        return quicsrv_proto.Error(code=quicsrv_proto.ErrorCode.STORE_UNAVAILABLE, message=failure)
+        return quicsrv_proto.Error(
+            code=quicsrv_proto.ErrorCode.STORE_UNAVAILABLE,
+            message=failure,
+            retry_after_s=STORE_RETRY_AFTER_S,
+        )
 
     def shutdown(self, sent: int) -> quicsrv_proto.End:
         """END(shutdown) for a reader sent the tokens before ``sent``: no end, the session stays

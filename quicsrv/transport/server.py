@@ -157,6 +157,11 @@ class _H3ServerProtocol(QuicConnectionProtocol):
         address = aioquic_internals.peer_address(self._quic)
         return f"{address[0]}:{address[1]}" if address else "?"
 
+    @property
+    def peer_ip(self) -> str:
+        address = aioquic_internals.peer_address(self._quic)
+        return address[0] if address else ""
+
     def stream_offsets(self, stream_id: int) -> tuple[int, int] | None:
         return aioquic_internals.stream_offsets(self._quic, stream_id)
 
@@ -381,6 +386,7 @@ async def start_server(
             cert_path=str(config.cert_path),
             key_path=str(config.key_path),
             keep_alive_timeout_s=config.tcp_keep_alive_timeout_s,
+            tls_shutdown_timeout_s=config.tcp_tls_shutdown_timeout_s,
             grace_s=config.shutdown_grace_s,
         )
         log.info("HTTP/1.1 + HTTP/2 on TCP port %d (alt-svc: h3)", tcp.port)

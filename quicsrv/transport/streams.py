@@ -36,6 +36,10 @@ class H3Host(Protocol):
     def peer(self) -> str:
         """The peer's address, for the log."""
 
+    @property
+    def peer_ip(self) -> str:
+        """The peer's IP address now ("" when unknown): an open server's rate limits."""
+
     def stream_offsets(self, stream_id: int) -> tuple[int, int] | None:
         """``(sent, acknowledged)`` offsets of ``stream_id``; None once it is gone."""
 
@@ -165,6 +169,7 @@ class RequestStreams:
             headers=stream.headers,
             body=bytes(stream.body),
             connection=self._connection,
+            address=self.host.peer_ip,
             arrived_at=stream.arrived_at,
             # Judged once the request is complete: all of it then came in 0-RTT, or not.
             early_data=not self.host.handshake_complete,

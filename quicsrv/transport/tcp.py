@@ -11,6 +11,16 @@ signal a session pauses on. TCP has no acknowledgement a server can read, so a c
 as acknowledged once hypercorn's ``send`` returns: hypercorn awaits the socket's drain (HTTP/1.1)
 or the peer's flow-control window (HTTP/2), so a peer that stops reading stops those sends, and
 the session pauses ``max_tokens_ahead`` tokens later.
+
+A peer's TLS teardown costs nothing lasting: when a connection closes (keep-alive timeout,
+shutdown), asyncio sends TLS close_notify and waits for the peer's; a client that went idle
+without reading never answers, and asyncio gives up after ``ssl_shutdown_timeout`` (30 s by
+default) with ``TimeoutError("SSL shutdown timed out")``, which hypercorn's connection task
+does not catch (asyncio then logs "Unhandled exception in client_connected_cb" and its
+traceback). hypercorn's ``serve()`` passes no ``ssl_shutdown_timeout``, so :func:`_serve` is its
+``worker_serve`` for the one TLS socket this server has, with a short one
+(``tls_shutdown_timeout_s``), and counts that timeout as the peer error it is
+(:data:`~quicsrv.peer_errors.PEER_ERRORS`, source ``tcp``).
 """
 
 from __future__ import annotations
@@ -25,11 +35,14 @@ from collections.abc import Awaitable, Callable, MutableMapping
 from dataclasses import dataclass
 from typing import Any
 
-from hypercorn.asyncio import serve
+from hypercorn.app_wrappers import ASGIWrapper
+from hypercorn.asyncio.tcp_server import TCPServer
+from hypercorn.asyncio.worker_context import WorkerContext
 from hypercorn.config import Config as HypercornConfig
 
 from ..http.messages import FullResponse, HttpRequest, SessionStream
 from ..http.router import Router
+from ..peer_errors import PEER_ERRORS
 
 __all__ = ["TcpListener", "open_tcp_socket", "start_tcp_listener"]
 
@@ -75,6 +88,8 @@ class TcpListener:
     task: asyncio.Task[None]
     stop: asyncio.Event
     port: int
+    connections: set[asyncio.Task[None]] = dataclasses.field(default_factory=set)
+    """The open connections' tasks (each ends once its connection is closed, TLS and all)."""
 
     async def shutdown(self, grace_s: float) -> None:
         """Stop: hypercorn's graceful shutdown for up to ``grace_s`` (and a second), then the
@@ -100,12 +115,12 @@ async def start_tcp_listener(
     cert_path: str,
     key_path: str,
     keep_alive_timeout_s: float,
+    tls_shutdown_timeout_s: float,
     grace_s: float,
 ) -> TcpListener:
     """Serve ``router`` with hypercorn on ``sock`` (which it takes over) until shut down."""
     port = int(sock.getsockname()[1])
     config = HypercornConfig()
-    config.bind = [f"fd://{sock.detach()}"]
     config.certfile = cert_path
     config.keyfile = key_path
     config.alpn_protocols = ["h2", "http/1.1"]
@@ -116,11 +131,73 @@ async def start_tcp_listener(
     config.accesslog = None
     config.errorlog = log
     stop = asyncio.Event()
-    app = AsgiAdapter(router)
+    connections: set[asyncio.Task[None]] = set()
     task = asyncio.get_running_loop().create_task(
-        serve(app, config, shutdown_trigger=stop.wait, mode="asgi")  # type: ignore[arg-type]
+        _serve(
+            AsgiAdapter(router),
+            config,
+            sock,
+            tls_shutdown_timeout_s=tls_shutdown_timeout_s,
+            stop=stop,
+            connections=connections,
+        )
     )
-    return TcpListener(task=task, stop=stop, port=port)
+    return TcpListener(task=task, stop=stop, port=port, connections=connections)
+
+
+async def _serve(
+    app: AsgiAdapter,
+    config: HypercornConfig,
+    sock: socket.socket,
+    *,
+    tls_shutdown_timeout_s: float,
+    stop: asyncio.Event,
+    connections: set[asyncio.Task[None]],
+) -> None:
+    """hypercorn's ``worker_serve`` for one listening TLS socket (see the module docstring):
+    without what this server does not use (ASGI lifespan, statsd, plain and QUIC sockets,
+    signal handlers, ``max_requests``), with asyncio's ``ssl_shutdown_timeout``. Serves until
+    ``stop`` is set, then closes idle connections and waits ``graceful_timeout`` for the rest
+    (hypercorn's own shutdown); ``connections`` holds the running connections' tasks."""
+    loop = asyncio.get_running_loop()
+    context = WorkerContext(None)
+    wrapped = ASGIWrapper(app)  # type: ignore[arg-type]  # hypercorn's scope types, not ours
+
+    async def connected(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        task = asyncio.current_task()
+        assert task is not None
+        connections.add(task)
+        task.add_done_callback(connections.discard)
+        peer = writer.get_extra_info("peername")  # the transport forgets it once closed
+        try:
+            await TCPServer(wrapped, loop, config, context, {}, reader, writer)
+        except TimeoutError as exc:
+            # Raised by the close's wait (hypercorn catches the rest of a peer's errors): the
+            # peer never answered our close_notify within tls_shutdown_timeout_s.
+            PEER_ERRORS.report("tcp", f"TLS shutdown of {peer}: {exc}")
+
+    server = await asyncio.start_server(
+        connected,
+        sock=sock,
+        backlog=config.backlog,
+        ssl=config.create_ssl_context(),
+        ssl_handshake_timeout=config.ssl_handshake_timeout,
+        ssl_shutdown_timeout=tls_shutdown_timeout_s,
+    )
+    host, port = sock.getsockname()[:2]
+    # The line hypercorn's serve() wrote (scripts and tests wait for it).
+    log.info(
+        "Running on https://%s (HTTP/1.1, HTTP/2)",
+        f"[{host}]:{port}" if ":" in host else f"{host}:{port}",
+    )
+    try:
+        await stop.wait()
+    finally:
+        await context.terminated.set()  # idle keep-alive connections close at once
+        server.close()
+        await server.wait_closed()
+        if connections:
+            await asyncio.wait(set(connections), timeout=config.graceful_timeout)
 
 
 class _WriteBuffer:
@@ -205,6 +282,7 @@ class AsgiAdapter:
             headers={k.lower(): v for k, v in scope["headers"]},
             body=b"",
             connection=f"tcp:{client[0]}:{client[1]}",
+            address=str(client[0]),
             arrived_at=arrived_at,
             protocol="h2" if scope.get("http_version") == "2" else "http/1.1",
         )

@@ -228,6 +228,7 @@ def test_a_restart_ends_the_stream_with_an_error_event_without_id() -> None:
         (ErrorCode.UNKNOWN_SESSION, 404, "not_found_error"),
         (ErrorCode.PROMPT_TOO_LONG, 400, "invalid_request_error"),
         (ErrorCode.CLIENT_LIMIT, 429, "rate_limit_error"),
+        (ErrorCode.RATE_LIMIT_EXCEEDED, 429, "rate_limit_error"),
         (ErrorCode.OVERLOADED, 529, "overloaded_error"),
         (ErrorCode.DEADLINE_EXCEEDED, 504, "timeout_error"),
         (ErrorCode.ENGINE_UNAVAILABLE, 503, "api_error"),

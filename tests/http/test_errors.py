@@ -8,6 +8,7 @@ import quicsrv_proto
 from quicsrv.apikeys import AccessDenied
 from quicsrv.engine import EngineError, EngineUnavailable, Overloaded, PromptTooLong
 from quicsrv.http.errors import CHALLENGE, refusal_for
+from quicsrv.rate_limits import RateLimited
 from quicsrv.sessions.errors import RequestRejected
 from quicsrv_proto import ErrorCode
 
@@ -25,6 +26,13 @@ from quicsrv_proto import ErrorCode
             429,
             "rate_limit_error",
             4.0,
+        ),
+        (
+            RateLimited("spent", limit="tokens", retry_after_s=7.5),
+            ErrorCode.RATE_LIMIT_EXCEEDED,
+            429,
+            "tokens",  # OpenAI's type says which limit: "requests" or "tokens"
+            7.5,
         ),
         (
             quicsrv_proto.FrameTooLarge("big"),

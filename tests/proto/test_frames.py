@@ -449,6 +449,7 @@ def test_each_protocol_error_class_has_its_own_code() -> None:
         (ErrorCode.INTERNAL_ERROR, 500),
         (ErrorCode.ENGINE_UNAVAILABLE, 503),
         (ErrorCode.CLIENT_LIMIT, 429),
+        (ErrorCode.RATE_LIMIT_EXCEEDED, 429),
         (ErrorCode.DEADLINE_EXCEEDED, 504),
         (ErrorCode.SESSION_KEY_MISMATCH, 403),
         (ErrorCode.UNAUTHORIZED, 401),

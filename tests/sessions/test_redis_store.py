@@ -256,3 +256,39 @@ def test_a_blob_too_big_for_redis_without_a_directory_is_not_shared(tmp_path, re
     assert b.get(b"s" * 16, 7) is None  # a resume elsewhere replays
     a.close()
     b.close()
+
+
+@pytest.mark.asyncio
+async def test_an_outage_is_seen_by_a_write_and_by_the_probe_and_its_end_too(tmp_path):
+    from tests.redis_server import redis_server
+
+    with redis_server() as server:
+        store = _store(server.url, "a")
+        appended = _Appended()
+        store.on_appended = appended
+        await store.probe()
+        assert store.outage() is None
+        server.stop()
+        record = _record(b"o" * 16, expires=time.time() + 60)
+        store.add(record)
+        store.append_token(record, 7)
+        assert await appended.wait(record) == ["failed"]  # the reader's stream ends here
+        assert store.outage() is not None  # seen by the write, before any probe
+        await asyncio.to_thread(server.restart)
+        await store.probe()
+        assert store.outage() is None
+        server.stop()
+        await store.probe()  # nothing written: the PING alone finds it
+        assert "redis.sock" in (store.outage() or "")
+        server.restart()
+        await store.aclose()
+
+
+def test_a_redis_that_lost_the_keyring_gets_it_back(redis_url):
+    ring = SharedKeyRing(connect(redis_url), "quicsrv:mac-keys", previous_key_ttl_s=60.0)
+    stored = connect(redis_url).get("quicsrv:mac-keys")
+    connect(redis_url).flushall()  # a restart without persistence
+    ring.refresh()
+    assert connect(redis_url).get("quicsrv:mac-keys") == stored
+    other = SharedKeyRing(connect(redis_url), "quicsrv:mac-keys", previous_key_ttl_s=60.0)
+    assert other.verifying_keys(time.time()) == ring.verifying_keys(time.time())

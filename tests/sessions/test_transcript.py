@@ -156,7 +156,7 @@ def test_the_frames_that_end_a_stream_otherwise():
     )
     assert transcript.superseded() == quicsrv_proto.End(reason=EndReason.SUPERSEDED)
     assert transcript.superseded("gone") == quicsrv_proto.Error(
-        code=quicsrv_proto.ErrorCode.STORE_UNAVAILABLE, message="gone"
+        code=quicsrv_proto.ErrorCode.STORE_UNAVAILABLE, message="gone", retry_after_s=1.0
     )
 
 
