@@ -23,6 +23,7 @@ from ._api import (
     StepListener,
     TokenSink,
 )
+from .facts import ModelInfo
 from .model import default_model_path
 
 __all__ = [
@@ -35,6 +36,7 @@ __all__ = [
     "FinishReason",
     "Grammar",
     "InvalidSchema",
+    "ModelInfo",
     "Overloaded",
     "PausedState",
     "PrefillPlan",
