@@ -81,8 +81,9 @@ def prompt_logprobs(
 
 
 def _top(row: npt.NDArray[np.float64], n: int, token: int) -> dict[int, float]:
-    best = np.argsort(-row, kind="stable")[: max(n, 0)]
-    top = {int(t): float(row[t]) for t in best}
+    n = min(max(n, 0), len(row))
+    best = np.argpartition(-row, n - 1)[:n] if n else np.empty(0, dtype=np.int64)
+    top = {int(t): float(row[t]) for t in sorted(best, key=lambda t: -row[t])}
     top[token] = float(row[token])
     return top
 
@@ -248,7 +249,7 @@ def main(argv: list[str] | None = None) -> int:
     add("--port", type=int, default=0)
     add("--ctx", type=int, default=2048)
     add("--batch", type=int, default=512)
-    add("--threads", type=int, default=2)
+    add("--threads", type=int, default=1)
     add("--flash-attn", action=argparse.BooleanOptionalAction, default=True)
     add("--extra-buffers", choices=("on", "off"), default="on")
     args = parser.parse_args(argv)

@@ -373,7 +373,10 @@ def _parser() -> argparse.ArgumentParser:
     add("--targets", type=lambda s: s.split(","), default=[QUICSRV, REFERENCE],
         help=f"comma-separated: {QUICSRV!r}, {REFERENCE!r}")  # fmt: skip
     add("--tolerance", type=float, default=DEFAULT_TOLERANCE, help="nats, per continuation")
-    add("--threads", type=int, default=2)
+    # One request at a time: a second thread only spins against the other server's and the
+    # harness's on 2 shared cores (15-token prompt: 1.2-4 s with 2 threads, 0.3 s with 1, seen
+    # at load 5). Thread count does not change llama.cpp's sums (each row is one thread's).
+    add("--threads", type=int, default=1)
     add("--ctx", type=int, default=2048)
     add("--parallel", type=int, default=8, help="quicsrv's slots (one is used at a time)")
     add("--flash-attn", action=argparse.BooleanOptionalAction, default=True)
