@@ -382,6 +382,7 @@ class Client:
         deadline_ms: int | None = None,
         truncation: quicsrv_proto.Truncation = quicsrv_proto.Truncation.DISABLED,
         json_schema: Mapping[str, Any] | None = None,
+        logprobs: int | None = None,
         **options: Unpack[SamplingSettings],
     ) -> Generation:
         """One generation's events; the last one is :class:`GenerationEnded`.
@@ -398,6 +399,8 @@ class Client:
         its oldest turns instead of being refused (``prompt_too_long``). ``json_schema``: the
         output follows it (every token is sampled under its grammar; a resume continues the
         same constrained generation); ``{"type": "object"}`` asks for any JSON object.
+        ``logprobs``: each token comes with its log-probability and this many most likely
+        alternatives (0 to 20; a resume brings the same numbers).
         """
         if (prompt is None) == (messages is None):
             raise ValueError("pass exactly one of prompt and messages")
@@ -414,6 +417,8 @@ class Client:
             frame = dataclasses.replace(
                 frame, json_schema=json.dumps(json_schema, separators=(",", ":"))
             )
+        if logprobs is not None:
+            frame = dataclasses.replace(frame, logprobs=logprobs)
         return Generation(self, GENERATE_PATH, frame, session_id=None, last_index=-1)
 
     generate = stream  # ``async for event in client.generate(...)`` reads well without a block
@@ -471,6 +476,7 @@ class Client:
         deadline_ms: int | None = None,
         truncation: quicsrv_proto.Truncation = quicsrv_proto.Truncation.DISABLED,
         json_schema: Mapping[str, Any] | None = None,
+        logprobs: int | None = None,
         **options: Unpack[SamplingSettings],
     ) -> GenerationResult:
         """Run a whole generation (as :meth:`stream`) and return its text, token ids and END."""
@@ -482,6 +488,7 @@ class Client:
                 deadline_ms=deadline_ms,
                 truncation=truncation,
                 json_schema=json_schema,
+                logprobs=logprobs,
                 **options,
             )
         )

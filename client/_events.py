@@ -36,6 +36,10 @@ class TokenReceived:
     index: int
     token_id: int
     text: str
+    logprob: float | None = None
+    """Its log-probability in the model's distribution (``logprobs=`` asked for them)."""
+    top_logprobs: tuple[tuple[int, float], ...] = ()
+    """The most likely tokens there, ``(token id, log-probability)``, most likely first."""
 
 
 @dataclass(frozen=True, slots=True)

@@ -357,7 +357,13 @@ async def read_response(
 def _event(frame: quicsrv_proto.Frame) -> Event | None:
     """The client event a frame of a 200 response stands for; None: it may not be there."""
     if isinstance(frame, quicsrv_proto.Token):
-        return TokenReceived(index=frame.index, token_id=frame.token_id, text=frame.text)
+        return TokenReceived(
+            index=frame.index,
+            token_id=frame.token_id,
+            text=frame.text,
+            logprob=frame.logprob,
+            top_logprobs=frame.top_logprobs,
+        )
     if isinstance(frame, quicsrv_proto.Checkpoint):
         return CheckpointReceived(index=frame.index, snapshot_hash=frame.snapshot_hash)
     if isinstance(frame, quicsrv_proto.End):

@@ -30,6 +30,7 @@ from .errors import (
 )
 from .frames import (
     MAX_MAX_TOKENS,
+    MAX_TOP_LOGPROBS,
     SESSION_ID_BYTES,
     SNAPSHOT_HASH_BYTES,
     ChatMessage,
@@ -50,6 +51,7 @@ __all__ = [
     "HEADER_SIZE",
     "MAGIC",
     "MAX_MAX_TOKENS",
+    "MAX_TOP_LOGPROBS",
     "SESSION_ID_BYTES",
     "SNAPSHOT_HASH_BYTES",
     "VERSION",

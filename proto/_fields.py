@@ -63,6 +63,13 @@ class FieldReader:
             raise self._invalid(key, f"must be in [{lo}, {hi}], got {value}")
         return number
 
+    def optional_number(self, key: str, *, lo: float, hi: float) -> float | None:
+        value = self._take(key, required=False)
+        if value is _ABSENT or value is None:
+            return None
+        self._fields[key] = value
+        return self.number(key, lo=lo, hi=hi)
+
     def text(self, key: str, *, max_chars: int, default: str = _ABSENT) -> str:
         value = self._take(key, required=default is _ABSENT)
         if value is _ABSENT:

@@ -18,6 +18,7 @@ from .errors import InvalidField, MissingField
 
 __all__ = [
     "MAX_MAX_TOKENS",
+    "MAX_TOP_LOGPROBS",
     "ChatMessage",
     "Checkpoint",
     "End",
@@ -43,6 +44,7 @@ MAX_SEED = (1 << 64) - 1
 MAX_DEADLINE_MS = 24 * 3600 * 1000
 MAX_TOKEN_ID = (1 << 31) - 1
 MAX_TOKEN_INDEX = (1 << 31) - 1
+MAX_TOP_LOGPROBS = 20
 SESSION_ID_BYTES = 16
 SNAPSHOT_HASH_BYTES = 32
 CHAT_ROLES = frozenset({"system", "user", "assistant", "tool"})
@@ -149,6 +151,13 @@ class Generate(Frame):
     """A JSON schema (as JSON text) the output must follow: it constrains every token sampled,
     and a resume continues the same constrained generation. ``{"type": "object"}``: any JSON
     object."""
+    logprobs: int | None = None
+    """Send each TOKEN's log-probability with this many most likely alternatives (0 to
+    :data:`MAX_TOP_LOGPROBS`); None: none. A resumed stream sends the same numbers."""
+    score_prompt: bool = False
+    """Keep the prompt's tokens' log-probabilities with the session too (``logprobs``
+    alternatives each), for the HTTP API's ``echo``; its cells are then all computed, none
+    reused. The native stream does not carry them."""
 
     def to_payload(self) -> dict[str, Any]:
         payload: dict[str, Any] = {"max_tokens": self.max_tokens}
@@ -171,6 +180,10 @@ class Generate(Frame):
             payload["truncation"] = self.truncation.value
         if self.json_schema is not None:
             payload["json_schema"] = self.json_schema
+        if self.logprobs is not None:
+            payload["logprobs"] = self.logprobs
+        if self.score_prompt:
+            payload["score_prompt"] = True
         return payload
 
     @classmethod
@@ -212,6 +225,8 @@ class Generate(Frame):
             deadline_ms=r.optional_integer("deadline_ms", lo=1, hi=MAX_DEADLINE_MS),
             truncation=truncation,
             json_schema=r.optional_text("json_schema", max_chars=MAX_SCHEMA_CHARS),
+            logprobs=r.optional_integer("logprobs", lo=0, hi=MAX_TOP_LOGPROBS),
+            score_prompt=r.flag("score_prompt", default=False),
         )
         r.finish()
         if frame.top_p <= 0.0:
@@ -268,20 +283,52 @@ class Token(Frame):
     """The model's vocabulary id."""
     text: str
     """The text this token completes; may be empty while a UTF-8 character is incomplete."""
+    logprob: float | None = None
+    """Its log-probability in the model's distribution, when the GENERATE asked for them."""
+    top_logprobs: tuple[tuple[int, float], ...] = ()
+    """The most likely tokens there, ``(id, log-probability)``, most likely first."""
 
     def to_payload(self) -> dict[str, Any]:
-        return {"index": self.index, "id": self.token_id, "text": self.text}
+        payload: dict[str, Any] = {"index": self.index, "id": self.token_id, "text": self.text}
+        if self.logprob is not None:
+            payload["logprob"] = _wire_float(self.logprob)
+            payload["top"] = [[token, _wire_float(lp)] for token, lp in self.top_logprobs]
+        return payload
 
     @classmethod
     def from_payload(cls, payload: object) -> Token:
         r = FieldReader("TOKEN", payload)
-        frame = cls(
-            index=r.integer("index", lo=0, hi=MAX_TOKEN_INDEX),
-            token_id=r.integer("id", lo=0, hi=MAX_TOKEN_ID),
-            text=r.text("text", max_chars=MAX_TOKEN_TEXT_CHARS),
-        )
+        index = r.integer("index", lo=0, hi=MAX_TOKEN_INDEX)
+        token_id = r.integer("id", lo=0, hi=MAX_TOKEN_ID)
+        text = r.text("text", max_chars=MAX_TOKEN_TEXT_CHARS)
+        logprob = r.optional_number("logprob", lo=_MIN_LOGPROB, hi=0.0)
+        top = r.array("top", max_items=MAX_TOP_LOGPROBS) or []
         r.finish()
-        return frame
+        return cls(
+            index=index,
+            token_id=token_id,
+            text=text,
+            logprob=logprob,
+            top_logprobs=tuple(_read_alternative(a) for a in top),
+        )
+
+
+_MIN_LOGPROB = -3.4e38  # a float32's range: the engine computes them as float32
+
+
+def _read_alternative(value: object) -> tuple[int, float]:
+    if (
+        not isinstance(value, list)
+        or len(value) != 2
+        or not isinstance(value[0], int)
+        or isinstance(value[0], bool)
+        or not 0 <= value[0] <= MAX_TOKEN_ID
+        or not isinstance(value[1], float | int)
+        or isinstance(value[1], bool)
+        or not _MIN_LOGPROB <= value[1] <= 0.0
+    ):
+        raise InvalidField("TOKEN.top[] must be [token id, log-probability <= 0] pairs")
+    return value[0], float(value[1])
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)

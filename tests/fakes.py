@@ -17,6 +17,7 @@ from quicsrv.engine import (
     PausedState,
     SequenceRequest,
     StepListener,
+    TokenLogprobs,
     TokenSink,
 )
 
@@ -119,10 +120,17 @@ class FakeEngine:
 
     def emit(self, pieces: list[bytes], finish: FinishReason | None = None, start: int = 0) -> None:
         sink = self.sinks[-1]
+        top = self.handles[-1].request.logprobs
         for offset, piece in enumerate(pieces):
             index = start + offset
             self.pieces[1000 + index] = piece
-            sink.token_generated(index, 1000 + index, piece)
+            own = -0.5 - index / 8  # a binary fraction: a float32 as the engine makes them
+            logprobs = (
+                None
+                if top is None
+                else TokenLogprobs(own, tuple((1000 + index + k, own - k) for k in range(top)))
+            )
+            sink.token_generated(index, 1000 + index, piece, logprobs)
         if finish is not None:
             sink.sequence_finished(finish, start + len(pieces))
 

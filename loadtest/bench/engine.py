@@ -20,7 +20,7 @@ from quicsrv.config import ServerConfig
 from quicsrv.engine import FinishReason, SamplingParams, SequenceRequest
 from quicsrv.engine.llama import LlamaEngine
 
-__all__ = ["ENGINE", "measure_engine"]
+__all__ = ["ENGINE", "measure_engine", "run_streams"]
 
 ENGINE = "quicsrv engine, in-process"
 WAIT_S = 300.0
@@ -33,8 +33,13 @@ class _Sink:
         self.result = result
         self.done = threading.Event()
 
-    def token_generated(self, index: int, token_id: int, piece: bytes) -> None:
+    def token_generated(
+        self, index: int, token_id: int, piece: bytes, logprobs: object = None
+    ) -> None:
         self.result.token_times_s.append(time.perf_counter())
+
+    def prompt_scored(self, logprobs: object, ended: object) -> None:
+        pass  # never asked for here
 
     def sequence_finished(self, reason: FinishReason, completion_tokens: int) -> None:
         self.result.finish = str(reason)
@@ -52,13 +57,18 @@ class _Sink:
         pass
 
 
-def _run(engine: LlamaEngine, streams: int, max_tokens: int) -> tuple[float, list[StreamResult]]:
+def run_streams(
+    engine: LlamaEngine, streams: int, max_tokens: int, *, logprobs: int | None = None
+) -> tuple[float, list[StreamResult]]:
+    """``streams`` greedy generations of ``max_tokens`` at once (``logprobs``: each token's
+    log-probability with that many alternatives)."""
     requests = [
         SequenceRequest(
             prompt_tokens=tuple(engine.tokenize(PROMPTS[i % len(PROMPTS)], add_special=True)),
             max_tokens=max_tokens,
             sampling=SamplingParams(),
             ignore_eos=True,
+            logprobs=logprobs,
         )
         for i in range(streams)
     ]
@@ -88,13 +98,13 @@ def measure_engine(
     chunk = ServerConfig().prefill_chunk_tokens if prefill_chunk is None else prefill_chunk
     engine = LlamaEngine(settings.engine_settings(prefill_chunk=chunk))
     try:
-        _run(engine, 1, 4)
+        run_streams(engine, 1, 4)
         results: list[LoadResult] = []
         for streams in loads:
             for _ in range(repeats):
                 before_each()
                 meter = CpuMeter([os.getpid()])
-                started, seen = _run(engine, streams, max_tokens)
+                started, seen = run_streams(engine, streams, max_tokens)
                 results.append(summarise(ENGINE, max_tokens, started, seen, meter.stop()))
         return results
     finally:

@@ -51,10 +51,15 @@ class _Recorder:
         self.finished = False
         self._changed = threading.Condition()
 
-    def token_generated(self, index: int, token_id: int, piece: bytes) -> None:
+    def token_generated(
+        self, index: int, token_id: int, piece: bytes, logprobs: object = None
+    ) -> None:
         with self._changed:
             self.times.append(time.perf_counter())
             self._changed.notify_all()
+
+    def prompt_scored(self, logprobs: object, ended: object) -> None:
+        pass  # never asked for here
 
     def sequence_finished(self, reason: FinishReason, completion_tokens: int) -> None:
         with self._changed:

@@ -47,10 +47,15 @@ class _Sink:
         self.first_token_at: float | None = None
         self.done = threading.Event()
 
-    def token_generated(self, index: int, token_id: int, piece: bytes) -> None:
+    def token_generated(
+        self, index: int, token_id: int, piece: bytes, logprobs: object = None
+    ) -> None:
         if self.first_token_at is None:
             self.first_token_at = time.perf_counter()
         self.tokens.append(token_id)
+
+    def prompt_scored(self, logprobs: object, ended: object) -> None:
+        pass  # never asked for here
 
     def sequence_finished(self, reason: FinishReason, completion_tokens: int) -> None:
         self.done.set()

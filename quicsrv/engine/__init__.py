@@ -2,6 +2,7 @@
 
 from ._api import (
     CONSTRAINED_SAMPLING,
+    MAX_TOP_LOGPROBS,
     CannotReplay,
     Engine,
     EngineError,
@@ -21,6 +22,7 @@ from ._api import (
     SequenceHandle,
     SequenceRequest,
     StepListener,
+    TokenLogprobs,
     TokenSink,
 )
 from .facts import ModelInfo
@@ -36,6 +38,7 @@ __all__ = [
     "FinishReason",
     "Grammar",
     "InvalidSchema",
+    "MAX_TOP_LOGPROBS",
     "ModelInfo",
     "Overloaded",
     "PausedState",
@@ -48,6 +51,7 @@ __all__ = [
     "SequenceHandle",
     "SequenceRequest",
     "StepListener",
+    "TokenLogprobs",
     "TokenSink",
     "default_model_path",
 ]

@@ -36,6 +36,7 @@ __all__ = [
     "SequenceHandle",
     "SequenceRequest",
     "StepListener",
+    "TokenLogprobs",
     "TokenSink",
 ]
 
@@ -86,6 +87,9 @@ class InvalidSchema(EngineError):
         super().__init__(message)
         self.path = path
 
+
+MAX_TOP_LOGPROBS = 20
+"""Alternatives a token's log-probability comes with at most (OpenAI's bound)."""
 
 CONSTRAINED_SAMPLING = "sample-then-check/1"
 """How a grammar constrains the pick (see :mod:`.sampling`): part of what makes a constrained
@@ -201,14 +205,46 @@ class SequenceRequest:
     grammar: str | None = None
     """GBNF (root rule ``root``) that every generated token must fit (structured output); a
     resume's tokens are checked against it and replayed into it. None: unconstrained."""
+    logprobs: int | None = None
+    """Report each generated token's log-probability with this many most likely alternatives
+    (0 to :data:`MAX_TOP_LOGPROBS`); None: none."""
+    prompt_logprobs: bool = False
+    """Score the prompt too (``TokenSink.prompt_scored``, with ``logprobs`` alternatives): its
+    cells are all computed, none taken from the prefix cache, with the logits of every
+    position. A resume never asks: the first run's scores are kept."""
+
+
+@dataclass(frozen=True, slots=True)
+class TokenLogprobs:
+    """A generated token's log-probability in the model's own distribution (the log-softmax of
+    its logits, before repetition penalty, temperature, top-k/top-p/min-p and any grammar), and
+    the ``top`` most likely tokens there, most likely first (ties: lower id first). Every value
+    is a float32 (widened): what a token log keeps, bit for bit."""
+
+    logprob: float
+    top: tuple[tuple[int, float], ...] = ()
+
+    def __reduce__(self) -> tuple[type[TokenLogprobs], tuple[float, tuple[tuple[int, float], ...]]]:
+        return TokenLogprobs, (self.logprob, self.top)  # one per token through the worker pipe
 
 
 class TokenSink(Protocol):
     """Receives one sequence's output, on the engine thread."""
 
-    def token_generated(self, index: int, token_id: int, piece: bytes) -> None: ...
+    def token_generated(
+        self, index: int, token_id: int, piece: bytes, logprobs: TokenLogprobs | None
+    ) -> None:
+        """``logprobs``: when the request asked for them (:attr:`SequenceRequest.logprobs`)."""
 
     def sequence_finished(self, reason: FinishReason, completion_tokens: int) -> None: ...
+
+    def prompt_scored(
+        self, logprobs: tuple[TokenLogprobs, ...], ended: tuple[int, TokenLogprobs] | None
+    ) -> None:
+        """A request with ``prompt_logprobs``: its prompt tokens' log-probabilities (all but
+        the first, which nothing predicts), once, before its first token; ``ended``: the first
+        token sampled (id and log-probabilities) when it ended the generation (an
+        end-of-generation token, which is never reported as a token)."""
 
     def sequence_paused(self, state: PausedState) -> None:
         """The sequence left the batch (``pause()`` or its token allowance ran out)."""

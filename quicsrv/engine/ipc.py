@@ -16,7 +16,7 @@ from enum import IntEnum
 from operator import attrgetter
 from typing import Any, TypeVar
 
-from ._api import FinishReason, PrefillPlan, ResumePath, SequenceRequest
+from ._api import FinishReason, PrefillPlan, ResumePath, SequenceRequest, TokenLogprobs
 
 __all__ = [
     "Allow",
@@ -25,6 +25,7 @@ __all__ = [
     "Event",
     "Pause",
     "PrefixHeld",
+    "PromptScored",
     "Ready",
     "SequenceCommand",
     "SequenceFinished",
@@ -133,6 +134,15 @@ class TokenGenerated:
     index: int
     token_id: int
     piece: bytes
+    logprobs: TokenLogprobs | None
+
+
+@_pickled_as_fields
+@dataclass(frozen=True, slots=True)
+class PromptScored:
+    key: int
+    logprobs: tuple[TokenLogprobs, ...]
+    ended: tuple[int, TokenLogprobs] | None
 
 
 @_pickled_as_fields
@@ -180,6 +190,7 @@ class PrefixHeld:
 
 Event = (
     TokenGenerated
+    | PromptScored
     | SequenceFinished
     | SequencePaused
     | SequenceResumed

@@ -48,7 +48,7 @@ from ._api import (
 from .facts import ModelInfo
 from .pieces import RULES_VERSION, share_calls
 from .placement import KvCells, SlotPlacement
-from .sampling import GrammarState, GrammarViolation, SequenceSampler
+from .sampling import GrammarState, GrammarViolation, SequenceSampler, token_logprobs
 from .sequence import BatchEntry, LlamaSequence
 from .vocab import Vocabulary, file_digest
 
@@ -388,9 +388,15 @@ class LlamaEngine(ModelFacts):
                 self._pause(sequence)
         while self._waiting and self._free_ids:
             sequence = self._waiting.popleft()
-            hit = self._placement.find(sequence.request, sequence.plan if sequence.fixed else None)
+            # A scored prompt computes every position (reused cells have no logits).
+            scored = sequence.prompt_scores is not None
+            hit = None
+            if not scored:
+                hit = self._placement.find(
+                    sequence.request, sequence.plan if sequence.fixed else None
+                )
             sequence.seq_id, in_place = self._placement.slot_for(
-                hit, self._free_ids, None if sequence.fixed else sequence.request
+                hit, self._free_ids, None if sequence.fixed or scored else sequence.request
             )
             self._free_ids.remove(sequence.seq_id)
             # Batches in id order: with llama.cpp's per-sequence KV streams a batch whose ids
@@ -478,8 +484,16 @@ class LlamaEngine(ModelFacts):
         self._observer.decode_finished()
         if status != 0:
             raise RuntimeError(f"llama_decode failed with status {status}")
-        for i, (sequence, _token, _position, logits) in enumerate(entries):
-            if logits:
+        for i, (sequence, _token, position, logits) in enumerate(entries):
+            if not logits:
+                continue
+            prompt = sequence.request.prompt_tokens
+            if position + 1 < len(prompt):  # a scored prompt's position, not its last
+                assert sequence.prompt_scores is not None
+                top = sequence.request.logprobs or 0
+                scores = token_logprobs(self._logits(i), prompt[position + 1], top)
+                sequence.prompt_scores.append(scores)
+            else:
                 self._sample(sequence, i)
 
     def _admit_resumed(self, sequence: LlamaSequence) -> bool:
@@ -578,11 +592,20 @@ class LlamaEngine(ModelFacts):
         self.tokens_generated_total += 1
         is_eog = self.vocabulary.is_end_of_generation(token)
         # A grammar allows an end token only once its text is complete: nothing may follow.
-        if is_eog and (not sequence.request.ignore_eos or sequence.sampler.constrained):
+        ends = is_eog and (not sequence.request.ignore_eos or sequence.sampler.constrained)
+        top = sequence.request.logprobs
+        logprobs = None if top is None else token_logprobs(logits, token, top)
+        if sequence.prompt_scores is not None:  # its first token: the prompt's scores first
+            scores, sequence.prompt_scores = tuple(sequence.prompt_scores), None
+            ended = None
+            if ends:
+                ended = (token, logprobs or token_logprobs(logits, token, 0))
+            sequence.sink.prompt_scored(scores, ended)
+        if ends:
             self._finish(sequence, FinishReason.EOS)
             return
         piece = b"" if is_eog else self.vocabulary.piece(token)
-        sequence.sink.token_generated(index, token, piece)
+        sequence.sink.token_generated(index, token, piece, logprobs)
         if sequence.generated >= sequence.request.max_tokens:
             self._finish(sequence, FinishReason.LENGTH)
 

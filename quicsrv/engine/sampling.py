@@ -25,7 +25,7 @@ import llama_cpp
 import numpy as np
 import numpy.typing as npt
 
-from ._api import SamplingParams
+from ._api import SamplingParams, TokenLogprobs
 
 _TOKEN_DATA = np.dtype([("id", np.int32), ("logit", np.float32), ("p", np.float32)], align=True)
 _PENALTY_WINDOW = 64
@@ -101,6 +101,25 @@ def check_replay(vocab: llama_cpp.llama_vocab_p, gbnf: str, tokens: Sequence[int
             grammar.accept(token)
     finally:
         grammar.close()
+
+
+def token_logprobs(logits: npt.NDArray[np.float32], token: int, top: int) -> TokenLogprobs:
+    """``token``'s log-probability under the softmax of ``logits`` (the model's distribution,
+    before any sampler touched it), with the ``top`` most likely tokens'. A function of the
+    logits alone: an exact replay that recomputes a token's logits gets the same numbers."""
+    wide = logits.astype(np.float64)
+    peak = wide.max()
+    log_total = peak + np.log(np.exp(wide - peak).sum())
+
+    def logprob(i: int) -> float:
+        return float(np.float32(wide[i] - log_total))
+
+    best: tuple[tuple[int, float], ...] = ()
+    if top > 0:
+        ids = np.argpartition(logits, -top)[-top:]
+        ids = ids[np.lexsort((ids, -logits[ids]))]  # most likely first, ties by id
+        best = tuple((int(i), logprob(int(i))) for i in ids)
+    return TokenLogprobs(logprob(token), best)
 
 
 def counter_uniform(seed: int, index: int) -> float:

@@ -17,7 +17,7 @@ from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from ._api import PrefillPlan, ResumePath, Segment, SequenceRequest, TokenSink
+from ._api import PrefillPlan, ResumePath, Segment, SequenceRequest, TokenLogprobs, TokenSink
 from .pieces import cold_plan, merges
 from .prefix_cache import Hit, cut, extend, rest
 from .sampling import SequenceSampler
@@ -53,6 +53,9 @@ class LlamaSequence:
     pending_prompt: deque[int] = field(default_factory=deque)
     forced: deque[int] = field(default_factory=deque)  # replay: tokens to decode, not sample
     history: list[int] = field(default_factory=list)  # every generated token, in order
+    # A prompt scored (request.prompt_logprobs): its tokens' log-probabilities so far, until
+    # they are reported with its first token.
+    prompt_scores: list[TokenLogprobs] | None = None
     release_admission: Callable[[LlamaSequence], None] | None = None
 
     @classmethod
@@ -84,6 +87,7 @@ class LlamaSequence:
             release_admission=release_admission,
             chunk=chunk,
             order=order,
+            prompt_scores=[] if request.prompt_logprobs else None,
         )
         if resume is not None and resume.kv_state is None and resume.generated:
             if resume.inexact_reprefill:
@@ -184,8 +188,10 @@ class LlamaSequence:
         for _ in range(room):
             token = self.pending_prompt.popleft()
             last = not self.pending_prompt
-            # A re-prefill ends on a generated token whose successor is already known.
-            piece.append((self, token, self.n_past, last and not self.reprefill))
+            # A re-prefill ends on a generated token whose successor is already known; a
+            # scored prompt needs every position's logits.
+            logits = (last and not self.reprefill) or self.prompt_scores is not None
+            piece.append((self, token, self.n_past, logits))
             self.n_past += 1
             if last and self.reprefill:
                 self.reprefill = False

@@ -76,6 +76,7 @@ from .ipc import (
     Command,
     Pause,
     PrefixHeld,
+    PromptScored,
     Ready,
     SequenceFinished,
     SequencePaused,
@@ -530,7 +531,11 @@ class WorkerEngine(ModelFacts):
                 sequence.history.append(event.token_id)
                 self.tokens_generated_total += 1
                 stepped.append(event.key)
-                sequence.sink.token_generated(event.index, event.token_id, event.piece)
+                sequence.sink.token_generated(
+                    event.index, event.token_id, event.piece, event.logprobs
+                )
+            elif isinstance(event, PromptScored):
+                sequence.sink.prompt_scored(event.logprobs, event.ended)
             elif isinstance(event, SequenceFinished):
                 sequence.sink.sequence_finished(event.reason, event.completion_tokens)
             elif isinstance(event, SequenceResumed):

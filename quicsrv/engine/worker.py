@@ -54,6 +54,7 @@ from ._api import (
     SamplingParams,
     SequenceHandle,
     SequenceRequest,
+    TokenLogprobs,
 )
 from .coalescing import StepCoalescer
 from .ipc import (
@@ -63,6 +64,7 @@ from .ipc import (
     Event,
     Pause,
     PrefixHeld,
+    PromptScored,
     Ready,
     SequenceCommand,
     SequenceFinished,
@@ -333,8 +335,15 @@ class _Sink:
         self._worker = worker
         self._key = key
 
-    def token_generated(self, index: int, token_id: int, piece: bytes) -> None:
-        self._worker._report(TokenGenerated(self._key, index, token_id, piece))
+    def token_generated(
+        self, index: int, token_id: int, piece: bytes, logprobs: TokenLogprobs | None
+    ) -> None:
+        self._worker._report(TokenGenerated(self._key, index, token_id, piece, logprobs))
+
+    def prompt_scored(
+        self, logprobs: tuple[TokenLogprobs, ...], ended: tuple[int, TokenLogprobs] | None
+    ) -> None:
+        self._worker._report(PromptScored(self._key, logprobs, ended))
 
     def sequence_finished(self, reason: FinishReason, completion_tokens: int) -> None:
         self._worker.forget(self._key)
@@ -371,8 +380,15 @@ class _CanarySink:
         self.tokens = 0
         self.reason: FinishReason | None = None
 
-    def token_generated(self, index: int, token_id: int, piece: bytes) -> None:
+    def token_generated(
+        self, index: int, token_id: int, piece: bytes, logprobs: TokenLogprobs | None
+    ) -> None:
         self.tokens += 1
+
+    def prompt_scored(
+        self, logprobs: tuple[TokenLogprobs, ...], ended: tuple[int, TokenLogprobs] | None
+    ) -> None:
+        pass
 
     def sequence_finished(self, reason: FinishReason, completion_tokens: int) -> None:
         self.reason = reason

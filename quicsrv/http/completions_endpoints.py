@@ -20,7 +20,8 @@ from quicsrv_proto.http3 import SESSION_HEADER
 
 from ..apikeys import ClientId
 from ..sessions.manager import SessionManager
-from . import openai_api, token_api, tool_format
+from ..sessions.record import SessionRecord
+from . import logprobs, openai_api, token_api, tool_format
 from .cursor import Cursor
 from .errors import ApiError
 from .messages import (
@@ -103,9 +104,15 @@ class CompletionsEndpoints:
             created=int(session.record.created_at_s),
             tools=call,
             generic=generic,
+            echo=(completion.generate.prompt or "") if completion.echo else "",
         )
+        scored = completion.generate.logprobs is not None
         if completion.stream:
-            encoder = SseEncoder(shape, mac_key=self._sessions.keys.current)
+            encoder = SseEncoder(
+                shape,
+                mac_key=self._sessions.keys.current,
+                piece=self._sessions.piece if scored else None,
+            )
             return event_stream(
                 session,
                 0,
@@ -120,9 +127,10 @@ class CompletionsEndpoints:
             chat=chat,
             model=shape.model,
             created=shape.created,
-            text=answer.text,
+            text=shape.echo + answer.text,
             end=answer.end,
             tools=tools,
+            logprobs=self._logprobs(session.record, answer.scored, chat=chat) if scored else None,
         )
         return json_response(200, body, ((SESSION_HEADER, session.session_id.hex().encode()),))
 
@@ -145,11 +153,15 @@ class CompletionsEndpoints:
         )
         # Past the last token (the finishing or usage event): only the END is left to send.
         from_index = min(cursor.index + 1, len(record.generated))
+        scored = record.logprobs is not None
+        # Tool calls' deltas, and text completions' text_offset, depend on the text before.
+        before = names or generic or (scored and not cursor.chat)
         encoder = SseEncoder(
             shape,
             mac_key=self._sessions.keys.current,
             after=cursor.index,
-            text_before=self._sessions.text_of(record, upto=from_index) if names or generic else "",
+            text_before=self._sessions.text_of(record, upto=from_index) if before else "",
+            piece=self._sessions.piece if scored else None,
         )
         return event_stream(
             session,
@@ -159,6 +171,29 @@ class CompletionsEndpoints:
             fresh=False,
             keepalive=self._keepalive,
         )
+
+    def _logprobs(
+        self, record: SessionRecord, tokens: tuple[quicsrv_proto.Token, ...], *, chat: bool
+    ) -> dict[str, Any]:
+        """A ``stream: false`` answer's ``logprobs``, in its endpoint's shape: a text
+        completion's with ``echo`` starts with the prompt's tokens (the first with none, as
+        nothing predicts it), and ends with the end-of-generation token where that was the
+        first one sampled (so that a scorer that drops the last entry, the sampled token, gets
+        every prompt token's)."""
+        piece = self._sessions.piece
+        if chat:
+            return {"content": logprobs.entries(tokens, piece), "refusal": None}
+        body = logprobs.CompletionLogprobs(piece)
+        if record.prompt_logprobs is not None:
+            prompt = record.spec.prompt_tokens
+            body.add(prompt[0], None, None)
+            for token_id, scores in zip(prompt[1:], record.prompt_logprobs, strict=True):
+                body.add_scored(token_id, scores)
+        for token in tokens:
+            body.add_token(token)
+        if record.ended_by is not None:
+            body.add_scored(*record.ended_by)
+        return body.body()
 
     async def stop(self, who: ClientId, session_id: bytes) -> FullResponse:
         """``DELETE /v1/streams/{session}``: stop the generation; its end, as a stream object."""

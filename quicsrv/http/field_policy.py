@@ -67,12 +67,6 @@ def _text_only(value: object) -> bool:
     return value == ["text"]
 
 
-def _includes_nothing(value: object) -> bool:
-    """``include`` of what this server never makes: encrypted reasoning (the model has no
-    reasoning items to encrypt), so the output is the same with or without it."""
-    return isinstance(value, list) and all(v == "reasoning.encrypted_content" for v in value)
-
-
 #: Neutral on every endpoint: fields that only label, route or account for a request, or that
 #: name how a hosted service would run it (its tier, how long it keeps a cached prefix).
 _EVERYWHERE: dict[str, Neutral] = {
@@ -93,7 +87,6 @@ _COMPLETION_COMMON: dict[str, Neutral] = {
     **_SAMPLING,
     "n": (1,),
     "logit_bias": ({},),
-    "logprobs": (False,),
     # Stored chat completions cannot be listed here; storing changes nothing in the answer.
     "store": _is_bool,
     # llama-server's: true is what quicsrv's prefix cache always does; false (compute the
@@ -150,12 +143,13 @@ CHAT = FieldPolicy(
             "tool_choice",
             "parallel_tool_calls",
             "truncation",
+            "logprobs",
+            "top_logprobs",
         }
     )
     | _EXTENSIONS,
     neutral={
         **_COMPLETION_COMMON,
-        "top_logprobs": (0,),
         "functions": ([],),
         "function_call": ("none",),
         "modalities": _text_only,
@@ -177,10 +171,12 @@ COMPLETIONS = FieldPolicy(
             "stop",
             "stream",
             "stream_options",
+            "logprobs",
+            "echo",
         }
     )
     | _EXTENSIONS,
-    neutral={**_COMPLETION_COMMON, "echo": (False,), "suffix": (), "best_of": (1,)},
+    neutral={**_COMPLETION_COMMON, "suffix": (), "best_of": (1,)},
 )
 RESPONSES = FieldPolicy(
     honoured=frozenset(
@@ -199,6 +195,8 @@ RESPONSES = FieldPolicy(
             "text",
             "tools",
             "tool_choice",
+            "include",  # checked by its parser
+            "top_logprobs",
         }
     )
     | _EXTENSIONS,
@@ -207,8 +205,6 @@ RESPONSES = FieldPolicy(
         **_SAMPLING,  # Open Responses defines both penalties on the request
         "parallel_tool_calls": _is_bool,
         "reasoning": _no_reasoning,
-        "include": _includes_nothing,
-        "top_logprobs": (0,),
         "max_tool_calls": (),
         "stream_options": ({}, {"include_obfuscation": False}),
         "prompt": (),

@@ -82,6 +82,9 @@ class CompletionRequest:
     tools: ToolChoice | ToolFormat | None = None
     """A function it must call (``tool_choice`` names one), or the tools it may call (the
     generic format: ``auto``, ``required``)."""
+    echo: bool = False
+    """Text completions: the answer starts with the prompt (with its tokens' log-probabilities
+    where they are asked for)."""
 
 
 def parse_completion(body: bytes, *, chat: bool, model_id: str) -> CompletionRequest:
@@ -111,6 +114,18 @@ def parse_completion(body: bytes, *, chat: bool, model_id: str) -> CompletionReq
     if stop:
         payload["stop"] = stop
     payload["ignore_eos"] = optional(request, "ignore_eos", bool, False)
+    top_logprobs = _logprobs(request, chat)
+    if top_logprobs is not None:
+        payload["logprobs"] = top_logprobs
+    echo = False if chat else optional(request, "echo", bool, False)
+    if echo and top_logprobs is not None:
+        if stream:
+            raise _invalid(
+                "echo with logprobs is answered whole: set stream to false",
+                "echo",
+                "unsupported_value",
+            )
+        payload["score_prompt"] = True
     tools = None
     if chat:
         schema = json_schema_of(request.get("response_format"), "response_format")
@@ -139,8 +154,39 @@ def parse_completion(body: bytes, *, chat: bool, model_id: str) -> CompletionReq
     except quicsrv_proto.ProtocolError as exc:  # the wire format's own bounds (lengths, ranges)
         raise _invalid(exc.message, None) from None
     return CompletionRequest(
-        generate=generate, chat=chat, stream=stream, include_usage=include_usage, tools=tools
+        generate=generate,
+        chat=chat,
+        stream=stream,
+        include_usage=include_usage,
+        tools=tools,
+        echo=echo,
     )
+
+
+def _logprobs(request: dict[str, Any], chat: bool) -> int | None:
+    """How many alternatives each token's log-probability comes with; None: none asked for.
+    Chat: ``logprobs`` true and ``top_logprobs`` 0-20 (OpenAI's rule: only with logprobs);
+    text completions: ``logprobs`` itself, an integer (OpenAI stops at 5, llama-server and
+    vLLM go further; here the chat bound)."""
+    bound = quicsrv_proto.MAX_TOP_LOGPROBS
+    if not chat:
+        value = request.get("logprobs")
+        if value is None:
+            return None
+        if not isinstance(value, int) or isinstance(value, bool) or not 0 <= value <= bound:
+            raise _invalid(f"logprobs must be an integer from 0 to {bound}", "logprobs")
+        return value
+    wanted = optional(request, "logprobs", bool, False)
+    top = request.get("top_logprobs")
+    if top is None:
+        return 0 if wanted else None
+    if not isinstance(top, int) or isinstance(top, bool) or not 0 <= top <= bound:
+        raise _invalid(f"top_logprobs must be an integer from 0 to {bound}", "top_logprobs")
+    if not wanted:
+        if top:
+            raise _invalid("logprobs must be true when top_logprobs is given", "top_logprobs")
+        return None
+    return top
 
 
 # --- responses ----------------------------------------------------------------------------
@@ -198,10 +244,12 @@ def chunk(
     usage_counts: dict[str, int] | None = None,
     tool_call: dict[str, Any] | None = None,
     delta: dict[str, Any] | None = None,
+    logprobs: dict[str, Any] | None = None,
 ) -> dict[str, Any]:
     """One streamed chunk. ``text`` None with ``usage_counts``: the last, choice-less chunk
     that carries the usage (OpenAI's ``stream_options.include_usage``). ``tool_call``: a
-    ``tool_calls`` delta instead of content; ``delta``: the delta's fields, made elsewhere."""
+    ``tool_calls`` delta instead of content; ``delta``: the delta's fields, made elsewhere;
+    ``logprobs``: the choice's (:mod:`.logprobs`), of the tokens whose text it carries."""
     body: dict[str, Any] = {
         "id": completion_id(session_id, chat=chat),
         "object": "chat.completion.chunk" if chat else "text_completion",
@@ -220,10 +268,12 @@ def chunk(
             fields["tool_calls"] = [tool_call]
         elif text is not None:
             fields["content"] = text
-        body["choices"] = [{"index": 0, "delta": fields, "logprobs": None, "finish_reason": finish}]
+        body["choices"] = [
+            {"index": 0, "delta": fields, "logprobs": logprobs, "finish_reason": finish}
+        ]
     else:
         body["choices"] = [
-            {"index": 0, "text": text or "", "logprobs": None, "finish_reason": finish}
+            {"index": 0, "text": text or "", "logprobs": logprobs, "finish_reason": finish}
         ]
     if include_usage:
         body["usage"] = usage_counts  # null on every chunk but the last, as OpenAI does
@@ -239,12 +289,13 @@ def completion_body(
     text: str,
     end: quicsrv_proto.End,
     tools: ToolChoice | ToolFormat | None = None,
+    logprobs: dict[str, Any] | None = None,
 ) -> dict[str, Any]:
     """The whole answer of a ``stream: false`` request (``tools``: a call of one function, or
-    the generic format's text or calls)."""
+    the generic format's text or calls; ``logprobs``: the choice's, :mod:`.logprobs`)."""
     choice: dict[str, Any] = {
         "index": 0,
-        "logprobs": None,
+        "logprobs": logprobs,
         "finish_reason": finish_reason(end.reason, tool_call=isinstance(tools, ToolChoice)),
     }
     if chat and isinstance(tools, ToolFormat):

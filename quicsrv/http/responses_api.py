@@ -58,6 +58,7 @@ from quicsrv_proto.frames import MAX_MESSAGES, MAX_PROMPT_CHARS
 from ..sessions.record import SessionRecord
 from . import field_policy, openai_api, tool_format
 from .errors import ApiError
+from .logprobs import Piece, recorded_entries
 from .tool_calls import CallText, ToolChoice, ToolFormat, call_id, parse_tool_choice
 
 __all__ = [
@@ -122,6 +123,8 @@ class ResponseView:
     """It waits in line for a slot."""
     completed_at: int | None = None
     """When it ended (None while it runs, or for a record that did not keep it)."""
+    logprobs: tuple[dict[str, Any], ...] = ()
+    """Its tokens' log-probabilities (``include: ["message.output_text.logprobs"]``)."""
 
     @property
     def calls(self) -> tuple[str, ...]:
@@ -140,7 +143,17 @@ class ResponseView:
         return call.name, call.arguments()
 
     @classmethod
-    def of(cls, record: SessionRecord, text: str, *, queued: bool = False) -> ResponseView:
+    def of(
+        cls,
+        record: SessionRecord,
+        text: str,
+        *,
+        queued: bool = False,
+        piece: Piece | None = None,
+    ) -> ResponseView:
+        """``piece``: the vocabulary, to show the tokens' log-probabilities where the record
+        keeps them."""
+        scored = () if piece is None else recorded_logprobs(record, piece)
         return cls(
             session_id=record.session_id,
             created_at=int(record.created_at_s),
@@ -152,7 +165,15 @@ class ResponseView:
             end=None if record.end is None else record.end.reason,
             queued=queued,
             completed_at=ended_at(record),
+            logprobs=scored,
         )
+
+
+def recorded_logprobs(record: SessionRecord, piece: Piece) -> tuple[dict[str, Any], ...]:
+    """The output text's ``logprobs``: every token of the record (none if it keeps none)."""
+    if record.logprobs is None:
+        return ()
+    return tuple(recorded_entries(record.generated, record.logprobs, piece))
 
 
 def is_response(record: SessionRecord) -> bool:
@@ -254,12 +275,12 @@ def message_item(view: ResponseView, text: str | None) -> dict[str, Any]:
         "type": "message",
         "role": "assistant",
         "status": item_status if text is not None else "in_progress",
-        "content": [] if text is None else [_text_part(text)],
+        "content": [] if text is None else [_text_part(text, view.logprobs)],
     }
 
 
-def _text_part(text: str) -> dict[str, Any]:
-    return {"type": "output_text", "text": text, "annotations": [], "logprobs": []}
+def _text_part(text: str, scored: tuple[dict[str, Any], ...] = ()) -> dict[str, Any]:
+    return {"type": "output_text", "text": text, "annotations": [], "logprobs": list(scored)}
 
 
 def response_object(view: ResponseView, *, announced: bool = False) -> dict[str, Any]:
@@ -294,7 +315,7 @@ def response_object(view: ResponseView, *, announced: bool = False) -> dict[str,
         # Neutral values only (field_policy): what was used.
         "presence_penalty": 0.0,
         "frequency_penalty": 0.0,
-        "top_logprobs": 0,
+        "top_logprobs": fields.get("top_logprobs", 0),
         "text": fields.get("text", {"format": {"type": "text"}, "verbosity": "medium"}),
         "tool_choice": fields.get("tool_choice", "auto"),
         "tools": fields.get("tools", []),
@@ -363,7 +384,10 @@ def opening_events(view: ResponseView) -> list[dict[str, Any]]:
     ]
 
 
-def delta_event(session_id: bytes, sequence: int, delta: str) -> dict[str, Any]:
+def delta_event(
+    session_id: bytes, sequence: int, delta: str, scored: list[dict[str, Any]] | None = None
+) -> dict[str, Any]:
+    """``scored``: the delta's tokens' log-probabilities (where they are asked for)."""
     return {
         "type": "response.output_text.delta",
         "sequence_number": sequence,
@@ -371,7 +395,7 @@ def delta_event(session_id: bytes, sequence: int, delta: str) -> dict[str, Any]:
         "output_index": 0,
         "content_index": 0,
         "delta": delta,
-        "logprobs": [],
+        "logprobs": scored or [],
     }
 
 
@@ -422,8 +446,8 @@ def closing_events(view: ResponseView, tail: str) -> list[dict[str, Any]]:
     status = status_of(view)
     final = "response.completed" if status == "completed" else "response.incomplete"
     for kind, body in (
-        ("response.output_text.done", {"text": view.text, "logprobs": []}),
-        ("response.content_part.done", {"part": _text_part(view.text)}),
+        ("response.output_text.done", {"text": view.text, "logprobs": list(view.logprobs)}),
+        ("response.content_part.done", {"part": _text_part(view.text, view.logprobs)}),
         ("response.output_item.done", {"item": message_item(view, view.text)}),
         (final, {"response": response_object(view)}),
     ):
@@ -494,6 +518,7 @@ def parse_create(body: bytes, *, model_id: str) -> CreateRequest:
             raise _invalid("a function call and text.format cannot both shape the output", "text")
         schema = tools.schema
     sampling = openai_api.sampling_payload(request)
+    top_logprobs = _top_logprobs(request)
     system_text = tool_format.system_text(instructions, tools)
     system = () if system_text is None else (ChatMessage(role="system", content=system_text),)
     payload: dict[str, Any] = {
@@ -505,6 +530,8 @@ def parse_create(body: bytes, *, model_id: str) -> CreateRequest:
     }
     if schema is not None:
         payload["json_schema"] = schema
+    if top_logprobs is not None:
+        payload["logprobs"] = top_logprobs
     try:
         generate = quicsrv_proto.Generate.from_payload(payload)
     except quicsrv_proto.ProtocolError as exc:  # the wire format's own bounds
@@ -528,6 +555,8 @@ def parse_create(body: bytes, *, model_id: str) -> CreateRequest:
         "safety_identifier": request.get("safety_identifier"),
         "prompt_cache_key": request.get("prompt_cache_key"),
     }
+    if top_logprobs is not None:
+        fields["top_logprobs"] = top_logprobs
     if isinstance(tools, ToolFormat):
         fields |= tool_format.fields(tools, fields["tools"], request.get("tool_choice"))
     elif tools is not None:
@@ -542,6 +571,30 @@ def parse_create(body: bytes, *, model_id: str) -> CreateRequest:
         previous_response_id=previous,
         fields=fields,
     )
+
+
+#: What ``include`` may name: the output text's log-probabilities, and encrypted reasoning
+#: (there is never any: the output is the same with or without it).
+_INCLUDES = ("message.output_text.logprobs", "reasoning.encrypted_content")
+
+
+def _top_logprobs(request: dict[str, Any]) -> int | None:
+    """How many alternatives each output token's log-probability comes with (``include``
+    names ``message.output_text.logprobs``, or ``top_logprobs`` asks for some); None: none."""
+    include = request.get("include")
+    if include is None:
+        include = []
+    if not isinstance(include, list) or any(v not in _INCLUDES for v in include):
+        raise _invalid(f"include may hold only {', '.join(_INCLUDES)}", "include")
+    top = request.get("top_logprobs")
+    bound = quicsrv_proto.MAX_TOP_LOGPROBS
+    if top is not None and (
+        not isinstance(top, int) or isinstance(top, bool) or not 0 <= top <= bound
+    ):
+        raise _invalid(f"top_logprobs must be an integer from 0 to {bound}", "top_logprobs")
+    if "message.output_text.logprobs" in include or top:
+        return top or 0
+    return None
 
 
 def echoed_tools(tools: object) -> list[dict[str, Any]]:

@@ -94,7 +94,9 @@ class ResponsesEndpoints:
             encoder: ResponseEncoder | ToolAnswerEncoder = (
                 ToolAnswerEncoder(view, ended_at=ended_at)
                 if generic(view)
-                else ResponseEncoder(view, text_before="", ended_at=ended_at)
+                else ResponseEncoder(
+                    view, text_before="", ended_at=ended_at, **self._scoring(session.record)
+                )
             )
             return event_stream(
                 session,
@@ -108,7 +110,7 @@ class ResponsesEndpoints:
             view = ResponseView.of(session.record, "", queued=session.state is SessionState.QUEUED)
             return json_response(200, response_object(view), headers)
         answer = await collect_answer(session, who.name)
-        view = ResponseView.of(session.record, answer.text)
+        view = ResponseView.of(session.record, answer.text, piece=self._sessions.piece)
         return json_response(200, response_object(view), headers)
 
     async def input_tokens(self, request: HttpRequest, who: ClientId) -> FullResponse:
@@ -201,7 +203,9 @@ class ResponsesEndpoints:
         record = await self._stored_response(session_id, who)
         live = self._sessions.live(session_id)
         queued = live is not None and live.state is SessionState.QUEUED
-        view = ResponseView.of(record, self._sessions.text_of(record), queued=queued)
+        view = ResponseView.of(
+            record, self._sessions.text_of(record), queued=queued, piece=self._sessions.piece
+        )
         return json_response(200, response_object(view))
 
     async def resume(
@@ -235,6 +239,7 @@ class ResponsesEndpoints:
                 text_before=self._sessions.text_of(record, upto=from_index),
                 after=after,
                 ended_at=ended_at,
+                **self._scoring(record),
             )
         return event_stream(
             session,
@@ -245,12 +250,23 @@ class ResponsesEndpoints:
             keepalive=self._keepalive,
         )
 
+    def _scoring(self, record: SessionRecord) -> dict[str, Any]:
+        """A stream encoder's arguments for the tokens' log-probabilities, where the record
+        keeps them."""
+        if record.logprobs is None:
+            return {}
+        piece = self._sessions.piece
+        return {
+            "piece": piece,
+            "logprobs_of": functools.partial(responses_api.recorded_logprobs, record, piece),
+        }
+
     async def cancel(self, who: ClientId, session_id: bytes) -> FullResponse:
         """``POST /v1/responses/{id}/cancel``: the final object, with usage."""
         await self._stored_response(session_id, who, stored=False)
         await self._sessions.cancel(session_id, key_id=who.key_id)
         record = await self._sessions.lookup(session_id, key_id=who.key_id)
-        view = ResponseView.of(record, self._sessions.text_of(record))
+        view = ResponseView.of(record, self._sessions.text_of(record), piece=self._sessions.piece)
         return json_response(200, response_object(view))
 
     async def delete(self, who: ClientId, session_id: bytes) -> FullResponse:

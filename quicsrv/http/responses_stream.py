@@ -19,8 +19,9 @@ from typing import Any
 import quicsrv_proto
 from quicsrv_proto import EndReason
 
-from . import responses_api
+from . import logprobs, responses_api
 from .errors import from_code
+from .logprobs import Piece
 from .responses_api import ResponseView
 from .sse import RESTART_RETRY_S
 from .tool_calls import CallText, ToolChoice
@@ -38,8 +39,14 @@ class ResponseEncoder:
         text_before: str,
         after: int = -1,
         ended_at: Callable[[], int | None] = lambda: None,
+        piece: Piece | None = None,
+        logprobs_of: Callable[[], tuple[dict[str, Any], ...]] = tuple,
     ) -> None:
+        """``piece``, ``logprobs_of``: where the tokens' log-probabilities are asked for, the
+        vocabulary, and the record's whole list (read when the END arrives)."""
         self._view = view
+        self._piece = piece
+        self._logprobs_of = logprobs_of
         # The record's end time, read when the END arrives (the record has it by then).
         self._ended_at = ended_at
         self._text = text_before  # what the tokens before the first one sent here say
@@ -63,7 +70,10 @@ class ResponseEncoder:
                 delta = self._call.push(frame.text)
                 return self._write(responses_api.call_delta_event(session_id, sequence, delta))
             sequence = responses_api.delta_sequence(frame.index)
-            return self._write(responses_api.delta_event(session_id, sequence, frame.text))
+            scored = None
+            if self._piece is not None and frame.logprob is not None:
+                scored = logprobs.entries((frame,), self._piece)
+            return self._write(responses_api.delta_event(session_id, sequence, frame.text, scored))
         if isinstance(frame, quicsrv_proto.Checkpoint):
             if frame.index != -1:
                 return b""
@@ -86,6 +96,7 @@ class ResponseEncoder:
             output_tokens=end.completion_tokens,
             end=end.reason,
             completed_at=self._ended_at(),
+            logprobs=self._logprobs_of() if self._piece is not None else (),
         )
         tail = end.text if self._call is None else self._call.finish(end.text)
         out = b"".join(self._write(e) for e in responses_api.closing_events(view, tail))

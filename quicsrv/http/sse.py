@@ -33,9 +33,10 @@ import quicsrv_proto
 from quicsrv_proto import EndReason
 
 from ..sessions.session import Session
-from . import openai_api
+from . import logprobs, openai_api
 from .cursor import FLAG_CHAT, FLAG_USAGE, encode_cursor
 from .errors import ApiError, from_code
+from .logprobs import CompletionLogprobs, Piece
 from .tool_calls import CallText, ToolChoice
 from .tool_chunks import chat_delta
 from .tool_format import AnswerParser
@@ -80,6 +81,8 @@ class StreamShape:
     """The answer is a call of one of these functions (``tool_calls`` deltas, not content)."""
     generic: bool = False
     """The answer is in the generic tool format: text or calls (:mod:`.tool_format`)."""
+    echo: str = ""
+    """Text completions' ``echo``: the prompt, the opening event's text."""
 
     @property
     def flags(self) -> int:
@@ -96,7 +99,9 @@ class SseEncoder:
         mac_key: bytes,
         after: int | None = None,
         text_before: str = "",
+        piece: Piece | None = None,
     ) -> None:
+        """``piece``: the vocabulary, where the tokens come with log-probabilities to show."""
         self.shape = shape
         # A tool call's deltas depend on the text before them: a resumed stream starts from
         # the text of the tokens it skips (``text_before``).
@@ -113,6 +118,13 @@ class SseEncoder:
         # previous key verifies for the ring's grace period.
         self._mac_key = mac_key
         self._after = after
+        # Tokens whose log-probabilities go with the next event that carries text (a token
+        # that completes no character yet has none of its own).
+        self._piece = piece
+        self._scored: list[quicsrv_proto.Token] = []
+        self._completion_logprobs = (
+            None if piece is None or shape.chat else CompletionLogprobs(piece, len(text_before))
+        )
         self.finished = False
         """The stream's last event was written (``[DONE]`` or an error)."""
 
@@ -123,12 +135,16 @@ class SseEncoder:
     def encode(self, frame: quicsrv_proto.Frame) -> bytes:
         """The events ``frame`` makes on this stream (often none)."""
         if isinstance(frame, quicsrv_proto.Token):
+            if frame.logprob is not None and self._answer is None and self._call is None:
+                self._scored.append(frame)  # (a tool call's answer shows none, as OpenAI's)
             if self._answer is not None:
                 delta = chat_delta(self.shape.session_id, self._answer.push(frame.text))
                 return self._event(frame.index, text=None, delta=delta) if delta else b""
             if self._call is not None:
                 return self._tool_event(frame.index, self._call.push(frame.text))
-            return self._event(frame.index, text=frame.text) if frame.text else b""
+            if not frame.text:
+                return b""
+            return self._event(frame.index, text=frame.text, logprobs=self._take_logprobs())
         if isinstance(frame, quicsrv_proto.Checkpoint):
             if frame.index != -1:
                 return b""
@@ -136,7 +152,7 @@ class SseEncoder:
                 return self._tool_event(-1, "", role=True)  # one function: named at once
             if self._answer is not None:  # text or calls: not known yet
                 return self._event(-1, text=None, role=True)
-            return self._event(-1, text="", role=True)
+            return self._event(-1, text=self.shape.echo, role=True)
         if isinstance(frame, quicsrv_proto.End):
             return self._end(frame)
         if isinstance(frame, quicsrv_proto.Error):
@@ -174,12 +190,25 @@ class SseEncoder:
             out = self._tool_event(n, self._call.finish(end.text), finish=finish)
         else:
             finish = openai_api.finish_reason(end.reason)
-            out = self._event(n, text=end.text or None, finish=finish)
+            logprobs = self._take_logprobs()
+            out = self._event(n, text=end.text or None, finish=finish, logprobs=logprobs)
         if self.shape.include_usage:
             counts = openai_api.usage(end)
             out += self._event(n + 1, text=None, usage_counts=counts)
         self.finished = True
         return out + DONE
+
+    def _take_logprobs(self) -> dict[str, Any] | None:
+        """The ``logprobs`` of the tokens held since the last event that carried text (None
+        where there are none: not asked for, or an answer that is a tool call)."""
+        if not self._scored or self._piece is None:
+            return None
+        tokens, self._scored = self._scored, []
+        if self._completion_logprobs is None:
+            return {"content": logprobs.entries(tokens, self._piece), "refusal": None}
+        for token in tokens:
+            self._completion_logprobs.add_token(token)
+        return self._completion_logprobs.take()
 
     def _error(self, error: ApiError) -> bytes:
         self.finished = True
@@ -217,6 +246,7 @@ class SseEncoder:
         usage_counts: dict[str, int] | None = None,
         tool_call: dict[str, Any] | None = None,
         delta: dict[str, Any] | None = None,
+        logprobs: dict[str, Any] | None = None,
     ) -> bytes:
         if self._after is not None and index <= self._after:
             return b""  # the client had this event before it reconnected
@@ -233,6 +263,7 @@ class SseEncoder:
             usage_counts=usage_counts,
             tool_call=tool_call,
             delta=delta,
+            logprobs=logprobs,
         )
         cursor = encode_cursor(self._mac_key, shape.session_id, index, shape.flags)
         return b"id: " + cursor.encode() + b"\ndata: " + _compact(body) + b"\n\n"
@@ -248,6 +279,8 @@ class CollectedAnswer:
     """Every token's text and the END's held-back tail, joined."""
     end: quicsrv_proto.End
     """How the generation ended, with the token counts."""
+    scored: tuple[quicsrv_proto.Token, ...] = ()
+    """The tokens, where they came with log-probabilities."""
 
 
 class CollectingPort:
@@ -259,6 +292,7 @@ class CollectingPort:
 
     def __init__(self) -> None:
         self._parts: list[str] = []
+        self._scored: list[quicsrv_proto.Token] = []
         self._sent = 0
         self.answer: asyncio.Future[CollectedAnswer] = asyncio.get_running_loop().create_future()
 
@@ -268,6 +302,8 @@ class CollectingPort:
             return
         if isinstance(frame, quicsrv_proto.Token):
             self._parts.append(frame.text)
+            if frame.logprob is not None:
+                self._scored.append(frame)
         elif isinstance(frame, quicsrv_proto.End):
             if frame.reason in (EndReason.SUPERSEDED, EndReason.SHUTDOWN):
                 self.answer.set_exception(
@@ -275,7 +311,8 @@ class CollectingPort:
                 )
             else:
                 text = "".join(self._parts) + frame.text
-                self.answer.set_result(CollectedAnswer(text=text, end=frame))
+                answer = CollectedAnswer(text=text, end=frame, scored=tuple(self._scored))
+                self.answer.set_result(answer)
         elif isinstance(frame, quicsrv_proto.Error):
             self.answer.set_exception(from_code(frame.code, frame.message, frame.retry_after_s))
 

@@ -25,10 +25,10 @@ import cbor2
 
 from quicsrv_proto import canonical_cbor
 
+from ..engine import TokenLogprobs
 from ..files import write_atomically
 from .record import SessionRecord
 from .store import AppendOutcome, Found, RecordIndex, SaveQueue, StoreUsage
-from .tokens import pack_token, unpack_tokens
 
 __all__ = ["FileSessionStore"]
 
@@ -88,8 +88,10 @@ class FileSessionStore:
     def durable_tokens(self, record: SessionRecord) -> int:
         return len(record.generated)  # each append is a write(2) before it returns
 
-    def append_token(self, record: SessionRecord, token: int) -> None:
-        record.generated.append(token)
+    def append_token(
+        self, record: SessionRecord, token: int, logprobs: TokenLogprobs | None = None
+    ) -> None:
+        entry = record.add_token(token, logprobs)
         fd = self._logs.get(record.session_id)
         if fd is None:
             fd = os.open(
@@ -98,9 +100,9 @@ class FileSessionStore:
                 0o600,
             )
             self._logs[record.session_id] = fd
-        # One write(2) of 4 bytes: a kill -9 loses nothing the kernel already has.
-        os.write(fd, pack_token(token))
-        self._index.token_added()
+        # One write(2) of the entry: a kill -9 loses nothing the kernel already has.
+        os.write(fd, entry)
+        self._index.token_added(len(entry))
 
     def close_log(self, record: SessionRecord) -> None:
         fd = self._logs.pop(record.session_id, None)
@@ -164,7 +166,7 @@ class FileSessionStore:
                 meta = cbor2.loads(path.read_bytes())
                 tokens_path = path.with_suffix(".tokens")
                 raw = tokens_path.read_bytes() if tokens_path.exists() else b""
-                record = SessionRecord.from_meta(meta, unpack_tokens(raw))
+                record = SessionRecord.from_log(meta, raw)
             except Exception as exc:  # one bad file must not stop the server
                 log.warning("ignoring unreadable session file %s: %s", path.name, exc)
                 continue

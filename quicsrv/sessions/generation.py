@@ -167,6 +167,8 @@ def build_request(
         ignore_eos=frame.ignore_eos,
         prefill_chunk=engine.prefill_chunk,
         grammar=grammar,
+        logprobs=frame.logprobs,
+        score_prompt=frame.score_prompt,
     )
     return PreparedRequest(spec=spec, messages=messages, continued=continued)
 

@@ -362,6 +362,10 @@ class SessionManager:
         check_owner(record, key_id)
         return record
 
+    def piece(self, token_id: int) -> bytes:
+        """A token's bytes, in the served model's vocabulary."""
+        return self._engine.piece(token_id)
+
     def text_of(self, record: SessionRecord, upto: int | None = None) -> str:
         """The text of a record's answer: of its first ``upto`` tokens, as a stream sent it
         (what a stop sequence may still match held back), or else all of it."""

@@ -1,8 +1,9 @@
 """What is known of one session: :class:`SessionRecord`, and its persisted form.
 
 A record is kept as two parts by every store: its metadata (canonical CBOR of everything but the
-generated tokens, rewritten whole when it changes) and its token log (4 bytes a token, appended
-before the token is sent: :mod:`.tokens`).
+generated tokens, rewritten whole when it changes) and its token log (4 bytes a token, with its
+log-probabilities where the session asked for them, appended before the token is sent:
+:mod:`.tokens`).
 """
 
 from __future__ import annotations
@@ -13,9 +14,10 @@ from typing import Any
 
 from quicsrv_proto import EndReason
 
-from ..engine import PrefillPlan, Segment
+from ..engine import PrefillPlan, Segment, TokenLogprobs
 from .snapshot import Snapshot
 from .spec import GenerationSpec
+from .tokens import LogprobLog, entry_bytes, pack_entry, unpack_log
 
 __all__ = ["SessionEnd", "SessionRecord"]
 
@@ -54,6 +56,32 @@ class SessionRecord:
     api: dict[str, Any] | None = None
     """What a front end keeps with the session to answer about it later (the Responses API:
     its request fields and the conversation the prompt was rendered from); CBOR values."""
+    logprobs: LogprobLog | None = None
+    """The generated tokens' log-probabilities, where the spec asks for them (made empty for a
+    new record); None: not kept."""
+    prompt_logprobs: tuple[TokenLogprobs, ...] | None = None
+    """A scored prompt's (``spec.score_prompt``) tokens' log-probabilities, but the first's;
+    None: not scored (yet)."""
+    ended_by: tuple[int, TokenLogprobs] | None = None
+    """A scored prompt's first token when it ended the generation (an end-of-generation
+    token, never recorded as a token), with its log-probabilities."""
+
+    def __post_init__(self) -> None:
+        if self.logprobs is None and self.spec.logprobs is not None:
+            self.logprobs = LogprobLog(self.spec.logprobs)
+
+    @property
+    def entry_bytes(self) -> int:
+        """Bytes a generated token takes in its token log."""
+        return entry_bytes(self.spec.logprobs)
+
+    def add_token(self, token: int, logprobs: TokenLogprobs | None) -> bytes:
+        """Record a generated token (and its log-probabilities, where they are kept); its entry
+        as the token log holds it."""
+        self.generated.append(token)
+        if self.logprobs is not None:
+            self.logprobs.append(logprobs)
+        return pack_entry(token, self.spec.logprobs, logprobs)
 
     @property
     def cached_tokens(self) -> int:
@@ -95,10 +123,23 @@ class SessionRecord:
             meta["api"] = self.api
         if self.prefill_plan is not None:
             meta["plan"] = [self.prefill_plan.reused, [list(s) for s in self.prefill_plan.segments]]
+        if self.prompt_logprobs is not None:
+            meta["prompt_logprobs"] = [_logprobs_wire(lp) for lp in self.prompt_logprobs]
+        if self.ended_by is not None:
+            meta["ended_by"] = [self.ended_by[0], _logprobs_wire(self.ended_by[1])]
         return meta
 
     @classmethod
-    def from_meta(cls, meta: Any, tokens: array[int]) -> SessionRecord:
+    def from_log(cls, meta: Any, log: bytes) -> SessionRecord:
+        """Read back what :meth:`meta` wrote and the token log (entries :meth:`add_token` made)."""
+        spec_logprobs = meta.get("logprobs")
+        tokens, logprobs = unpack_log(log, None if spec_logprobs is None else int(spec_logprobs))
+        return cls.from_meta(meta, tokens, logprobs)
+
+    @classmethod
+    def from_meta(
+        cls, meta: Any, tokens: array[int], logprobs: LogprobLog | None = None
+    ) -> SessionRecord:
         """Read back what :meth:`meta` wrote, with the token log's ``tokens``."""
         end = meta.get("end")
         plan = meta.get("plan")
@@ -120,4 +161,19 @@ class SessionRecord:
             ),
             unattended=bool(meta.get("unattended", False)),
             api=meta.get("api"),
+            logprobs=logprobs,
+            prompt_logprobs=None
+            if meta.get("prompt_logprobs") is None
+            else tuple(_logprobs_read(v) for v in meta["prompt_logprobs"]),
+            ended_by=None
+            if meta.get("ended_by") is None
+            else (int(meta["ended_by"][0]), _logprobs_read(meta["ended_by"][1])),
         )
+
+
+def _logprobs_wire(logprobs: TokenLogprobs) -> list[object]:
+    return [logprobs.logprob, [[token, lp] for token, lp in logprobs.top]]
+
+
+def _logprobs_read(value: Any) -> TokenLogprobs:
+    return TokenLogprobs(float(value[0]), tuple((int(t), float(lp)) for t, lp in value[1]))

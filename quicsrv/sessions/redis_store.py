@@ -46,9 +46,9 @@ from redis.retry import Retry
 
 from quicsrv_proto import canonical_cbor
 
+from ..engine import TokenLogprobs
 from .record import SessionRecord
 from .store import AppendOutcome, Found, RecordIndex, SaveQueue, StoreUnavailable, StoreUsage
-from .tokens import TOKEN_BYTES, pack_token, unpack_tokens
 
 __all__ = ["DEFAULT_PREFIX", "RedisSessionStore", "connect", "connect_async", "process_owner_id"]
 
@@ -209,11 +209,13 @@ class RedisSessionStore:
     def durable_tokens(self, record: SessionRecord) -> int:
         return self._durable.get(record.session_id, len(record.generated))
 
-    def append_token(self, record: SessionRecord, token: int) -> None:
+    def append_token(
+        self, record: SessionRecord, token: int, logprobs: TokenLogprobs | None = None
+    ) -> None:
         session = record.session_id
         self._durable.setdefault(session, len(record.generated))
-        record.generated.append(token)
-        self._index.token_added()
+        entry = record.add_token(token, logprobs)
+        self._index.token_added(len(entry))
         if self._loop is None:
             self._loop = asyncio.get_running_loop()
         with self._lock:
@@ -225,7 +227,7 @@ class RedisSessionStore:
                 pending = self._pending[session] = _PendingAppend(
                     record, offset, bytearray(), int(record.expires_at_s * 1000)
                 )
-            pending.data += pack_token(token)
+            pending.data += entry
             pending.expires_at_ms = int(record.expires_at_s * 1000)
         if first:  # one batch job at a time gathers every session's tokens
             self._writes.submit(self._flush_appends)
@@ -291,7 +293,7 @@ class RedisSessionStore:
         if found is not None:
             record = found.record
             self.remove(record.session_id)
-            self._index.put(record, token_bytes=TOKEN_BYTES * len(record.generated))
+            self._index.put(record, token_bytes=record.entry_bytes * len(record.generated))
             self._durable[record.session_id] = len(record.generated)
         return found
 
@@ -347,7 +349,7 @@ class RedisSessionStore:
                     args=[
                         self.owner_id,
                         self._lease_ms,
-                        pending.offset * TOKEN_BYTES,
+                        pending.offset * pending.record.entry_bytes,
                         bytes(pending.data),
                         pending.expires_at_ms,
                     ],
@@ -367,7 +369,7 @@ class RedisSessionStore:
             elif result != 1:
                 log.info("session %s was taken over by another process", session.hex())
                 outcome, problem = AppendOutcome.TAKEN, "another process owns the session"
-            done = pending.offset + len(pending.data) // TOKEN_BYTES
+            done = pending.offset + len(pending.data) // pending.record.entry_bytes
             settled.append((pending.record, outcome, problem, done))
         loop = self._loop
         if loop is not None and not loop.is_closed():
@@ -389,9 +391,7 @@ class RedisSessionStore:
         return self._decode(raw_meta, raw_tokens, owner)
 
     def _decode(self, raw_meta: Any, raw_tokens: Any, owner: Any) -> Found:
-        record = SessionRecord.from_meta(
-            cbor2.loads(bytes(raw_meta)), unpack_tokens(bytes(raw_tokens))
-        )
+        record = SessionRecord.from_log(cbor2.loads(bytes(raw_meta)), bytes(raw_tokens))
         owner = owner.decode() if isinstance(owner, bytes) else str(owner)
         return Found(record, owned_here=owner == self.owner_id, owner=owner)
 

@@ -183,6 +183,7 @@ class Runner:
             resume=resume,
             prefill_plan=record.prefill_plan,
             cache_scope="" if self._flow.prefix_cache_shared else record.owner,
+            scored=record.prompt_logprobs is not None,
         )
         self._sink.target = target
         try:

@@ -34,6 +34,7 @@ from ..engine import (
     PrefillPlan,
     ResumePath,
     ResumePoint,
+    TokenLogprobs,
 )
 from .admission import FairGate, Place, Slot
 from .attachment import Attachment, StreamPort, UnattendedPort
@@ -256,13 +257,15 @@ class Session:
 
     # --- the engine's reports, on the loop (TokenSink, through the LoopSink) ---------------
 
-    def token_generated(self, index: int, token_id: int, piece: bytes) -> None:
+    def token_generated(
+        self, index: int, token_id: int, piece: bytes, logprobs: TokenLogprobs | None
+    ) -> None:
         record = self.record
         if self.stale:
             return  # another process writes this session now
         if record.end is not None or index != len(record.generated):
             return  # a token decoded after a stop sequence matched: not part of the output
-        self._store.append_token(record, token_id)  # persisted before anyone is sent it
+        self._store.append_token(record, token_id, logprobs)  # persisted before it is sent
         self._trace.token_recorded()
         if self._transcript.add(piece):
             self._transition(SessionEvent.STOP_MATCHED)
@@ -273,6 +276,14 @@ class Session:
         if not self._pump_posted:
             self._pump_posted = True
             self._inbox.post(self._posted_pump)
+
+    def prompt_scored(
+        self, logprobs: tuple[TokenLogprobs, ...], ended: tuple[int, TokenLogprobs] | None
+    ) -> None:
+        if self.stale:
+            return
+        self.record.prompt_logprobs, self.record.ended_by = logprobs, ended
+        self._store.save(self.record)
 
     def sequence_finished(self, reason: FinishReason, completion_tokens: int) -> None:
         finish = FINISHES[reason]

@@ -7,7 +7,14 @@ cells are stored here, on the engine thread, so that a spill to disk never block
 
 from __future__ import annotations
 
-from ..engine import FinishReason, PausedState, PrefillPlan, ResumePath, TokenSink
+from ..engine import (
+    FinishReason,
+    PausedState,
+    PrefillPlan,
+    ResumePath,
+    TokenLogprobs,
+    TokenSink,
+)
 from .inbox import LoopInbox
 from .kvstore import KVStore
 
@@ -30,10 +37,19 @@ class LoopSink:
         report), None once the session is idle, so that it and this sink hold no reference
         cycle and it goes as soon as nothing else holds it."""
 
-    def token_generated(self, index: int, token_id: int, piece: bytes) -> None:
+    def token_generated(
+        self, index: int, token_id: int, piece: bytes, logprobs: TokenLogprobs | None
+    ) -> None:
         target = self.target
         if target is not None:
-            self._inbox.post(target.token_generated, index, token_id, piece)
+            self._inbox.post(target.token_generated, index, token_id, piece, logprobs)
+
+    def prompt_scored(
+        self, logprobs: tuple[TokenLogprobs, ...], ended: tuple[int, TokenLogprobs] | None
+    ) -> None:
+        target = self.target
+        if target is not None:
+            self._inbox.post(target.prompt_scored, logprobs, ended)
 
     def sequence_finished(self, reason: FinishReason, completion_tokens: int) -> None:
         target = self.target

@@ -44,6 +44,12 @@ class GenerationSpec:
     """Prompt tokens fed per step when it first ran: a replay must feed them the same way."""
     grammar: Grammar | None = None
     """What constrains its tokens (structured output); None: nothing."""
+    logprobs: int | None = None
+    """Each token's log-probability is kept with this many alternatives; None: none. Not a
+    part of the MAC: it decides what is kept of the tokens, not which they are."""
+    score_prompt: bool = False
+    """The prompt's tokens' log-probabilities are kept too (text completions' ``echo``): its
+    first run computes every prompt position, none taken from the prefix cache."""
 
     def request(
         self,
@@ -51,8 +57,11 @@ class GenerationSpec:
         resume: ResumePoint | None = None,
         prefill_plan: PrefillPlan | None = None,
         cache_scope: str = "",
+        scored: bool = False,
     ) -> SequenceRequest:
-        """The engine request of a start (``resume`` None) or of a restart."""
+        """The engine request of a start (``resume`` None) or of a restart (``scored``: the
+        prompt's scores are kept already)."""
+        score = self.score_prompt and not scored and not (resume is not None and resume.generated)
         return SequenceRequest(
             prompt_tokens=self.prompt_tokens,
             max_tokens=self.max_tokens,
@@ -63,6 +72,8 @@ class GenerationSpec:
             prefill_plan=prefill_plan,
             cache_scope=cache_scope,
             grammar=None if self.grammar is None else self.grammar.gbnf,
+            logprobs=self.logprobs,
+            prompt_logprobs=score,
         )
 
     def mac_fields(self) -> dict[str, object]:
@@ -92,6 +103,10 @@ class GenerationSpec:
         }
         if self.grammar is not None:
             meta["grammar"] = [self.grammar.digest, self.grammar.gbnf]
+        if self.logprobs is not None:
+            meta["logprobs"] = self.logprobs
+        if self.score_prompt:
+            meta["score_prompt"] = True
         return meta
 
     @classmethod
@@ -111,6 +126,8 @@ class GenerationSpec:
             grammar=None
             if grammar is None
             else Grammar(gbnf=str(grammar[1]), digest=bytes(grammar[0])),
+            logprobs=None if meta.get("logprobs") is None else int(meta["logprobs"]),
+            score_prompt=bool(meta.get("score_prompt", False)),
         )
 
 

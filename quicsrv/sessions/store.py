@@ -24,8 +24,8 @@ from dataclasses import dataclass
 from enum import Enum
 from typing import Protocol, TypeVar
 
+from ..engine import TokenLogprobs
 from .record import SessionRecord
-from .tokens import TOKEN_BYTES
 
 __all__ = [
     "AppendOutcome",
@@ -113,8 +113,11 @@ class SessionStore(Protocol):
     def durable_tokens(self, record: SessionRecord) -> int:
         """How many of the record's tokens a crash would not lose: only those may be sent."""
 
-    def append_token(self, record: SessionRecord, token: int) -> None:
-        """Record a generated token; call before the token is sent to anyone."""
+    def append_token(
+        self, record: SessionRecord, token: int, logprobs: TokenLogprobs | None = None
+    ) -> None:
+        """Record a generated token (and its log-probabilities, where the session keeps them);
+        call before the token is sent to anyone."""
 
     def close_log(self, record: SessionRecord) -> None:
         """Nothing more is appended for now (a file store closes its descriptor)."""
@@ -211,15 +214,17 @@ class RecordIndex:
         self.disk_bytes += size - self._meta_bytes.get(session, 0)
         self._meta_bytes[session] = size
 
-    def token_added(self) -> None:
-        self.disk_bytes += TOKEN_BYTES
+    def token_added(self, entry_bytes: int) -> None:
+        self.disk_bytes += entry_bytes
 
     def pop(self, session: bytes, *, expired: bool = False) -> SessionRecord | None:
         """Forget ``session`` here; with ``expired``, remember that it expired."""
         record = self.records.pop(session, None)
         if record is None:
             return None
-        self.disk_bytes -= self._meta_bytes.pop(session, 0) + TOKEN_BYTES * len(record.generated)
+        self.disk_bytes -= self._meta_bytes.pop(session, 0) + record.entry_bytes * len(
+            record.generated
+        )
         if expired:
             self._expired[session] = None
             while len(self._expired) > _TOMBSTONES:

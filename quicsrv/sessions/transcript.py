@@ -12,11 +12,13 @@ unfinished UTF-8 sequence).
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Iterator
 
 import quicsrv_proto
 from quicsrv_proto import EndReason
 
+from ..engine import TokenLogprobs
 from .keys import KeyRing
 from .record import SessionRecord
 from .snapshot import PrefixSigner
@@ -67,9 +69,14 @@ class Transcript:
         chunk holding the tokens before ``end``, its last a CHECKPOINT where ``end`` is a
         multiple of ``every``."""
         generated, texts, every = self._record.generated, self._texts, self._every
+        logprobs = self._record.logprobs
         chunk: list[quicsrv_proto.Frame] = []
         for i in range(start, stop):
-            chunk.append(quicsrv_proto.Token(index=i, token_id=generated[i], text=texts[i]))
+            if logprobs is None:
+                token = quicsrv_proto.Token(index=i, token_id=generated[i], text=texts[i])
+            else:
+                token = _with_logprobs(i, generated[i], texts[i], logprobs[i])
+            chunk.append(token)
             if (i + 1) % every == 0:
                 chunk.append(self.checkpoint(i))
                 yield i + 1, chunk
@@ -128,3 +135,18 @@ class Transcript:
     def _closing_text(self) -> str:
         assert self._record.end is not None
         return "" if self._record.end.reason is EndReason.STOP else self._text.finish()
+
+
+def _with_logprobs(
+    index: int, token_id: int, text: str, logprobs: TokenLogprobs
+) -> quicsrv_proto.Token:
+    """A TOKEN with its log-probabilities (none where they are unknown: NaN in the log)."""
+    if math.isnan(logprobs.logprob):
+        return quicsrv_proto.Token(index=index, token_id=token_id, text=text)
+    return quicsrv_proto.Token(
+        index=index,
+        token_id=token_id,
+        text=text,
+        logprob=logprobs.logprob,
+        top_logprobs=logprobs.top,
+    )

@@ -21,9 +21,14 @@ class RecordingSink:
         self.reason: FinishReason | None = None
         self.completion_tokens: int | None = None
 
-    def token_generated(self, index: int, token_id: int, piece: bytes) -> None:
+    def token_generated(
+        self, index: int, token_id: int, piece: bytes, logprobs: object = None
+    ) -> None:
         self.tokens.append(token_id)
         self.pieces.append(piece)
+
+    def prompt_scored(self, logprobs: object, ended: object) -> None:
+        pass  # never asked for here
 
     def sequence_finished(self, reason: FinishReason, completion_tokens: int) -> None:
         self.reason = reason

@@ -32,10 +32,15 @@ class Recorder:
         self.done = threading.Event()
         self.reason: FinishReason | None = None
 
-    def token_generated(self, index: int, token_id: int, piece: bytes) -> None:
+    def token_generated(
+        self, index: int, token_id: int, piece: bytes, logprobs: object = None
+    ) -> None:
         self.tokens.append(token_id)
         self.log.append((self.name, index))
         self.first_token.set()
+
+    def prompt_scored(self, logprobs: object, ended: object) -> None:
+        pass  # never asked for here
 
     def sequence_finished(self, reason: FinishReason, completion_tokens: int) -> None:
         self.reason = reason

@@ -18,7 +18,7 @@ STEP_S = 0.008
 
 
 def token(key: int, index: int) -> TokenGenerated:
-    return TokenGenerated(key, index, 100 + index, b"x")
+    return TokenGenerated(key, index, 100 + index, b"x", None)
 
 
 def step(at: float, *events: Event) -> Step:

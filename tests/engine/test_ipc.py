@@ -14,6 +14,7 @@ from quicsrv.engine import (
     SamplingParams,
     Segment,
     SequenceRequest,
+    TokenLogprobs,
 )
 from quicsrv.engine.ipc import (
     Allow,
@@ -46,7 +47,13 @@ MESSAGES = [
     Ready(pid=5, cpu_extra_buffers=False, load_s=0.5, canary_s=0.25, prefix_cache=True),
     Step(
         events=(
-            TokenGenerated(key=1, index=0, token_id=42, piece=b" hi"),
+            TokenGenerated(
+                key=1,
+                index=0,
+                token_id=42,
+                piece=b" hi",
+                logprobs=TokenLogprobs(-0.5, ((42, -0.5), (7, -1.25))),
+            ),
             SequenceFinished(key=1, reason=FinishReason.LENGTH, completion_tokens=1),
             SequencePaused(key=2, generated=(9, 8), kv_file=None),
             SequenceResumed(key=3, path=ResumePath.KV_RESTORE),

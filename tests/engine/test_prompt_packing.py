@@ -76,10 +76,12 @@ class FirstToken(RecordingSink):
         self.first: tuple[int, int] | None = None
         self.paused_state: PausedState | None = None
 
-    def token_generated(self, index: int, token_id: int, piece: bytes) -> None:
+    def token_generated(
+        self, index: int, token_id: int, piece: bytes, logprobs: object = None
+    ) -> None:
         if self.first is None:
             self.first = (self.observer.decodes, self.observer.steps)
-        super().token_generated(index, token_id, piece)
+        super().token_generated(index, token_id, piece, logprobs)
 
     def sequence_paused(self, state: PausedState) -> None:
         self.paused_state = state

@@ -79,7 +79,9 @@ def test_content_parts_and_the_developer_role():
     [
         ({"n": 2}, "n", "unsupported_value"),
         ({"logit_bias": {"50256": -100}}, "logit_bias", "unsupported_parameter"),
-        ({"logprobs": True}, "logprobs", "unsupported_parameter"),
+        ({"logprobs": True, "top_logprobs": 21}, "top_logprobs", "invalid_value"),
+        ({"top_logprobs": 2}, "top_logprobs", "invalid_value"),
+        ({"logprobs": 1}, "logprobs", "invalid_value"),
         ({"presence_penalty": 0.5}, "presence_penalty", "unsupported_parameter"),
         ({"tools": [{"type": "function"}]}, "tools[0]", "invalid_value"),
         (
@@ -133,7 +135,9 @@ def test_bad_chat_fields_get_400_naming_the_parameter(fields, param, code):
     [
         ({"prompt": ["a", "b"]}, "prompt", "unsupported_value"),
         ({"prompt": [1, 2, 3]}, "prompt", "unsupported_value"),
-        ({"echo": True}, "echo", "unsupported_parameter"),
+        ({"echo": True, "logprobs": 1, "stream": True}, "echo", "unsupported_value"),
+        ({"logprobs": 21}, "logprobs", "invalid_value"),
+        ({"logprobs": True}, "logprobs", "invalid_value"),
         ({"best_of": 3}, "best_of", "unsupported_parameter"),
         ({"messages": []}, "messages", "unknown_parameter"),
     ],

@@ -279,8 +279,6 @@ def test_a_value_that_would_change_the_answer_is_refused_everywhere(
         ({"context_management": [{"type": "compaction"}]}, "context_management"),
         ({"reasoning": {"effort": "high"}}, "reasoning"),
         ({"reasoning": {"summary": "auto"}}, "reasoning"),
-        ({"include": ["message.output_text.logprobs"]}, "include"),
-        ({"top_logprobs": 3}, "top_logprobs"),
         ({"max_tool_calls": 2}, "max_tool_calls"),
         ({"stream_options": {"include_obfuscation": True}}, "stream_options"),
     ],
@@ -298,7 +296,6 @@ def test_responses_refuse_what_would_change_the_answer(fields: dict[str, Any], p
         ({"reasoning_effort": "high"}, "reasoning_effort"),
         ({"modalities": ["text", "audio"]}, "modalities"),
         ({"verbosity": "low"}, "verbosity"),
-        ({"top_logprobs": 2}, "top_logprobs"),
         ({"cache_prompt": False}, "cache_prompt"),
     ],
 )

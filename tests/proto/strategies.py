@@ -31,6 +31,7 @@ from quicsrv_proto.frames import (
     MAX_STOP_SEQUENCES,
     MAX_TOKEN_ID,
     MAX_TOKEN_INDEX,
+    MAX_TOP_LOGPROBS,
     SESSION_ID_BYTES,
     SNAPSHOT_HASH_BYTES,
 )
@@ -88,15 +89,29 @@ def generates(draw: st.DrawFn) -> Generate:
         ),
         ignore_eos=draw(st.booleans()),
         deadline_ms=draw(st.none() | st.integers(1, MAX_DEADLINE_MS)),
+        logprobs=draw(st.none() | st.integers(0, MAX_TOP_LOGPROBS)),
+        score_prompt=draw(st.booleans()),
     )
 
 
-tokens = st.builds(
-    Token,
-    index=st.integers(0, MAX_TOKEN_INDEX),
-    token_id=st.integers(0, MAX_TOKEN_ID),
-    text=short_text,
-)
+logprobs = st.floats(-(2.0**100), 0.0, width=32)
+
+
+@st.composite
+def tokens(draw: st.DrawFn) -> Token:
+    logprob = draw(st.none() | logprobs)
+    top = ()
+    if logprob is not None:
+        pair = st.tuples(st.integers(0, MAX_TOKEN_ID), logprobs)
+        top = tuple(draw(st.lists(pair, max_size=MAX_TOP_LOGPROBS)))
+    return Token(
+        index=draw(st.integers(0, MAX_TOKEN_INDEX)),
+        token_id=draw(st.integers(0, MAX_TOKEN_ID)),
+        text=draw(short_text),
+        logprob=logprob,
+        top_logprobs=top,
+    )
+
 
 ends = st.builds(
     End,
@@ -136,7 +151,7 @@ checkpoints = st.builds(
 
 FRAME_STRATEGIES: dict[type[Frame], st.SearchStrategy[Any]] = {
     Generate: generates(),
-    Token: tokens,
+    Token: tokens(),
     End: ends,
     Error: errors,
     ResumeStream: resume_streams(),
@@ -162,6 +177,7 @@ def one_of_each() -> list[Frame]:
         Generate(prompt="Once upon a time", max_tokens=3),
         Token(index=0, token_id=9906, text="Hello"),
         Token(index=1, token_id=0, text=""),
+        Token(index=2, token_id=5, text="x", logprob=-0.5, top_logprobs=((5, -0.5), (6, -1.25))),
         Checkpoint(session_id=b"\x01" * 16, index=1, snapshot_hash=b"\x02" * 32),
         ResumeStream(session_id=b"\x01" * 16, last_index=-1, snapshot_hash=b"\x03" * 32),
         End(reason=EndReason.LENGTH, prompt_tokens=4, completion_tokens=2),

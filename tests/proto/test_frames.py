@@ -250,7 +250,12 @@ REJECTIONS: list[tuple[str, FrameType, Any, tuple[type[ProtocolError], ErrorCode
     ("message without content", G, {"messages": [{"role": "user"}], "max_tokens": 1}, MISSING),
     # unknown fields
     ("generate with unknown key", G, with_fields(G, best_of=2), UNKNOWN),
-    ("token with unknown key", FrameType.TOKEN, with_fields(FrameType.TOKEN, logprob=0.1), UNKNOWN),
+    (
+        "token with unknown key",
+        FrameType.TOKEN,
+        with_fields(FrameType.TOKEN, confidence=0.1),
+        UNKNOWN,
+    ),
     ("end with unknown key", FrameType.END, with_fields(FrameType.END, why="x"), UNKNOWN),
     (
         "message with unknown key",

@@ -410,7 +410,7 @@ class SessionLifecycleMachine(RuleBasedStateMachine):
                 piece = STOP.encode() if stops else b"a"
                 self.engine.pieces[token_id] = piece
                 sequence.generated.append(token_id)
-                sequence.sink.token_generated(index, token_id, piece)
+                sequence.sink.token_generated(index, token_id, piece, None)
 
         self._do(generate)
 

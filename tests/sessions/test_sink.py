@@ -40,7 +40,11 @@ class _KV:
 class _Session:
     """Where the reports go (the session's loop-side TokenSink methods)."""
 
-    def token_generated(self, index: int, token_id: int, piece: bytes) -> None: ...
+    def token_generated(
+        self, index: int, token_id: int, piece: bytes, logprobs: object = None
+    ) -> None: ...
+
+    def prompt_scored(self, logprobs: object, ended: object) -> None: ...
 
     def sequence_finished(self, reason: FinishReason, completion_tokens: int) -> None: ...
 
@@ -62,14 +66,14 @@ def test_every_report_is_one_post_of_the_targets_same_method_in_order():
     sink.target = target
     plan = PrefillPlan.plain(3, 16)
     sink.sequence_planned(plan)
-    sink.token_generated(0, 7, b"a")
-    sink.token_generated(1, 8, b"b")
+    sink.token_generated(0, 7, b"a", None)
+    sink.token_generated(1, 8, b"b", None)
     sink.sequence_resumed(ResumePath.REPLAY)
     sink.sequence_finished(FinishReason.EOS, 2)
     assert inbox.posted == [
         (target.sequence_planned, (plan,)),
-        (target.token_generated, (0, 7, b"a")),
-        (target.token_generated, (1, 8, b"b")),
+        (target.token_generated, (0, 7, b"a", None)),
+        (target.token_generated, (1, 8, b"b", None)),
         (target.sequence_resumed, (ResumePath.REPLAY,)),
         (target.sequence_finished, (FinishReason.EOS, 2)),
     ]
@@ -90,7 +94,7 @@ def test_a_pauses_cells_are_stored_on_the_engine_thread_and_not_sent_to_the_loop
 
 def test_without_a_target_nothing_is_posted():
     sink, inbox, kv = _sink()
-    sink.token_generated(0, 7, b"a")
+    sink.token_generated(0, 7, b"a", None)
     sink.sequence_paused(PausedState(generated=(7,), kv_state=b"cells"))
     assert inbox.posted == []
     assert kv.put_calls == [(SESSION, 1, b"cells")]  # the cells are kept all the same
