@@ -170,7 +170,11 @@ class _Reference:
         }
 
     def _generate(self, prompt: str, body: dict[str, Any]) -> tuple[dict[str, Any], dict[str, int]]:
-        """``Llama.create_completion``'s own greedy answer."""
+        """``Llama.create_completion``'s own greedy answer, the prompt evaluated whole (``reset``:
+        else ``Llama`` evaluates only what follows the longest prefix it shares with the
+        previous request, and how a prompt is split into batches moves llama.cpp's last digits:
+        enough to flip a greedy pick between near-equal tokens)."""
+        self.llm.reset()
         done = self.llm.create_completion(
             prompt,
             max_tokens=int(body.get("max_tokens") or 16),

@@ -273,7 +273,9 @@ class _Target:
 
 
 @contextlib.asynccontextmanager
-async def _started(name: str, settings: ServerSettings, out: Path) -> AsyncIterator[_Target]:
+async def _started(
+    name: str, settings: ServerSettings, out: Path, quicsrv_env: Mapping[str, str]
+) -> AsyncIterator[_Target]:
     if name == REFERENCE:
         async with llama_cpp_reference_server(settings, out / "reference.log") as child:
             yield _Target(
@@ -284,7 +286,7 @@ async def _started(name: str, settings: ServerSettings, out: Path) -> AsyncItera
 
     certs = ensure_dev_certs(out / "certs")
     async with quicsrv_server(
-        settings, certs.server_cert, certs.server_key, out / "quicsrv.log"
+        settings, certs.server_cert, certs.server_key, out / "quicsrv.log", env=quicsrv_env
     ) as child:
         ca = str(certs.ca_cert)
         yield _Target(
@@ -341,7 +343,7 @@ async def _evaluate(args: argparse.Namespace, out: Path) -> dict[str, float]:
             raise SystemExit(f"--targets: {name!r} is not {QUICSRV!r} or {REFERENCE!r}")
         run_dir = out / name
         run_dir.mkdir(parents=True, exist_ok=True)
-        async with _started(name, settings, run_dir) as target:
+        async with _started(name, settings, run_dir, dict(args.quicsrv_env)) as target:
             argv = lm_eval_argv(
                 executable,
                 completions_url=target.completions_url,
@@ -381,6 +383,15 @@ def _parser() -> argparse.ArgumentParser:
     add("--parallel", type=int, default=8, help="quicsrv's slots (one is used at a time)")
     add("--flash-attn", action=argparse.BooleanOptionalAction, default=True)
     add("--timeout-s", type=float, default=3600.0, help="one lm_eval run at most")
+    add(
+        "--quicsrv-env",
+        type=lambda s: tuple(s.split("=", 1)),
+        action="append",
+        default=[],
+        metavar="QUICSRV_KEY=VALUE",
+        help="a quicsrv setting for the run (e.g. QUICSRV_PREFILL_CHUNK_TOKENS=512: every "
+        "prompt in one batch, as the reference evaluates it)",
+    )
     add("--out", type=Path, help="default: loadtest/results/lm-eval-<time>")
     add("--compare-only", type=Path, metavar="DIR", help="compare the runs already in DIR")
     return parser
