@@ -488,11 +488,10 @@ class LlamaEngine(ModelFacts):
             if not logits:
                 continue
             prompt = sequence.request.prompt_tokens
-            if position + 1 < len(prompt):  # a scored prompt's position, not its last
-                assert sequence.prompt_scores is not None
+            scores = sequence.prompt_scores
+            if scores is not None and position + 1 < len(prompt):  # a scored prompt's, not last
                 top = sequence.request.logprobs or 0
-                scores = token_logprobs(self._logits(i), prompt[position + 1], top)
-                sequence.prompt_scores.append(scores)
+                scores.append(token_logprobs(self._logits(i), prompt[position + 1], top))
             else:
                 self._sample(sequence, i)
 

@@ -18,6 +18,7 @@ the whole process on a token its grammar forbids.
 from __future__ import annotations
 
 import ctypes
+import math
 from collections.abc import Sequence
 
 import blake3
@@ -107,12 +108,13 @@ def token_logprobs(logits: npt.NDArray[np.float32], token: int, top: int) -> Tok
     """``token``'s log-probability under the softmax of ``logits`` (the model's distribution,
     before any sampler touched it), with the ``top`` most likely tokens'. A function of the
     logits alone: an exact replay that recomputes a token's logits gets the same numbers."""
-    wide = logits.astype(np.float64)
-    peak = wide.max()
-    log_total = peak + np.log(np.exp(wide - peak).sum())
+    peak = float(logits.max())
+    # exp in float32 (vectorised: a sixth of float64's time over a 49k vocabulary), summed in
+    # float64; each result rounded to a float32, what a token log keeps.
+    log_total = peak + math.log(float(np.exp(logits - peak).sum(dtype=np.float64)))
 
     def logprob(i: int) -> float:
-        return float(np.float32(wide[i] - log_total))
+        return float(np.float32(float(logits[i]) - log_total))
 
     best: tuple[tuple[int, float], ...] = ()
     if top > 0:

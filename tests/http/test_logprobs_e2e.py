@@ -77,8 +77,9 @@ async def test_chat_logprobs_resumed_by_last_event_id_are_the_uninterrupted_ones
     assert _stream_entries(cut.before) + _stream_entries(cut.after) == whole
 
 
-@SAMPLINGS
-async def test_native_logprobs_survive_a_kill_9_of_the_worker(engine, certs, sampling):
+async def test_native_seeded_logprobs_survive_a_kill_9_of_the_worker(engine, certs):
+    sampling = {"temperature": 0.9, "seed": 5}  # greedy ones are cut and resumed above
+
     async def run(kill_at: int | None) -> list[tuple[int, float | None, Any]]:
         got = []
         async for event in client.generate(
@@ -103,10 +104,8 @@ async def test_native_logprobs_survive_a_kill_9_of_the_worker(engine, certs, sam
         whole = await run(None)
         cut = await run(8)
     assert cut == whole
-    for token, logprob, top in whole:
-        assert logprob is not None and len(top) == 4
-        if sampling["temperature"] == 0:
-            assert top[0] == (token, logprob)
+    for _token, logprob, top in whole:
+        assert logprob is not None and len(top) == 4 and logprob <= top[0][1]
 
 
 async def test_the_openai_sdk_reads_chat_completion_and_responses_logprobs(engine, certs):
@@ -188,3 +187,48 @@ async def test_echo_scores_the_prompt_as_the_generation_scored_its_own_tokens(en
     assert math.fsum(logprobs.token_logprobs[tail]) == pytest.approx(
         math.fsum(generated.token_logprobs), abs=0.2
     )
+
+
+async def test_responses_logprobs_resumed_from_starting_after_are_the_uninterrupted_ones(
+    engine, certs
+):
+    from .test_responses_e2e import _cut, _read
+
+    sampling = {"temperature": 0.9, "seed": 7}
+
+    params = dict(
+        input=CHAT[0]["content"],
+        max_output_tokens=24,
+        include=["message.output_text.logprobs"],
+        top_logprobs=2,
+        extra_body={
+            "ignore_eos": True,
+            **({"seed": sampling["seed"]} if "seed" in sampling else {}),
+        },
+        temperature=sampling["temperature"],
+    )
+    async with running_server(engine, certs) as server, openai_client(server, certs) as client:
+        model = server.app.router.model_id
+        whole = await _read(await client.responses.create(model=model, stream=True, **params))
+        first, _ = await _cut(
+            server, await client.responses.create(model=model, stream=True, **params), 10
+        )
+        rest = await _read(
+            await client.responses.retrieve(
+                first[0].response.id, stream=True, starting_after=first[-1].sequence_number
+            )
+        )
+
+    def deltas(events: list[Any]) -> list[dict[str, Any]]:
+        return [
+            entry.model_dump()
+            for e in events
+            if e.type == "response.output_text.delta"
+            for entry in e.logprobs
+        ]
+
+    assert deltas(first) + deltas(rest) == deltas(whole)
+    assert len(deltas(whole)) == 24
+    done = next(e for e in whole if e.type == "response.output_text.done")
+    assert [entry.model_dump() for entry in done.logprobs] == deltas(whole)
+    _check_entries(deltas(whole), 2, greedy=False)
