@@ -6,7 +6,7 @@ BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
 .PHONY: venv certs demo demo-resume test lint bench bench-aiperf aiperf-venv clean system-deps \
-	compliance-open-responses
+	compliance-open-responses lm-eval-venv bench-lm-eval
 
 # The strict editable install links every file under its installed name (proto/ is quicsrv_proto,
 # client/ is quicsrv_client): mypy and plain imports see them without setuptools' import hook. A
@@ -48,6 +48,23 @@ aiperf-venv:
 bench-aiperf: venv aiperf-venv
 	$(BIN)/python -m loadtest.bench.llama_server_build
 	QUICSRV_AIPERF_HOME=$(AIPERF_HOME) $(BIN)/python -m loadtest.bench.aiperf_run $(AIPERF_ARGS)
+
+# lm-evaluation-harness (EleutherAI, PyPI lm-eval) in a venv of its own outside the repository,
+# like AIPerf's: its API client only (no torch: transformers reads the tokenizer), and `gguf` for
+# the tokenizer made offline from the GGUF (loadtest/bench/aiperf_tokenizer.py). bench-lm-eval
+# runs its local-completions model on loadtest/eval's tasks against quicsrv and against
+# llama-cpp-python's Llama (loadtest/bench/lm_eval_run.py); never run by `make test` or CI.
+# Flags: make bench-lm-eval LM_EVAL_ARGS="--limit 20".
+LM_EVAL_HOME ?= $(HOME)/.cache/quicsrv/lm-eval
+LM_EVAL_ARGS ?=
+
+lm-eval-venv:
+	test -x $(LM_EVAL_HOME)/venv/bin/python || $(PYTHON) -m venv $(LM_EVAL_HOME)/venv
+	$(LM_EVAL_HOME)/venv/bin/python -m pip install --quiet 'lm-eval[api]==0.4.13' 'gguf==0.19.0' \
+		'transformers>=4.40,<6'
+
+bench-lm-eval: venv lm-eval-venv
+	QUICSRV_LM_EVAL_HOME=$(LM_EVAL_HOME) $(BIN)/python -m loadtest.bench.lm_eval_run $(LM_EVAL_ARGS)
 
 # The Open Responses compliance suite (its repository's CLI at a pinned commit, run by bun from
 # npm, both kept under ~/.cache/quicsrv/open-responses) against a real `quicsrv serve` with the

@@ -13,11 +13,28 @@ from quicsrv.engine import (
     FinishReason,
     Grammar,
     InvalidSchema,
+    ModelInfo,
     PausedState,
     SequenceRequest,
     StepListener,
     TokenLogprobs,
     TokenSink,
+)
+
+#: What the fake model file says of itself: Unicode's code points are its vocabulary.
+FAKE_MODEL_INFO = ModelInfo(
+    file_name="fake.gguf",
+    name="fake",
+    architecture="fake",
+    n_vocab=0x110000,
+    vocab_type=0,
+    n_ctx_train=None,
+    n_embd=None,
+    n_params=0,
+    size_bytes=0,
+    chat_template=None,
+    bos_token=None,
+    eos_token=None,
 )
 
 
@@ -57,7 +74,7 @@ class FakeEngine:
     """What :meth:`health` answers (a test sets it)."""
     on_step: StepListener | None = None
 
-    def tokenize(self, text: str, *, add_special: bool) -> list[int]:
+    def tokenize(self, text: str, *, add_special: bool, parse_special: bool = True) -> list[int]:
         return [ord(c) for c in text]
 
     def render_chat(self, messages: list[dict[str, str]]) -> str:
@@ -65,6 +82,17 @@ class FakeEngine:
 
     def piece(self, token_id: int) -> bytes:
         return self.pieces[token_id]
+
+    def token_text(self, token_id: int) -> bytes:
+        """Token ``n`` is the character ``n`` (as :meth:`tokenize` makes them), or a scripted
+        piece."""
+        if not 0 <= token_id < self.model_info.n_vocab:
+            raise IndexError(token_id)
+        return self.pieces.get(token_id) or chr(token_id).encode()
+
+    @property
+    def model_info(self) -> ModelInfo:
+        return FAKE_MODEL_INFO
 
     def grammar_for(self, schema: str) -> Grammar:
         """Any schema that parses as JSON: its text stands for the grammar (no llama.cpp)."""

@@ -22,7 +22,13 @@ from quicsrv.spawn import ServerDidNotStart, spawn_server_async
 if TYPE_CHECKING:
     from quicsrv.engine.llama import EngineSettings
 
-__all__ = ["Child", "ServerSettings", "llama_cpp_server", "quicsrv_server"]
+__all__ = [
+    "Child",
+    "ServerSettings",
+    "llama_cpp_reference_server",
+    "llama_cpp_server",
+    "quicsrv_server",
+]
 
 STARTUP_TIMEOUT_S = 120.0
 STOP_TIMEOUT_S = 30.0
@@ -225,4 +231,31 @@ async def llama_cpp_server(
     """llama-cpp-python's OpenAI-compatible server on 127.0.0.1, on an ephemeral TCP port."""
     argv = llama_cpp_server_argv(settings, interrupt_requests=interrupt_requests)
     async with _child(argv, log, _UVICORN_READY) as child:
+        yield child
+
+
+def llama_cpp_reference_argv(settings: ServerSettings) -> list[str]:
+    """:mod:`loadtest.bench.llama_cpp_reference` (llama-cpp-python's ``Llama`` with OpenAI's
+    echo log-probabilities) with the same model, threads, batch, context and kernels."""
+    return [
+        sys.executable,
+        "-m",
+        "loadtest.bench.llama_cpp_reference",
+        f"--model={settings.model_path}",
+        "--port=0",
+        f"--ctx={settings.context_per_sequence}",
+        f"--batch={settings.n_batch}",
+        f"--threads={settings.n_threads}",
+        "--flash-attn" if settings.flash_attn else "--no-flash-attn",
+        f"--extra-buffers={'on' if settings.cpu_extra_buffers else 'off'}",
+    ]
+
+
+@contextlib.asynccontextmanager
+async def llama_cpp_reference_server(settings: ServerSettings, log: Path) -> AsyncIterator[Child]:
+    """The reference on 127.0.0.1, plain HTTP, an ephemeral port (see its module)."""
+    from loadtest.bench.llama_cpp_reference import READY_PATTERN
+
+    argv = llama_cpp_reference_argv(settings)
+    async with _child(argv, log, re.compile(READY_PATTERN)) as child:
         yield child

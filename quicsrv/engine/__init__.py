@@ -25,6 +25,7 @@ from ._api import (
     TokenLogprobs,
     TokenSink,
 )
+from .facts import ModelInfo
 from .model import default_model_path
 
 __all__ = [
@@ -38,6 +39,7 @@ __all__ = [
     "Grammar",
     "InvalidSchema",
     "MAX_TOP_LOGPROBS",
+    "ModelInfo",
     "Overloaded",
     "PausedState",
     "PrefillPlan",

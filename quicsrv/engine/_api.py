@@ -12,6 +12,7 @@ from dataclasses import dataclass
 from enum import StrEnum
 from typing import TYPE_CHECKING, NamedTuple, Protocol
 
+from .facts import ModelInfo
 from .restarts import Breaker
 
 if TYPE_CHECKING:
@@ -326,11 +327,23 @@ class Engine(Protocol):
     def max_queued(self) -> int:
         """Requests that may wait for a slot, all clients together."""
 
-    def tokenize(self, text: str, *, add_special: bool) -> list[int]: ...
+    def tokenize(
+        self, text: str, *, add_special: bool, parse_special: bool = True
+    ) -> list[int]: ...
 
     def render_chat(self, messages: list[dict[str, str]]) -> str: ...
 
     def piece(self, token_id: int) -> bytes: ...
+
+    def token_text(self, token_id: int) -> bytes:
+        """The token's bytes, a control token as its text (``/detokenize``); raises IndexError
+        for an id outside the vocabulary."""
+        ...
+
+    @property
+    def model_info(self) -> ModelInfo:
+        """The model file's own facts (``/props``, ``/v1/models``)."""
+        ...
 
     def grammar_for(self, schema: str) -> Grammar:
         """The grammar of a JSON schema (JSON text), checked to compile with this model's

@@ -13,6 +13,7 @@ from __future__ import annotations
 import asyncio
 import ctypes
 import dataclasses
+import functools
 import itertools
 import logging
 import queue
@@ -44,6 +45,7 @@ from ._api import (
     StepListener,
     TokenSink,
 )
+from .facts import ModelInfo
 from .pieces import RULES_VERSION, share_calls
 from .placement import KvCells, SlotPlacement
 from .sampling import GrammarState, GrammarViolation, SequenceSampler, token_logprobs
@@ -224,8 +226,8 @@ class ModelFacts:
     def model_digest(self) -> bytes:
         return self.vocabulary.model_digest
 
-    def tokenize(self, text: str, *, add_special: bool) -> list[int]:
-        return self.vocabulary.tokenize(text, add_special=add_special)
+    def tokenize(self, text: str, *, add_special: bool, parse_special: bool = True) -> list[int]:
+        return self.vocabulary.tokenize(text, add_special=add_special, parse_special=parse_special)
 
     def render_chat(self, messages: list[dict[str, str]]) -> str:
         return self.vocabulary.render_chat(messages)
@@ -235,6 +237,13 @@ class ModelFacts:
 
     def piece(self, token_id: int) -> bytes:
         return self.vocabulary.piece(token_id)
+
+    def token_text(self, token_id: int) -> bytes:
+        return self.vocabulary.token_text(token_id)
+
+    @functools.cached_property
+    def model_info(self) -> ModelInfo:
+        return self.vocabulary.describe(self.settings.model_path)
 
 
 class LlamaEngine(ModelFacts):

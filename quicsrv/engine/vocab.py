@@ -20,6 +20,7 @@ from llama_cpp._internals import LlamaModel
 from llama_cpp.llama_chat_format import Jinja2ChatFormatter
 
 from ._api import Grammar, InvalidSchema
+from .facts import ModelInfo
 from .grammar import SchemaRejected, check_compiles, grammar_for_schema
 
 __all__ = ["Vocabulary", "file_digest"]
@@ -90,8 +91,11 @@ class Vocabulary:
     def n_vocab(self) -> int:
         return int(self._model.n_vocab())
 
-    def tokenize(self, text: str, *, add_special: bool) -> list[int]:
-        return list(self._model.tokenize(text.encode("utf-8"), add_special, True))
+    def tokenize(self, text: str, *, add_special: bool, parse_special: bool = True) -> list[int]:
+        """``text``'s tokens; ``add_special``: BOS in front where the model wants one;
+        ``parse_special``: a special token's text (``<|im_end|>``) is that token, else plain
+        text (llama-server's ``/tokenize`` flags, same defaults as every prompt here)."""
+        return list(self._model.tokenize(text.encode("utf-8"), add_special, parse_special))
 
     def render_chat(self, messages: list[dict[str, str]]) -> str:
         if self._chat is None:
@@ -114,14 +118,54 @@ class Vocabulary:
             piece = self._pieces[token_id] = self._look_up_piece(token_id)
         return piece
 
-    def _look_up_piece(self, token_id: int) -> bytes:
+    def token_text(self, token_id: int) -> bytes:
+        """The token's bytes with a control token shown as its text (``<|im_end|>``, which
+        :meth:`piece` leaves out of answers): llama-server's ``/detokenize`` and pieces."""
+        if token_id >= self.n_vocab:
+            raise IndexError(f"token id {token_id} is outside the vocabulary")
+        return self._look_up_piece(_checked(token_id), special=True)
+
+    def _look_up_piece(self, token_id: int, *, special: bool = False) -> bytes:
         size = 64
         while True:
             buffer = ctypes.create_string_buffer(size)
-            n = llama_cpp.llama_token_to_piece(self._model.vocab, token_id, buffer, size, 0, False)
+            n = llama_cpp.llama_token_to_piece(
+                self._model.vocab, token_id, buffer, size, 0, special
+            )
             if n >= 0:
                 return buffer.raw[:n]
             size = -n
+
+    def describe(self, path: Path) -> ModelInfo:
+        """The facts of the model file at ``path`` (this vocabulary's): from its header, which
+        a ``vocab_only`` load reads whole (parameter count and size included; hyperparameters
+        are not loaded then, so the context and width come from the header's keys)."""
+        header = self._model.metadata()
+        architecture = header.get("general.architecture")
+
+        def number(key: str) -> int | None:
+            value = header.get(f"{architecture}.{key}") if architecture else None
+            return int(value) if value is not None and value.isdigit() else None
+
+        def special_text(token_id: int) -> str | None:
+            if not 0 <= token_id < self.n_vocab:  # -1: the model has none
+                return None
+            return self.token_text(token_id).decode("utf-8", "replace")
+
+        return ModelInfo(
+            file_name=path.name,
+            name=header.get("general.name"),
+            architecture=architecture,
+            n_vocab=self.n_vocab,
+            vocab_type=int(llama_cpp.llama_vocab_type(self.handle)),
+            n_ctx_train=number("context_length"),
+            n_embd=number("embedding_length"),
+            n_params=int(llama_cpp.llama_model_n_params(self._model.model)),
+            size_bytes=int(llama_cpp.llama_model_size(self._model.model)),
+            chat_template=header.get("tokenizer.chat_template") or None,
+            bos_token=special_text(int(self._model.token_bos())),
+            eos_token=special_text(int(self._model.token_eos())),
+        )
 
     def close(self) -> None:
         if self._owned:

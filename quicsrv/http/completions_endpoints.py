@@ -21,7 +21,7 @@ from quicsrv_proto.http3 import SESSION_HEADER
 from ..apikeys import ClientId
 from ..sessions.manager import SessionManager
 from ..sessions.record import SessionRecord
-from . import logprobs, openai_api, tool_format
+from . import logprobs, openai_api, token_api, tool_format
 from .cursor import Cursor
 from .errors import ApiError
 from .messages import (
@@ -52,8 +52,15 @@ class CompletionsEndpoints:
         self._created = int(time.time())
 
     async def models(self) -> FullResponse:
-        """``GET /v1/models``: the one model this server runs."""
-        return json_response(200, openai_api.models_body(self._model_id, self._created))
+        """``GET /v1/models``: the one model this server runs (its entry with the facts
+        llama-server's and vLLM's clients read: :func:`.token_api.model_facts`)."""
+        body = openai_api.models_body(self._model_id, self._created)
+        body["data"] = [{**entry, **self._facts()} for entry in body["data"]]
+        return json_response(200, body)
+
+    def _facts(self) -> dict[str, Any]:
+        engine = self._sessions.engine
+        return token_api.model_facts(engine.model_info, n_ctx=engine.context_per_sequence)
 
     async def model(self, model_id: str) -> FullResponse:
         """``GET /v1/models/{id}``: the model object, or 404 for a model this server does not
@@ -66,7 +73,8 @@ class CompletionsEndpoints:
                 code="model_not_found",
                 param="model",
             )
-        return json_response(200, openai_api.model_object(self._model_id, self._created))
+        entry = openai_api.model_object(self._model_id, self._created)
+        return json_response(200, {**entry, **self._facts()})
 
     async def create(self, request: HttpRequest, who: ClientId, *, chat: bool) -> Response:
         """``POST /v1/chat/completions`` (``chat``) or ``POST /v1/completions``: a stream of

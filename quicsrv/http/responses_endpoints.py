@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import json
 import urllib.parse
 from typing import Any
 
@@ -22,11 +23,11 @@ from quicsrv_proto.frames import MAX_MESSAGES
 from quicsrv_proto.http3 import SESSION_HEADER
 
 from ..apikeys import ClientId
-from ..sessions.generation import PreparedRequest, PriorTurn
+from ..sessions.generation import PreparedRequest, PriorTurn, prepare_off_loop
 from ..sessions.lifecycle import SessionState
 from ..sessions.manager import SessionManager
 from ..sessions.record import SessionRecord
-from . import logprobs, responses_api, tool_format
+from . import logprobs, openai_api, responses_api, tool_format
 from .errors import ApiError
 from .messages import (
     FullResponse,
@@ -112,6 +113,23 @@ class ResponsesEndpoints:
         answer = await collect_answer(session, who.name)
         view = ResponseView.of(session.record, answer.text, piece=self._sessions.piece)
         return json_response(200, response_object(view), headers)
+
+    async def input_tokens(self, request: HttpRequest, who: ClientId) -> FullResponse:
+        """``POST /v1/responses/input_tokens``: how many tokens the prompt of the same body
+        sent to ``POST /v1/responses`` would be, by the same path: the same checks, the
+        continuation of ``previous_response_id``, the chat template, the tool prompt and
+        ``truncation``. Nothing starts and nothing is stored; a prompt that would not fit the
+        context gets the refusal the response would. ``model`` may be left out (OpenAI's
+        endpoint makes it optional): the served one."""
+        body = openai_api.json_object(request.body)
+        body.setdefault("model", self._model_id)
+        create = responses_api.parse_create(json.dumps(body).encode(), model_id=self._model_id)
+        generate, prior = create.generate, None
+        if create.previous_response_id is not None:
+            generate, prior = await self._continue(create, who)
+        prepared = await prepare_off_loop(self._sessions.prepare, generate, prior)
+        count = len(prepared.spec.prompt_tokens)
+        return json_response(200, {"object": "response.input_tokens", "input_tokens": count})
 
     async def _continue(
         self, create: responses_api.CreateRequest, who: ClientId

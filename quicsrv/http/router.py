@@ -20,6 +20,9 @@ sessions:
 - ``POST /v1/messages``, ``POST /v1/messages/count_tokens``: Anthropic's Messages API
   (:class:`~.anthropic_endpoints.AnthropicEndpoints`); its streams resume on
   ``GET /v1/streams/{session}`` like the others, the cursor saying whose they are;
+- ``POST /tokenize``, ``POST /detokenize``, ``GET /props``: llama-server's token endpoints
+  and server facts (:class:`~.token_endpoints.TokenEndpoints`), over HTTP/3 too although
+  they sit outside ``/v1/``; ``POST /v1/responses/input_tokens``: the Responses API's count;
 - ``GET /`` and ``/ui/...``: the chat page (:mod:`.webui`), no key needed;
 - ``GET /metrics``, ``/healthz``, ``/readyz``: the operator endpoints
   (:class:`~.operator.PlainRoutes`), with their own access rules.
@@ -70,6 +73,7 @@ from .native_endpoints import NativeEndpoints
 from .operator import PLAIN_PATHS, PlainRoutes
 from .responses_endpoints import ResponsesEndpoints
 from .sse import KEEPALIVE_COMMENT
+from .token_endpoints import TokenEndpoints
 
 __all__ = ["STARTS_COMPUTE", "Router", "request_too_large", "unknown_endpoint"]
 
@@ -84,6 +88,12 @@ _RESPONSES_PATH = "/v1/responses"
 _RESPONSES_PREFIX = "/v1/responses/"
 _MESSAGES_PATH = "/v1/messages"
 _COUNT_TOKENS_PATH = "/v1/messages/count_tokens"
+_INPUT_TOKENS_PATH = "/v1/responses/input_tokens"
+_TOKENIZE_PATH = "/tokenize"
+_DETOKENIZE_PATH = "/detokenize"
+_PROPS_PATH = "/props"
+#: JSON endpoints outside ``/v1/`` (llama-server's names): not the native API's over HTTP/3.
+_JSON_PATHS_OUTSIDE_V1 = frozenset({_TOKENIZE_PATH, _DETOKENIZE_PATH, _PROPS_PATH})
 _MESSAGES_PREFIX = "/v1/messages/"
 _GENERATE_PATH = http3.GENERATE_PATH.decode()
 _RESUME_PATH = http3.RESUME_PATH.decode()
@@ -133,6 +143,7 @@ class Router:
         # Anthropic's streams keep alive with its own event, which its SDKs skip.
         ping = KeepAlive(anthropic_stream.PING, sse_keepalive_s) if sse_keepalive_s > 0 else None
         self._anthropic = AnthropicEndpoints(sessions=sessions, model_id=model_id, keepalive=ping)
+        self._tokens = TokenEndpoints(engine=sessions.engine, model_id=model_id)
         self.refusals: Counter[ErrorCode] = Counter()
         """Requests refused with a wire code, per code (401, 429, 503, 504, ...)."""
         self.early_starts_refused = 0
@@ -264,7 +275,8 @@ class Router:
         path outside the JSON API's ``/v1/`` (so that a wrong path gets an ERROR frame)."""
         bare = request.path.partition("?")[0]
         return request.http3 and (
-            bare in (_GENERATE_PATH, _RESUME_PATH) or not bare.startswith("/v1/")
+            bare in (_GENERATE_PATH, _RESUME_PATH)
+            or not (bare.startswith("/v1/") or bare in _JSON_PATHS_OUTSIDE_V1)
         )
 
     def _native_route(self, request: HttpRequest, who: ClientId, path: str) -> _Route:
@@ -294,10 +306,13 @@ class Router:
         if path == _RESPONSES_PATH:
             _allow(request, "POST")
             return _Route(functools.partial(self._responses.create, request, who), generates=True)
+        if path == _INPUT_TOKENS_PATH:
+            _allow(request, "POST")
+            return _Route(functools.partial(self._responses.input_tokens, request, who))
         if path.startswith(_RESPONSES_PREFIX):
             name, _, action = path[len(_RESPONSES_PREFIX) :].partition("/")
             if not name.startswith(responses_api.RESPONSE_PREFIX):
-                # Another endpoint's name (OpenAI's /v1/responses/compact, input_tokens...),
+                # Another endpoint's name (OpenAI's /v1/responses/compact...),
                 # not a response id this server could have issued.
                 raise unknown_endpoint(request.method, path)
             session_id = responses_api.from_response_id(name)
@@ -319,6 +334,15 @@ class Router:
         if path == _COUNT_TOKENS_PATH:
             _allow(request, "POST")
             return _Route(functools.partial(self._anthropic.count_tokens, request))
+        if path == _TOKENIZE_PATH:
+            _allow(request, "POST")
+            return _Route(functools.partial(self._tokens.tokenize, request))
+        if path == _DETOKENIZE_PATH:
+            _allow(request, "POST")
+            return _Route(functools.partial(self._tokens.detokenize, request))
+        if path == _PROPS_PATH:
+            _allow(request, "GET")
+            return _Route(self._tokens.props)
         if path.startswith(_STREAMS_PREFIX):
             session_id = _session_id(path[len(_STREAMS_PREFIX) :])
             if request.method == "DELETE":
@@ -399,6 +423,8 @@ def _endpoint(path: str) -> str:
     """The ``endpoint`` metrics label (bounded: anything unknown is "other")."""
     if path.startswith(_STREAMS_PREFIX):
         return "streams"
+    if path == _INPUT_TOKENS_PATH:
+        return "input_tokens"
     if path.startswith(_RESPONSES_PREFIX):
         return "response"
     if path.startswith(_MODELS_PREFIX):
@@ -412,6 +438,9 @@ def _endpoint(path: str) -> str:
         _RESPONSES_PATH: "responses",
         _MESSAGES_PATH: "messages",
         _COUNT_TOKENS_PATH: "count_tokens",
+        _TOKENIZE_PATH: "tokenize",
+        _DETOKENIZE_PATH: "detokenize",
+        _PROPS_PATH: "props",
         _GENERATE_PATH: "generate",
         _RESUME_PATH: "resume",
     }.get(path, "other")

@@ -94,6 +94,11 @@ class SessionManager:
         self.accepting = True
         """Whether generations open and resume here: until the hand-over begins."""
 
+    @property
+    def engine(self) -> Engine:
+        """The engine the sessions run on (the token endpoints read its vocabulary)."""
+        return self._engine
+
     def live(self, session_id: bytes) -> Session | None:
         """The session's live object, if it runs or is attached (tests and stats)."""
         return self._live.get(session_id)

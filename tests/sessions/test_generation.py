@@ -237,9 +237,9 @@ class _ThreadRecordingEngine(FakeEngine):
         super().__init__(context_per_sequence=4096)
         self.tokenized_on: list[int] = []
 
-    def tokenize(self, text: str, *, add_special: bool) -> list[int]:
+    def tokenize(self, text: str, *, add_special: bool, parse_special: bool = True) -> list[int]:
         self.tokenized_on.append(threading.get_ident())
-        return super().tokenize(text, add_special=add_special)
+        return super().tokenize(text, add_special=add_special, parse_special=parse_special)
 
 
 @pytest.mark.asyncio
