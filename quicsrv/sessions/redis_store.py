@@ -26,6 +26,7 @@ each send.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import functools
 import logging
 import os
@@ -176,6 +177,7 @@ class RedisSessionStore:
         self._delete_script = client.register_script(_DELETE)
         self._lock = threading.Lock()  # guards _pending: the loop adds, the writer takes
         self._pending: dict[bytes, _PendingAppend] = {}
+        self._failures = 0  # operations Redis failed (loop and writer thread: under _lock)
         self._durable: dict[bytes, int] = {}
         self._loop: asyncio.AbstractEventLoop | None = None
         self.on_appended: Callable[[SessionRecord, AppendOutcome, str], None] | None = None
@@ -197,7 +199,11 @@ class RedisSessionStore:
         return self._index.was_expired(session)
 
     def usage(self) -> StoreUsage:
-        return self._index.usage()
+        return dataclasses.replace(self._index.usage(), failures=self._failures)
+
+    def _failed(self) -> None:
+        with self._lock:
+            self._failures += 1
 
     def has_room(self, evictable: Callable[[SessionRecord], bool]) -> bool:
         return self._index.make_room(evictable, self.remove)
@@ -276,6 +282,7 @@ class RedisSessionStore:
             lease, meta, tokens = self._keys(session)
             raw_meta, raw_tokens, owner = await self._reader.mget([meta, tokens, lease])
         except redis.RedisError as exc:
+            self._failed()
             raise StoreUnavailable(str(exc)) from None
         if raw_meta is None:
             return None
@@ -287,6 +294,7 @@ class RedisSessionStore:
         try:
             found = await asyncio.wrap_future(self._writes.submit(self._claim, session))
         except redis.RedisError as exc:
+            self._failed()
             raise StoreUnavailable(str(exc)) from None
         if found is not None:
             record = found.record
@@ -319,6 +327,7 @@ class RedisSessionStore:
                 args=[self.owner_id, self._lease_ms, data, expires_at_ms],
             )
         except redis.RedisError as exc:
+            self._failed()
             log.error("cannot save session %s to redis: %s", session.hex(), exc)
             return
         if not saved:
@@ -329,6 +338,7 @@ class RedisSessionStore:
         try:
             self._delete_script(keys=[lease, meta, tokens], args=[expires_at_ms])
         except redis.RedisError as exc:
+            self._failed()
             log.error("cannot delete session %s from redis: %s", session.hex(), exc)
 
     def _flush_appends(self) -> None:
@@ -354,7 +364,7 @@ class RedisSessionStore:
                     client=pipe,
                 )
             results: list[Any] = pipe.execute(raise_on_error=False)
-        except redis.RedisError as exc:
+        except redis.RedisError as exc:  # each session's append counts as failed, below
             log.error("cannot append tokens to redis: %s", exc)
             results = [exc] * len(sessions)
         settled: list[tuple[SessionRecord, AppendOutcome, str, int]] = []
@@ -362,6 +372,7 @@ class RedisSessionStore:
             pending = batch[session]
             outcome, problem = AppendOutcome.DURABLE, ""
             if isinstance(result, Exception):
+                self._failed()
                 log.error("token append of session %s failed: %s", session.hex(), result)
                 outcome, problem = AppendOutcome.FAILED, f"the session store failed: {result}"
             elif result != 1:

@@ -74,6 +74,9 @@ class Found:
 class StoreUsage:
     sessions: int
     disk_bytes: int
+    failures: int = 0
+    """Operations a shared store failed since start (unreachable, or an error answer): the
+    ``quicsrv_store_failures_total`` metric, which the store-unreachable alert watches."""
 
     def describe(self) -> str:
         return f"sessions {self.sessions} ({self.disk_bytes / 2**20:.2f} MiB on disk)"
