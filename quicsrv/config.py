@@ -70,10 +70,12 @@ MAX_TOKEN_COALESCE_MS = 1000.0  # past a second, streaming would no longer look 
 
 ENV_PREFIX = "QUICSRV_"
 #: Variables with the prefix that are not configuration keys: the TOML file's path (``serve``),
-#: the engine worker's test-only faults, and the benchmarks' caches.
+#: the engine worker's test-only faults, the benchmarks' caches, and deploy/compose's.
 OTHER_ENV_VARS = frozenset(
     {
         "QUICSRV_CONFIG",
+        "QUICSRV_IMAGE",
+        "QUICSRV_CERTS",
         "QUICSRV_TEST_FAULT",
         "QUICSRV_AIPERF_HOME",
         "QUICSRV_LLAMA_SERVER_CACHE",
