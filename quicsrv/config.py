@@ -68,7 +68,7 @@ class CongestionControl(StrEnum):
 
 MAX_TOKEN_COALESCE_MS = 1000.0  # past a second, streaming would no longer look like streaming
 
-ENV_PREFIX = "QUICSRV_"
+ENV_NAMESPACE = "QUICSRV_"
 #: Variables with the prefix that are not configuration keys: the TOML file's path (``serve``),
 #: the engine worker's test-only faults, the benchmarks' caches, and deploy/compose's.
 OTHER_ENV_VARS = frozenset(
@@ -247,7 +247,7 @@ class ServerConfig:
 
 def env_var(key: str) -> str:
     """The environment variable that sets configuration key ``key`` (``QUICSRV_PORT``)."""
-    return f"{ENV_PREFIX}{key.upper()}"
+    return f"{ENV_NAMESPACE}{key.upper()}"
 
 
 def unknown_env_vars(environ: Mapping[str, str] | None = None) -> list[str]:
@@ -255,7 +255,7 @@ def unknown_env_vars(environ: Mapping[str, str] | None = None) -> list[str]:
     ignored), less the few that other parts read (:data:`OTHER_ENV_VARS`)."""
     environ = os.environ if environ is None else environ
     known = {env_var(f.name) for f in fields(ServerConfig)} | OTHER_ENV_VARS
-    return sorted(n for n in environ if n.startswith(ENV_PREFIX) and n not in known)
+    return sorted(n for n in environ if n.startswith(ENV_NAMESPACE) and n not in known)
 
 
 def _redact(name: str, value: Any) -> Any:
