@@ -51,8 +51,8 @@ pytestmark = [
 ]
 
 PROMPT = "The three most important inventions of the last century are"
-GREEDY = dict(max_tokens=64, ignore_eos=True)
-CUT_AT = 16  # tokens received when the container is stopped
+GREEDY = dict(max_tokens=40, ignore_eos=True)
+CUT_AT = 12  # tokens received when the container is stopped
 
 
 @pytest.fixture(scope="module")
