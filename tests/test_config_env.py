@@ -12,6 +12,7 @@ from typing import Any
 
 import pytest
 
+from quicsrv.cli import _parser
 from quicsrv.config import ConfigError, ServerConfig, env_var, unknown_env_vars
 
 FIELDS = dataclasses.fields(ServerConfig)
@@ -111,3 +112,12 @@ def test_the_readme_flag_table_names_every_key_and_its_variable() -> None:
         listed.update(zip(keys, variables, strict=True))
     for f in FIELDS:
         assert listed.get(f.name) == env_var(f.name), f"README's flag table lacks {f.name}"
+
+
+def test_serve_takes_its_toml_file_from_quicsrv_config(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    toml = tmp_path / "quicsrv.toml"
+    monkeypatch.setenv("QUICSRV_CONFIG", str(toml))
+    assert _parser().parse_args(["serve"]).config == toml
+    assert _parser().parse_args(["serve", "--config", "other.toml"]).config == Path("other.toml")

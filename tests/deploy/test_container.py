@@ -177,6 +177,7 @@ def _compose(
         subprocess.run(
             [*command, "down", "-v", "-t", "0"], env=env, capture_output=True, timeout=300
         )
+        podman("network", "rm", "-f", f"{tag}_default", check=False)  # podman-compose leaves it
 
 
 def _compose_container(tag: str, service: str) -> str:
