@@ -5,8 +5,8 @@ VENV ?= .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: venv certs demo demo-resume test lint bench bench-aiperf aiperf-venv clean system-deps \
-	compliance-open-responses lm-eval-venv bench-lm-eval
+.PHONY: venv certs demo demo-resume test test-container image lint bench bench-aiperf aiperf-venv clean \
+	system-deps compliance-open-responses lm-eval-venv bench-lm-eval
 
 # The strict editable install links every file under its installed name (proto/ is quicsrv_proto,
 # client/ is quicsrv_client): mypy and plain imports see them without setuptools' import hook. A
@@ -76,18 +76,49 @@ compliance-open-responses: venv
 	$(BIN)/python -m loadtest.bench.open_responses $(OPEN_RESPONSES_ARGS)
 
 # redis-server (the shared store's tests start their own) and iproute2 (`ip netns`: the two-node
-# test), from Debian's packages. Needs root; skipped when both are already there. A failed install
-# only warns here (those tests then skip); .ci/run checks and fails instead.
+# test), chromium (the chat page's tests), promtool (Debian's prometheus: the alert rules' tests),
+# systemd-analyze (the unit's test), podman, podman-compose and mmdebstrap with what rootful
+# podman needs here (runc, uidmap, slirp4netns, fuse-overlayfs: the container tests), from
+# Debian's packages. kubectl is not a Debian package: the Kubernetes tests skip without it.
+# Needs root; skipped when all are already there. A failed install only warns here (those tests
+# then skip); .ci/run checks and fails instead.
+SYSTEM_TOOLS := redis-server ip chromium promtool systemd-analyze podman podman-compose mmdebstrap runc
+SYSTEM_PACKAGES := redis-server iproute2 chromium prometheus systemd podman podman-compose \
+	mmdebstrap runc uidmap slirp4netns fuse-overlayfs
+
 system-deps:
-	@if ! command -v redis-server >/dev/null || ! command -v ip >/dev/null || ! command -v chromium >/dev/null; then \
+	@missing=""; for tool in $(SYSTEM_TOOLS); do command -v $$tool >/dev/null || missing="$$missing $$tool"; done; \
+	if [ -n "$$missing" ]; then \
 	  if [ "$$(id -u)" = 0 ]; then \
-	    { apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq redis-server iproute2 chromium; } \
-	      || echo "system-deps: could not install redis-server/iproute2/chromium: their tests will skip" >&2; \
-	  else echo "system-deps: not root; install redis-server, iproute2 and chromium yourself" >&2; fi; \
+	    { apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq $(SYSTEM_PACKAGES); } \
+	      || echo "system-deps: could not install$$missing: their tests will skip" >&2; \
+	  else echo "system-deps: not root; install$$missing yourself ($(SYSTEM_PACKAGES))" >&2; fi; \
 	fi
 
 test: certs system-deps
 	$(BIN)/python -m pytest
+
+# The container image and the compose file, built and run with podman (tests/deploy/
+# test_container.py): about 6 min cold (a Debian base from mmdebstrap, then the image), 2.5 min
+# warm on two cores; so a step of its own, after `make test` (README: "In a container").
+test-container: certs system-deps
+	$(BIN)/python -m pytest --container -m container tests/deploy
+
+# The image, as a user builds it (the public Python image as its base), reusing pip's cached
+# llama-cpp-python wheel when `make venv` left one (else the build stage compiles it).
+IMAGE ?= quicsrv:latest
+CONTAINER ?= podman
+# More `build` flags: a base image (--build-arg BASE_IMAGE=...), a pip index (--build-arg
+# PIP_INDEX_URL=...), a proxy's CA bundle (podman: -v BUNDLE:/run/pip-ca.pem:ro --build-arg
+# PIP_CERT=/run/pip-ca.pem).
+IMAGE_BUILD_ARGS ?=
+
+image:
+	@wheels=$$(mktemp -d) && trap 'rm -rf "$$wheels"' EXIT && \
+	found=$$(find $${PIP_CACHE_DIR:-$$HOME/.cache/pip}/wheels -name 'llama_cpp_python-*.whl' 2>/dev/null | head -n 1); \
+	if [ -n "$$found" ]; then cp "$$found" "$$wheels/"; echo "image: reusing $$found"; fi; \
+	$(CONTAINER) build $(if $(filter podman,$(CONTAINER)),--format docker) --build-context wheels="$$wheels" $(IMAGE_BUILD_ARGS) \
+	  -f deploy/container/Containerfile -t $(IMAGE) .
 
 lint: venv
 	$(BIN)/ruff check proto quicsrv client tests loadtest

@@ -13,6 +13,7 @@ import argparse
 import contextlib
 import dataclasses
 import logging
+import os
 import sys
 import time
 import tomllib
@@ -26,6 +27,7 @@ from .config import (
     OtelExporter,
     ResumeConflict,
     ServerConfig,
+    unknown_env_vars,
 )
 from .devcerts import describe, ensure_dev_certs
 from .logs import configure_logging
@@ -48,7 +50,12 @@ def _parser() -> argparse.ArgumentParser:
     )
     commands = parser.add_subparsers(dest="command", required=True)
     serve = commands.add_parser("serve", help="run the HTTP/3 server")
-    serve.add_argument("--config", type=Path, help="TOML file with ServerConfig keys")
+    serve.add_argument(
+        "--config",
+        type=Path,
+        default=os.environ.get("QUICSRV_CONFIG") or None,
+        help="TOML file with ServerConfig keys (default: $QUICSRV_CONFIG)",
+    )
     serve.add_argument("--host", help="address to bind (default :: = dual-stack)")
     serve.add_argument("--port", type=int, help="UDP port (default 4433; 0 = ephemeral)")
     serve.add_argument("--model", type=Path, dest="model_path", help="any GGUF file")
@@ -265,6 +272,8 @@ def _serve(args: argparse.Namespace) -> int:
         config = ServerConfig.load(args.config, **overrides)
         config.check()  # across fields, before anything starts
         configure_logging(config.log_format)
+        for name in unknown_env_vars():
+            log.warning("%s names no configuration key: ignored", name)
         configure_exporter(config.otel_exporter)
     except (ConfigError, ValueError, OSError, tomllib.TOMLDecodeError) as exc:
         log.error("cannot serve: %s", exc)

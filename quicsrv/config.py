@@ -15,6 +15,7 @@ import os
 import tomllib
 import types
 import typing
+from collections.abc import Mapping
 from dataclasses import dataclass, fields
 from enum import Enum, StrEnum
 from pathlib import Path
@@ -31,7 +32,9 @@ __all__ = [
     "OtelExporter",
     "ResumeConflict",
     "ServerConfig",
+    "env_var",
     "redact_store_url",
+    "unknown_env_vars",
 ]
 
 
@@ -64,6 +67,21 @@ class CongestionControl(StrEnum):
 
 
 MAX_TOKEN_COALESCE_MS = 1000.0  # past a second, streaming would no longer look like streaming
+
+ENV_NAMESPACE = "QUICSRV_"
+#: Variables with the prefix that are not configuration keys: the TOML file's path (``serve``),
+#: the engine worker's test-only faults, the benchmarks' caches, and deploy/compose's.
+OTHER_ENV_VARS = frozenset(
+    {
+        "QUICSRV_CONFIG",
+        "QUICSRV_IMAGE",
+        "QUICSRV_CERTS",
+        "QUICSRV_TEST_FAULT",
+        "QUICSRV_AIPERF_HOME",
+        "QUICSRV_LLAMA_SERVER_CACHE",
+        "QUICSRV_OPEN_RESPONSES_HOME",
+    }
+)
 
 _TRUE = frozenset({"1", "true", "yes", "on"})
 _FALSE = frozenset({"0", "false", "no", "off"})
@@ -184,20 +202,29 @@ class ServerConfig:
     otel_exporter: OtelExporter = OtelExporter.NONE  # spans need the `otel` extra
 
     @classmethod
-    def load(cls, toml_path: Path | None = None, **overrides: Any) -> ServerConfig:
-        """Defaults < TOML file < environment (``QUICSRV_PORT=...``) < explicit overrides."""
+    def load(
+        cls,
+        toml_path: Path | None = None,
+        *,
+        environ: Mapping[str, str] | None = None,
+        **overrides: Any,
+    ) -> ServerConfig:
+        """Defaults < TOML file < environment (``QUICSRV_PORT=...``, every key: see
+        :func:`env_var`) < explicit overrides. ``environ``: default ``os.environ``."""
+        hints = typing.get_type_hints(cls)
         values: dict[str, Any] = {}
         if toml_path is not None:
             values.update(tomllib.loads(toml_path.read_text()))
+        environ = os.environ if environ is None else environ
         for f in fields(cls):
-            env = os.environ.get(f"QUICSRV_{f.name.upper()}")
-            if env is not None:
-                values[f.name] = env
+            variable = env_var(f.name)
+            if (env := environ.get(variable)) is not None:
+                # Parsed here, so that a bad value's error names the variable that holds it.
+                values[f.name] = _parse(f"{f.name} ({variable})", hints[f.name], env)
         values.update({k: v for k, v in overrides.items() if v is not None})
         unknown = set(values) - {f.name for f in fields(cls)}
         if unknown:
             raise ConfigError(f"unknown configuration keys: {', '.join(sorted(unknown))}")
-        hints = typing.get_type_hints(cls)
         return cls(**{k: _parse(k, hints[k], v) for k, v in values.items()})
 
     def describe(self) -> str:
@@ -228,6 +255,19 @@ class ServerConfig:
         return f"{host}:{port}"
 
 
+def env_var(key: str) -> str:
+    """The environment variable that sets configuration key ``key`` (``QUICSRV_PORT``)."""
+    return f"{ENV_NAMESPACE}{key.upper()}"
+
+
+def unknown_env_vars(environ: Mapping[str, str] | None = None) -> list[str]:
+    """``QUICSRV_*`` variables that name no configuration key (a typo is otherwise silently
+    ignored), less the few that other parts read (:data:`OTHER_ENV_VARS`)."""
+    environ = os.environ if environ is None else environ
+    known = {env_var(f.name) for f in fields(ServerConfig)} | OTHER_ENV_VARS
+    return sorted(n for n in environ if n.startswith(ENV_NAMESPACE) and n not in known)
+
+
 def _redact(name: str, value: Any) -> Any:
     return redact_store_url(str(value)) if name == "store" else value
 
@@ -243,7 +283,9 @@ def redact_store_url(url: str) -> str:
 def _parse(name: str, kind: Any, value: Any) -> Any:
     """``value`` (from TOML, an environment variable or the command line) as field ``name``'s
     ``kind``; raises :class:`ConfigError` naming the key and what it accepts."""
-    if isinstance(kind, types.UnionType):  # "X | None": TOML and the environment give X
+    if isinstance(kind, types.UnionType):  # "X | None": TOML and the environment give X...
+        if value is None or value == "":  # ...or nothing: an empty variable is the default
+            return None
         (kind,) = [k for k in typing.get_args(kind) if k is not type(None)]
     if isinstance(kind, type) and issubclass(kind, Enum):
         try:

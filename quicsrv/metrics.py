@@ -20,7 +20,13 @@ from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
+from prometheus_client import (
+    CollectorRegistry,
+    Counter,
+    Histogram,
+    ProcessCollector,
+    generate_latest,
+)
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
@@ -77,6 +83,8 @@ class SessionFacts:
     """New generations refused by a rate limit, by limit (``requests``, ``tokens``)."""
     rate_limit_clients: int = 0
     """Clients whose rate-limit buckets are kept (not full)."""
+    store_failures: int = 0
+    """Operations the shared session store failed (0 for the file store)."""
 
 
 class TransportFacts:
@@ -168,6 +176,11 @@ class ServerMetrics:
             self.resumes.labels(path=path)
         self._state = _StateCollector()
         registry.register(self._state)
+        # Memory, open files and CPU of this process and of the engine worker (a process of its
+        # own, which holds the model and the KV cells): quicsrv_process_* and
+        # quicsrv_engine_worker_process_* (resident_memory_bytes, open_fds, max_fds, ...).
+        ProcessCollector(namespace="quicsrv", registry=registry)
+        registry.register(_WorkerProcessCollector(self._state))
         self._last_step_keys: frozenset[int] = frozenset()
         self._last_step_at = 0.0
 
@@ -340,6 +353,13 @@ class _StateCollector(Collector):
             "where",
             [("memory", facts.kv_blobs[0]), ("disk", facts.kv_blobs[1])],
         )
+        failures = CounterMetricFamily(
+            "quicsrv_store_failures",
+            "Operations the shared session store (Redis) failed: unreachable, or an error "
+            "answer; always 0 for the file store",
+        )
+        failures.add_metric([], facts.store_failures)
+        yield failures
         refusals = CounterMetricFamily(
             "quicsrv_refusals",
             "New requests refused at admission, by code and client (API key id or connection)",
@@ -452,6 +472,26 @@ class _StateCollector(Collector):
             "source",
             sorted(PEER_ERRORS.counts.items()),
         )
+
+
+class _WorkerProcessCollector(Collector):
+    """prometheus_client's process metrics, read from /proc, for the engine worker running at
+    scrape time; nothing while none runs (a restart) or the engine has none."""
+
+    def __init__(self, state: _StateCollector) -> None:
+        self._state = state
+        self._pid = 0
+        self._process = ProcessCollector(
+            namespace="quicsrv_engine_worker", pid=lambda: self._pid, registry=None
+        )
+
+    def collect(self) -> Iterable[Metric]:
+        engine = self._state.engine
+        pid = engine.health().worker_pid if engine is not None else None
+        if pid is None:
+            return []
+        self._pid = pid
+        return self._process.collect()
 
 
 def _prefix_cache(stats: PrefixStats) -> Iterator[Metric]:

@@ -8,6 +8,26 @@ import pytest
 from quicsrv.devcerts import DevCertPaths, ensure_dev_certs
 
 
+def pytest_addoption(parser: pytest.Parser) -> None:
+    parser.addoption(
+        "--container",
+        action="store_true",
+        help="also run the tests marked `container` (podman builds and runs the image: "
+        "minutes; `make test-container`)",
+    )
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """`make test` leaves the container tests out (deselected, not skipped: nothing is wrong
+    with them); `--container` keeps them."""
+    if config.getoption("--container"):
+        return
+    left_out = [item for item in items if item.get_closest_marker("container") is not None]
+    if left_out:
+        config.hook.pytest_deselected(items=left_out)
+        items[:] = [item for item in items if item.get_closest_marker("container") is None]
+
+
 @pytest.fixture(scope="session")
 def certs(tmp_path_factory: pytest.TempPathFactory) -> DevCertPaths:
     return ensure_dev_certs(tmp_path_factory.mktemp("certs"))

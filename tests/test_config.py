@@ -174,4 +174,5 @@ def test_serve_turns_a_bad_value_into_one_line_and_exit_2(
     monkeypatch.setenv("QUICSRV_UDP_PMTU_PROBE", "maybe")
     assert main(["serve", "--port", "0"]) == 2
     lines = capsys.readouterr().err.strip().splitlines()
-    assert len(lines) == 1 and "cannot serve: udp_pmtu_probe: 'maybe'" in lines[0]
+    assert len(lines) == 1
+    assert "cannot serve: udp_pmtu_probe (QUICSRV_UDP_PMTU_PROBE): 'maybe'" in lines[0]

@@ -6,6 +6,8 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+import os
+import subprocess
 import sys
 from typing import Any
 
@@ -128,6 +130,39 @@ def test_the_slots_the_resumes_in_line_and_the_sessions_states_are_exported():
     assert values["quicsrv_resumes_queued", frozenset()] == 3
     assert values["quicsrv_sessions_by_state", frozenset({("state", "starting")})] == 3
     assert values["quicsrv_sessions_by_state", frozenset({("state", "running")})] == 8
+
+
+def test_the_server_and_the_engine_worker_export_their_memory_and_open_files():
+    metrics = ServerMetrics()
+    engine = FakeEngine()
+    metrics.bind_engine(engine)  # type: ignore[arg-type]
+    names = {name for name, _ in samples(metrics)}
+    assert {"quicsrv_process_resident_memory_bytes", "quicsrv_process_open_fds"} <= names
+    assert not any(name.startswith("quicsrv_engine_worker_process_") for name in names)
+    # A process standing in for the worker; its first line says it runs (its open files are
+    # then its own, not the ones a fork inherits before the exec).
+    stand_in = "import sys, time; print('ready', flush=True); time.sleep(60)"
+    with subprocess.Popen([sys.executable, "-c", stand_in], stdout=subprocess.PIPE) as worker:
+        assert worker.stdout is not None and worker.stdout.readline() == b"ready\n"
+        try:
+            engine.state = EngineHealth(worker_pid=worker.pid)
+            values = samples(metrics)
+            fds = len(os.listdir(f"/proc/{worker.pid}/fd"))
+        finally:
+            worker.kill()
+    assert values["quicsrv_engine_worker_process_resident_memory_bytes", frozenset()] > 0
+    assert values["quicsrv_engine_worker_process_open_fds", frozenset()] == fds
+    # Not this process's numbers: the worker's own start time.
+    assert (
+        values["quicsrv_engine_worker_process_start_time_seconds", frozenset()]
+        > values["quicsrv_process_start_time_seconds", frozenset()]
+    )
+
+
+def test_shared_store_failures_are_counted():
+    metrics = ServerMetrics()
+    metrics.bind_sessions(lambda: _facts(refusals={}, store_failures=4))
+    assert samples(metrics)["quicsrv_store_failures_total", frozenset()] == 4
 
 
 def test_refusal_series_are_bounded_whatever_the_clients():

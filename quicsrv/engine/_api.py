@@ -298,6 +298,9 @@ class EngineHealth:
     None: not reported (no worker process)."""
     threads: int = 0
     """llama.cpp threads it decodes with (0: not reported)."""
+    worker_pid: int | None = None
+    """The engine worker process now running (its memory and open files are exported);
+    None: none runs now, or the engine runs in the server's process."""
 
     @property
     def up(self) -> bool:

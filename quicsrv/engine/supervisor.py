@@ -310,6 +310,7 @@ class WorkerEngine(ModelFacts):
             prefix_cache=dataclasses.replace(self.prefix_stats),
             cpu_extra_buffers=self.cpu_extra_buffers,
             threads=self.settings.n_threads,
+            worker_pid=self.worker_pid,
         )
 
     # --- what tests and stats read ------------------------------------------------------

@@ -69,13 +69,14 @@ class LiveSessions:
     def facts(self) -> SessionFacts:
         """The sessions' state as the metrics show it."""
         live = list(self._table.values())
-        kv = self._kv.usage()
+        kv, store = self._kv.usage(), self._store.usage()
         return SessionFacts(
             active=self._gate.active,
             queued=self._gate.queued,
             live=len(live),
             paused=sum(1 for s in live if s.paused.is_set() and not s.finished),
-            stored=self._store.usage().sessions,
+            stored=store.sessions,
+            store_failures=store.failures,
             kv_bytes=(kv.memory_bytes, kv.disk_bytes),
             kv_blobs=(kv.memory_blobs, kv.disk_blobs),
             refusals=self._gate.refusals,

@@ -26,6 +26,7 @@ each send.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import functools
 import logging
 import os
@@ -207,7 +208,7 @@ class RedisSessionStore:
         return self._index.was_expired(session)
 
     def usage(self) -> StoreUsage:
-        return self._index.usage()
+        return dataclasses.replace(self._index.usage(), failures=self._health.failures)
 
     def has_room(self, evictable: Callable[[SessionRecord], bool]) -> bool:
         return self._index.make_room(evictable, self.remove)
@@ -390,8 +391,7 @@ class RedisSessionStore:
                     client=pipe,
                 )
             results: list[Any] = pipe.execute(raise_on_error=False)
-        except redis.RedisError as exc:
-            self._health.failed(exc)
+        except redis.RedisError as exc:  # each session's append failed: counted below
             log.error("cannot append tokens to redis: %s", exc)
             results = [exc] * len(sessions)
         else:
@@ -401,6 +401,7 @@ class RedisSessionStore:
             pending = batch[session]
             outcome, problem = AppendOutcome.DURABLE, ""
             if isinstance(result, Exception):
+                self._health.failed(result)
                 log.error("token append of session %s failed: %s", session.hex(), result)
                 outcome, problem = AppendOutcome.FAILED, f"the session store failed: {result}"
             elif result != 1:

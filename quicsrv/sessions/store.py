@@ -64,9 +64,12 @@ class StoreHealth:
         self._lock = threading.Lock()
         self.outage: str | None = None
         """Why the store could not be used at its last call; None: it answered."""
+        self.failures = 0
+        """Calls the store failed, in all (``quicsrv_store_failures_total``)."""
 
     def failed(self, why: object) -> None:
         with self._lock:
+            self.failures += 1
             changed, self.outage = self.outage is None, f"{why}"
         if changed:
             log.warning("%s cannot be reached: %s", self._name, why)
@@ -104,6 +107,9 @@ class Found:
 class StoreUsage:
     sessions: int
     disk_bytes: int
+    failures: int = 0
+    """Operations a shared store failed since start (unreachable, or an error answer): the
+    ``quicsrv_store_failures_total`` metric, which the store-unreachable alert watches."""
 
     def describe(self) -> str:
         return f"sessions {self.sessions} ({self.disk_bytes / 2**20:.2f} MiB on disk)"

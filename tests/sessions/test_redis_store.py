@@ -12,7 +12,7 @@ import pytest
 
 from quicsrv.sessions.keys import SharedKeyRing
 from quicsrv.sessions.record import SessionEnd, SessionRecord
-from quicsrv.sessions.store import AppendOutcome
+from quicsrv.sessions.store import AppendOutcome, StoreUnavailable
 from quicsrv_proto import EndReason
 from tests.sessions.test_store import _record
 
@@ -200,6 +200,34 @@ def test_an_unreachable_redis_costs_a_ticket_not_the_handshake(tmp_path):
     store = RedisTicketStore(client)
     store.add(_ticket(b"label-3"))  # logged, not raised
     assert store.pop(b"label-3") is None
+
+
+@pytest.mark.asyncio
+async def test_an_unreachable_redis_counts_each_failed_operation(tmp_path):
+    """What quicsrv_store_failures_total (the store-unreachable alert) counts."""
+    store = RedisSessionStore(
+        redis.Redis(unix_socket_path=str(tmp_path / "none.sock"), retry=None),
+        owner_id="a",
+        lease_s=30.0,
+        ttl_s=60.0,
+        max_sessions=100,
+        max_disk_bytes=1 << 20,
+        clock=time.time,
+    )
+    appended = _Appended()
+    store.on_appended = appended
+    record = _record(b"u" * 16, expires=time.time() + 60)
+    assert store.usage().failures == 0
+    store.add(record)  # its record's save fails
+    await asyncio.wrap_future(store.flush())
+    assert store.usage().failures == 1
+    store.append_token(record, 11)  # the token's append fails
+    assert await appended.wait(record) == ["failed"]
+    assert store.usage().failures == 2
+    with pytest.raises(StoreUnavailable):  # and a read
+        await store.fetch(b"v" * 16)
+    assert store.usage().failures == 3
+    store.close()
 
 
 def test_quicsrv_keys_rotate_rotates_the_shared_keyring(redis_url, capsys):
