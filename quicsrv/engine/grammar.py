@@ -18,8 +18,13 @@ it unchecked:
   the string's value (``.`` admits a raw quote, so the output is not even JSON), llama.cpp does
   not parse its ``\\d``, and it asserts on what it cannot read.
 - ``oneOf`` is enforced as ``anyOf`` (Pydantic's discriminated unions are disjoint anyway).
-- A keyword the converter would drop where it matters (``type`` beside ``anyOf``, ``maxItems``
-  without ``items``, a ``required`` name without a property) is refused, not silently lost.
+- A keyword the converter would drop where it matters (``type`` beside ``anyOf``, an ``allOf``
+  member's ``additionalProperties: false``, a ``required`` name without a property) is refused,
+  not silently lost.
+- Where the grammar is stricter than JSON Schema it is so by choice, and the README lists each
+  choice: an object with ``properties`` and no ``additionalProperties`` takes only those (as
+  OpenAI's strict mode requires anyway), a schema without ``type`` is read as the type its
+  keywords apply to, and a value has one spelling (see :mod:`.schema_converter`).
 - Bounds keep the grammar small enough to build and parse in milliseconds: the schema's size and
   depth, each repetition (``maxLength`` and the like, up to llama.cpp's parser limit), the number
   of optional properties (the converter's time is quadratic in them), an estimate of the grammar's
@@ -33,8 +38,9 @@ so a schema llama.cpp cannot parse is the client's 400 and never reaches the eng
 The converter gets a cleaned copy: only the keywords it is meant to act on, with a schema that
 enforces nothing (``{}``, Pydantic's ``Any``) made any JSON value (the converter would make it an
 object), a ``type`` list made an ``anyOf`` of its types each with its own keywords, and ``type``
-beside ``enum`` or ``const`` applied to the values. A subclass fixes what the pinned converter
-gets wrong in what it is given (see :class:`_Converter`).
+beside ``enum`` or ``const`` applied to the values, a single-member ``allOf`` made its member, and
+a ``type`` added where the keywords imply one. :class:`.schema_converter.Converter` rewrites what
+the pinned converter gets wrong in what it is given.
 """
 
 from __future__ import annotations
@@ -87,9 +93,11 @@ masking the vocabulary costs the same 9-10 ms at the 990th character as at the f
 MAX_ITEMS_BOUND = 1000
 """``minItems``/``maxItems`` at most: the same parser limit as strings."""
 MAX_OPTIONAL_PROPERTIES = 128
-"""The converter's time is quadratic in an object's optional properties (128: 10 ms, 256: 70 ms,
-900: 0.9 s); this bounds the sum of their squares over the whole schema, as for one object of
-128 of them."""
+"""Upstream's converter took time quadratic in an object's optional properties (900: 0.9 s);
+ours is linear (900: 47 ms), and the bound stays for llama.cpp's sake: at an object's first
+member every optional property is an alternative its grammar keeps open, so each costs every
+token check there. This bounds the sum of their squares over the whole schema, as for one object
+of 128 of them."""
 MAX_GRAMMAR_BYTES = 256 * 1024
 """GBNF text at most, estimated before converting and checked after; llama.cpp compiles the
 largest grammars within it (30 strings of ``maxLength`` 1000) in about 40 ms."""

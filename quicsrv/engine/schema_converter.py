@@ -196,7 +196,7 @@ class Converter(SchemaConverter):
         # (llama.cpp's fix: upstream left the comma out before the extra members).
         rests = [f'( "," space {extra} )*' if extra else ""]
         for key, member in reversed(optional):
-            rest = f' {self._add_rule(f"{prefix}{key}-rest", rests[-1])}' if rests[-1] else ""
+            rest = f" {self._add_rule(f'{prefix}{key}-rest', rests[-1])}" if rests[-1] else ""
             rests.append(f'( "," space {member} )?{rest}')
         rests.reverse()
         if first:
