@@ -433,7 +433,8 @@ class _Checker:
         if not node:
             return dict(_ANY_VALUE)
         if set(node) == {"allOf"} and len(node["allOf"]) == 1:
-            return node["allOf"][0]  # already cleaned: the same schema
+            member: dict[str, Any] = node["allOf"][0]  # already cleaned: the same schema
+            return member
         if "enum" in node or "const" in node:
             return self._values(node, path)
         for combinator in ("$ref", "anyOf", "oneOf"):

@@ -75,6 +75,12 @@ def json_text(value: object) -> str:
     return _LONE_SURROGATE.sub(lambda m: f"\\u{ord(m[0]):04x}", text)
 
 
+def _repetition(item: str, low: int, high: int | None, separator_rule: str | None = None) -> str:
+    """Upstream's: ``item`` low to high times (no bound: None), as nested optional groups."""
+    text: str = _build_repetition(item, low, high, separator_rule)  # type: ignore[no-untyped-call]
+    return text
+
+
 def _spelling(char: str) -> str:
     return json_text(char)[1:-1]
 
@@ -283,10 +289,10 @@ class Converter(SchemaConverter):
         else:
             tail = self.visit(items, f"{prefix}item") if items else self._any_value()
             if n == 0:
-                body = _build_repetition(tail, low, high, separator_rule='"," space')
+                body = _repetition(tail, low, high, separator_rule='"," space')
             else:
                 more = None if high is None else high - n
-                body = _build_repetition(f'( "," space {tail} )', max(low - n, 0), more)
+                body = _repetition(f'( "," space {tail} )', max(low - n, 0), more)
         # The prefix items from the last back: each optional once minItems is met.
         for i in reversed(range(n)):
             item = heads[i] if i == 0 else f'"," space {heads[i]}'

@@ -19,10 +19,14 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from quicsrv.engine import FinishReason, SamplingParams, SequenceRequest
 from quicsrv.engine.grammar import SchemaRejected, grammar_for_schema
 from tests.engine.grammar_matcher import matches
+from tests.engine.sinks import RecordingSink
 
 pytestmark = pytest.mark.model
+
+MAX_TOKENS = 64
 
 Schema = dict[str, Any]
 
@@ -388,3 +392,54 @@ def test_date_time_takes_one_to_nine_fraction_digits(vocab):
     assert _allows(vocab, schema, *stamps) == [True] * 4
     assert _allows(vocab, schema, '"2024-02-29T12:00:00.1234567890Z"') == [False]
     assert _allows(vocab, schema, '"2024-02-29T12:00:00.Z"') == [False]
+
+
+# Through the real model: what it writes under each object shape validates.
+
+SHAPES = {
+    "optional, then additional": THE_ISSUES,
+    "additionalProperties true": {
+        "type": "object",
+        "properties": {"name": {"type": "string", "maxLength": 12}, "age": {"type": "integer"}},
+        "required": ["name"],
+        "additionalProperties": True,
+    },
+    "allOf": {
+        "allOf": [
+            {"type": "object", "properties": {"name": {"type": "string", "maxLength": 12}}},
+            {
+                "type": "object",
+                "properties": {"age": {"type": "integer"}},
+                "required": ["age"],
+                "additionalProperties": True,
+            },
+        ]
+    },
+    "declared only": {
+        "type": "object",
+        "properties": {"name": {"type": "string", "maxLength": 12}, "age": {"type": "integer"}},
+    },
+}
+
+
+@pytest.mark.parametrize("shape", SHAPES)
+@pytest.mark.parametrize(
+    "sampling",
+    [SamplingParams(), SamplingParams(temperature=0.9, seed=45)],
+    ids=["greedy", "seeded"],
+)
+def test_what_the_model_writes_validates(engine, shape, sampling):
+    schema = SHAPES[shape]
+    prompt = engine.tokenize("A sailor, as a JSON object: ", add_special=True)
+    sink = RecordingSink()
+    request = SequenceRequest(
+        prompt_tokens=tuple(prompt),
+        max_tokens=MAX_TOKENS,
+        sampling=sampling,
+        grammar=engine.grammar_for(json.dumps(schema)).gbnf,
+    )
+    engine.submit(request, sink)
+    assert sink.done.wait(120)
+    text = b"".join(sink.pieces).decode()
+    assert sink.reason is FinishReason.EOS, text
+    jsonschema.validate(json.loads(text), _read_as_served(schema))
