@@ -31,7 +31,10 @@ def matches(vocab: Vocabulary, gbnf: str, text: str) -> bool:
     sampler = llama_cpp.llama_sampler_init_grammar(handle, gbnf.encode(), b"root")
     assert sampler, "the grammar does not compile"
     try:
-        for token in vocab.tokenize(text, add_special=False):
+        tokens = vocab.tokenize(text, add_special=False)
+        # Some code points (unassigned planes) lose a byte in llama.cpp's tokenizer.
+        assert b"".join(map(vocab.piece, tokens)) == text.encode(), f"{text!r} does not round-trip"
+        for token in tokens:
             if not _allows(sampler, token):  # accepting it would abort the process
                 return False
             llama_cpp.llama_sampler_accept(sampler, token)
