@@ -587,7 +587,8 @@ class _Checker:
             return {"type", "format"}, "string", "format"
         if kind == "string":
             return {"type", "minLength", "maxLength"}, "string", "minLength"
-        assert isinstance(kind, str), node  # only allOf is left untyped, and went above
+        if not isinstance(kind, str):  # only an allOf is left untyped, and it went above
+            raise SchemaRejected("has no type the server can tell", path)
         return {"type", "additionalProperties"}, kind, f'"type": "{kind}"'
 
 
