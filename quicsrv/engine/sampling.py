@@ -100,10 +100,10 @@ def _likeliest_allowed(logits: npt.NDArray[np.float32], grammar: GrammarState) -
     """The token greedy decoding picks from the masked logits (``np.argmax``'s: the highest
     logit, the lowest id among equals), found by asking the grammar about the likeliest
     :data:`GREEDY_PROBES` one at a time; -1 when none of them is allowed, or when the one
-    allowed could tie with a token not asked about. Masking the whole vocabulary instead costs
-    a walk of every token through the grammar: inside a JSON string, where nearly every token is
-    allowed, 30-370 ms a token on these machines (issue 45: a model that wanted a raw newline in
-    a string paid it at every token)."""
+    allowed could tie with a token not asked about. Masking the whole vocabulary instead walks
+    every token through the grammar: inside a JSON string, where nearly every token is allowed,
+    12-13 ms (0.4 ms for the probes) on this 2-core Xeon when quiet, 370 ms under load; a model
+    that wants a raw newline in a string is refused at every line."""
     probed = np.argpartition(logits, -GREEDY_PROBES)[-GREEDY_PROBES:]
     order = probed[np.lexsort((probed, -logits[probed]))]
     lowest = logits[order[-1]]  # a token not asked about may have this logit too
