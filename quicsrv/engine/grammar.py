@@ -18,8 +18,13 @@ it unchecked:
   the string's value (``.`` admits a raw quote, so the output is not even JSON), llama.cpp does
   not parse its ``\\d``, and it asserts on what it cannot read.
 - ``oneOf`` is enforced as ``anyOf`` (Pydantic's discriminated unions are disjoint anyway).
-- A keyword the converter would drop where it matters (``type`` beside ``anyOf``, ``maxItems``
-  without ``items``, a ``required`` name without a property) is refused, not silently lost.
+- A keyword the converter would drop where it matters (``type`` beside ``anyOf``, an ``allOf``
+  member's ``additionalProperties: false``, a ``required`` name without a property) is refused,
+  not silently lost.
+- Where the grammar is stricter than JSON Schema it is so by choice, and the README lists each
+  choice: an object with ``properties`` and no ``additionalProperties`` takes only those (as
+  OpenAI's strict mode requires anyway), a schema without ``type`` is read as the type its
+  keywords apply to, and a value has one spelling (see :mod:`.schema_converter`).
 - Bounds keep the grammar small enough to build and parse in milliseconds: the schema's size and
   depth, each repetition (``maxLength`` and the like, up to llama.cpp's parser limit), the number
   of optional properties (the converter's time is quadratic in them), an estimate of the grammar's
@@ -33,8 +38,9 @@ so a schema llama.cpp cannot parse is the client's 400 and never reaches the eng
 The converter gets a cleaned copy: only the keywords it is meant to act on, with a schema that
 enforces nothing (``{}``, Pydantic's ``Any``) made any JSON value (the converter would make it an
 object), a ``type`` list made an ``anyOf`` of its types each with its own keywords, and ``type``
-beside ``enum`` or ``const`` applied to the values. A subclass fixes what the pinned converter
-gets wrong in what it is given (see :class:`_Converter`).
+beside ``enum`` or ``const`` applied to the values, a single-member ``allOf`` made its member, and
+a ``type`` added where the keywords imply one. :class:`.schema_converter.Converter` rewrites what
+the pinned converter gets wrong in what it is given.
 """
 
 from __future__ import annotations
@@ -49,13 +55,8 @@ from typing import Any
 
 import blake3
 import llama_cpp
-from llama_cpp.llama_grammar import (
-    INVALID_RULE_CHARS_RE,
-    PRIMITIVE_RULES,
-    RESERVED_NAMES,
-    BuiltinRule,
-    SchemaConverter,
-)
+
+from .schema_converter import MAX_KEY_NAME_CHARS, Converter
 
 __all__ = [
     "ACCEPTED_NOT_ENFORCED",
@@ -92,9 +93,11 @@ masking the vocabulary costs the same 9-10 ms at the 990th character as at the f
 MAX_ITEMS_BOUND = 1000
 """``minItems``/``maxItems`` at most: the same parser limit as strings."""
 MAX_OPTIONAL_PROPERTIES = 128
-"""The converter's time is quadratic in an object's optional properties (128: 10 ms, 256: 70 ms,
-900: 0.9 s); this bounds the sum of their squares over the whole schema, as for one object of
-128 of them."""
+"""Upstream's converter took time quadratic in an object's optional properties (900: 0.9 s);
+ours is linear (900: 47 ms), and the bound stays for llama.cpp's sake: at an object's first
+member every optional property is an alternative its grammar keeps open, so each costs every
+token check there. This bounds the sum of their squares over the whole schema, as for one object
+of 128 of them."""
 MAX_GRAMMAR_BYTES = 256 * 1024
 """GBNF text at most, estimated before converting and checked after; llama.cpp compiles the
 largest grammars within it (30 strings of ``maxLength`` 1000) in about 40 ms."""
@@ -233,11 +236,11 @@ def _grammar_for_text(text: str, kind: str = "json_schema") -> Grammar:
     _check_depth(document)
     checked = _Checker(document)
     root = checked.root()
-    converter = _Converter(checked.refs)
+    converter = Converter(checked.refs)
     try:
         # The converter's failures are assertions, KeyErrors and the like, not an API: whatever
         # the checks above missed is the client's 400, never the server's 500.
-        root_rule = converter.visit(root, "")  # type: ignore[no-untyped-call]
+        root_rule = converter.visit(root, "")
         gbnf = converter.format_grammar()  # type: ignore[no-untyped-call]
     except RecursionError:  # a long chain of definitions, each first met inside the last
         raise SchemaRejected("the schema's $refs nest too deeply") from None
@@ -429,7 +432,9 @@ class _Checker:
             node = {k: v for k, v in node.items() if k != "format"}
         if not node:
             return dict(_ANY_VALUE)
-        kind = node.get("type")
+        if set(node) == {"allOf"} and len(node["allOf"]) == 1:
+            member: dict[str, Any] = node["allOf"][0]  # already cleaned: the same schema
+            return member
         if "enum" in node or "const" in node:
             return self._values(node, path)
         for combinator in ("$ref", "anyOf", "oneOf"):
@@ -441,6 +446,19 @@ class _Checker:
                         f"is not enforced beside {combinator}{hint}", _at(path, others[0])
                     )
                 return node
+        kind = node.get("type")
+        if kind is None:
+            # Read as the type its keywords apply to (JSON Schema would let any other type
+            # through unchecked: a model could skip the object it was asked for).
+            implied = sorted({_APPLIES_TO[key] for key in node if key in _APPLIES_TO})
+            if len(implied) > 1:
+                raise SchemaRejected(
+                    f"has keywords of several types ({', '.join(implied)}) and no type",
+                    _at(path, next(iter(node))),
+                )
+            if implied:
+                kind = implied[0]
+                node = {"type": kind} | node
         if isinstance(kind, list):
             if "allOf" in node:
                 raise SchemaRejected("is not enforced beside a list of types", _at(path, "allOf"))
@@ -484,8 +502,8 @@ class _Checker:
         for name in node.get("required", []):
             if name not in properties:
                 raise SchemaRejected(f"{name!r} is not in properties", _at(path, "required"))
-        if "*" in properties:  # the converter's own name for additional properties
-            raise SchemaRejected("a property named '*' is not supported", _at(path, "properties"))
+        if node.get("additionalProperties", False) is not False:
+            _check_key_names(properties, _at(path, "properties"))
         optional = len(set(properties) - set(node.get("required", [])))
         self._optional_squares += optional * optional
         if self._optional_squares > MAX_OPTIONAL_PROPERTIES**2:
@@ -498,46 +516,52 @@ class _Checker:
             self._later.append(lambda: self._check_all_of(node["allOf"], _at(path, "allOf")))
 
     def _check_all_of(self, members: list[dict[str, Any]], path: str) -> None:
-        # The converter merges the members' properties, all required, and reads nothing else.
-        seen: set[str] = set()
+        # The converter merges the members into one object: their properties (no name in two),
+        # the required ones of each, other members only where one says additionalProperties:
+        # true. Anything else a member says would be dropped, so it is refused.
+        seen: dict[str, None] = {}
         for i, member in enumerate(members):
             if set(member) == {"$ref"}:
                 target = self._target(member["$ref"], _at(_at(path, i), "$ref"))
                 member = self._definitions[target]
                 self._add_cost(self._definition_costs[target], path)  # inlined once more
-            if "properties" not in member or set(member) - {
+            if member.get("type") != "object" or set(member) - {
                 "type",
                 "properties",
                 "required",
                 "additionalProperties",
             }:
                 raise SchemaRejected(
-                    "allOf is supported only over object schemas with properties (or $refs to "
-                    "them)",
+                    "allOf is supported only over object schemas (properties, required, "
+                    "additionalProperties: true) or $refs to them",
                     _at(path, i),
                 )
-            if seen & set(member["properties"]):
+            if member.get("additionalProperties", True) is not True:
+                raise SchemaRejected(
+                    "is supported in an allOf member only as true (JSON Schema would apply it "
+                    "to the other members' properties too)",
+                    _at(_at(path, i), "additionalProperties"),
+                )
+            properties = member.get("properties", {})
+            if seen.keys() & properties.keys():
                 raise SchemaRejected("allOf members share a property", _at(path, i))
-            seen |= set(member["properties"])
+            seen |= dict.fromkeys(properties)
+        if any(member.get("additionalProperties") is True for member in members):
+            _check_key_names(seen, path)
 
     def _check_array(self, node: dict[str, Any], path: str) -> None:
         items = node.get("items")
-        prefix = node.get("prefixItems")
-        if prefix is not None and items not in (None, False):
+        if "prefixItems" in node and isinstance(items, list):
             raise SchemaRejected(
-                "is supported beside prefixItems only as false", _at(path, "items")
+                "a list (draft 4-7's tuple) is not supported beside prefixItems", _at(path, "items")
             )
-        if items is False and prefix is None:
-            raise SchemaRejected("false is supported only beside prefixItems", _at(path, "items"))
-        tuple_items = prefix if prefix is not None else items if isinstance(items, list) else None
-        if tuple_items is not None:
-            # The converter writes exactly one element per tuple schema, whatever the bounds say.
-            n = len(tuple_items)
-            low, high = node.get("minItems", 0), node.get("maxItems", n)
-            if not low <= n <= high:
-                key = "minItems" if low > n else "maxItems"
-                raise SchemaRejected(f"a tuple of {n} is always {n} items long", _at(path, key))
-        elif "minItems" in node or "maxItems" in node:
+        tuple_items = node.get("prefixItems", items if isinstance(items, list) else [])
+        if items is False and node.get("minItems", 0) > len(tuple_items):
+            raise SchemaRejected(
+                f"is over the {len(tuple_items)} items that items: false leaves",
+                _at(path, "minItems"),
+            )
+        if "minItems" in node or "maxItems" in node:
             bound = max(node.get("minItems", 0), node.get("maxItems", 0))
             self._add_cost((16 + len(path)) * bound, path)  # '("," space <item rule>' each
         for low, high in (("minItems", "maxItems"), ("minLength", "maxLength")):
@@ -545,32 +569,38 @@ class _Checker:
                 raise SchemaRejected(f"is over {high}", _at(path, low))
 
     def _honoured(self, node: Mapping[str, Any], path: str) -> tuple[set[str], str, str]:
-        """The keywords the converter acts on in ``node``, the type of what it writes, and what
-        it goes by; mirrors ``SchemaConverter.visit``."""
+        """The keywords the converter acts on in ``node`` (typed by now, unless it is an
+        ``allOf``), the type of what it writes, and what it goes by; mirrors
+        ``Converter.visit``."""
         kind = node.get("type")
         if kind in (None, "object") and (
             "properties" in node or node.get("additionalProperties", True) is not True
         ):
-            return (
-                {"type", "properties", "required", "additionalProperties"},
-                "object",
-                "properties",
-            )
+            beside = "properties" if "properties" in node else "additionalProperties"
+            return {"type", "properties", "required", "additionalProperties"}, "object", beside
         if kind in (None, "object") and "allOf" in node:
-            # additionalProperties: true is dropped, which allows less (the members' only).
+            # additionalProperties here can only be true: anything else went by properties.
             return {"type", "allOf", "additionalProperties"}, "object", "allOf"
-        if kind in (None, "array") and ("items" in node or "prefixItems" in node):
+        if kind == "array":
             return {"type", "items", "prefixItems", "minItems", "maxItems"}, "array", "items"
-        if kind in (None, "string") and "format" in node:
+        if kind == "string" and "format" in node:
             return {"type", "format"}, "string", "format"
-        if kind == "string" and ("minLength" in node or "maxLength" in node):
+        if kind == "string":
             return {"type", "minLength", "maxLength"}, "string", "minLength"
-        if kind is None:
-            first = next(iter(node))
-            wanted = _APPLIES_TO.get(first, "object")
-            raise SchemaRejected(f'is enforced only with "type": "{wanted}"', _at(path, first))
-        beside = '"type": "array" without items' if kind == "array" else f'"type": "{kind}"'
-        return {"type", "additionalProperties"}, kind, beside  # additionalProperties: true
+        if not isinstance(kind, str):  # only an allOf is left untyped, and it went above
+            raise SchemaRejected("has no type the server can tell", path)
+        return {"type", "additionalProperties"}, kind, f'"type": "{kind}"'
+
+
+def _check_key_names(names: Mapping[str, object], path: str) -> None:
+    # Additional keys are kept off the declared names by a rule one group deep per character.
+    for name in names:
+        if len(name) > MAX_KEY_NAME_CHARS:
+            raise SchemaRejected(
+                f"a property name beside additionalProperties is at most {MAX_KEY_NAME_CHARS} "
+                "characters",
+                path,
+            )
 
 
 def _types_of(value: object) -> set[str]:
@@ -585,70 +615,6 @@ def _types_of(value: object) -> set[str]:
     if isinstance(value, str):
         return {"string"}
     return {"array"} if isinstance(value, list) else {"object"}
-
-
-# Upstream's char lets a raw control character into a string, which JSON does not allow (a model
-# writing a newline in a string would make the output unparseable); llama.cpp's own json.gbnf
-# excludes them, as here.
-_JSON_CHAR = BuiltinRule(
-    r'[^"\\\x7F\x00-\x1F] | "\\" (["\\/bfnrt] | "u" [0-9a-fA-F]{4})',
-    [],
-)
-
-
-class _Converter(SchemaConverter):
-    """llama-cpp-python's converter (pinned: :data:`GRAMMAR_VERSION`), fixed where it writes a
-    grammar other than the schema's for input that passed the checks."""
-
-    def __init__(self, refs: dict[str, dict[str, Any]]) -> None:
-        super().__init__(  # type: ignore[no-untyped-call]
-            prop_order={}, allow_fetch=False, dotall=False, raw_pattern=False
-        )
-        # Not upstream's resolve_refs: it rewrites "$ref" keys inside const and default values
-        # too, and leaves the definitions under a root $ref unresolved (Pydantic's recursive
-        # models fail with a KeyError).
-        self._refs = refs
-        self._ref_rules: dict[str, str] = {}
-
-    def _format_literal(self, literal: str) -> str:
-        # Upstream escapes quotes and line breaks only, so the backslash of a JSON escape (the
-        # value 'a"b' is the text "a\"b") escapes the next character in GBNF instead of itself.
-        # Every literal here is json.dumps output: ASCII, control characters escaped.
-        escaped = literal.replace("\\", "\\\\").replace('"', '\\"')
-        return f'"{escaped}"'
-
-    def _add_primitive(self, name: str, rule: BuiltinRule) -> str:
-        if rule is PRIMITIVE_RULES["char"]:
-            rule = _JSON_CHAR
-        added: str = super()._add_primitive(name, rule)
-        return added
-
-    def _add_rule(self, name: str, rule: str) -> str:
-        # Upstream keeps names off its built-in rules' before it replaces the characters a name
-        # cannot have, so a property "date_time" took the rule "date-time" for its own value and
-        # every format: date-time string then used it.
-        escaped = INVALID_RULE_CHARS_RE.sub("-", name)
-        if escaped != name and escaped in RESERVED_NAMES:
-            name = f"{escaped}-"
-        added: str = super()._add_rule(name, rule)  # type: ignore[no-untyped-call]
-        return added
-
-    def _resolve_ref(self, ref: str) -> str:
-        # Upstream names a definition's rule after the ref's last segment, unescaped, and takes
-        # any rule already of that name for it: a property of the same name stands in for the
-        # definition, and a recursive "My_Model" refers to a rule that does not exist.
-        name = self._ref_rules.get(ref)
-        if name is None:
-            base = INVALID_RULE_CHARS_RE.sub("-", f"ref-{ref.rsplit('/', 1)[-1]}")
-            taken = set(self._rules) | set(self._ref_rules.values())
-            name, i = base, 0
-            while name in taken:
-                name, i = f"{base}{i}", i + 1
-            self._ref_rules[ref] = name  # before visiting: a recursive reference finds it
-            rule = self.visit(self._refs[ref], name)  # type: ignore[no-untyped-call]
-            if rule != name:  # a primitive's rule ("integer"), shared
-                self._rules[name] = rule
-        return name
 
 
 JSON_OBJECT = _grammar_for_text('{"type":"object"}', "json_object")

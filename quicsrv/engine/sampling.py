@@ -7,8 +7,10 @@ state is (parameters, seed, tokens so far): reproducible and restorable by const
 A grammar (structured output: a JSON schema made GBNF) constrains the pick *sample, then
 check* (:data:`~._api.CONSTRAINED_SAMPLING`): the token drawn from the unconstrained distribution is
 kept when the grammar allows it; otherwise the grammar masks every candidate (3.7-10.8 ms a
-token on these machines, against ~9 ms for a decode step) and the same uniform number draws
-again among the allowed ones. Greedy decoding gets the allowed argmax either way; sampled
+token on these machines, against ~9 ms for a decode step, and far more inside a JSON string:
+see :func:`_likeliest_allowed`) and the same uniform number draws again among the allowed ones.
+Greedy decoding gets the allowed argmax either way, and asks about its likeliest candidates one
+by one before it masks everything (the same token, found sooner); sampled
 decoding gets a distribution slightly different from masking first, as llama-server's does,
 for a fraction of the cost. The grammar's state is the tokens it accepted: a resume replays
 them into a fresh grammar (:class:`GrammarState`), each checked first, since llama.cpp aborts
@@ -30,6 +32,8 @@ from ._api import SamplingParams, TokenLogprobs
 
 _TOKEN_DATA = np.dtype([("id", np.int32), ("logit", np.float32), ("p", np.float32)], align=True)
 _PENALTY_WINDOW = 64
+GREEDY_PROBES = 32
+"""Candidates a greedy pick the grammar refused asks about one by one before masking all."""
 
 
 class GrammarViolation(ValueError):
@@ -91,6 +95,25 @@ class GrammarState:
             sorted=False,
         )
         llama_cpp.llama_sampler_apply(self._sampler, ctypes.byref(array))
+
+
+def _likeliest_allowed(logits: npt.NDArray[np.float32], grammar: GrammarState) -> int:
+    """The token greedy decoding picks from the masked logits (``np.argmax``'s: the highest
+    logit, the lowest id among equals), found by asking the grammar about the likeliest
+    :data:`GREEDY_PROBES` one at a time; -1 when none of them is allowed, or when the one
+    allowed could tie with a token not asked about. Masking the whole vocabulary instead walks
+    every token through the grammar: inside a JSON string, where nearly every token is allowed,
+    12-13 ms (0.4 ms for the probes) on this 2-core Xeon when quiet, 370 ms under load; a model
+    that wants a raw newline in a string is refused at every line."""
+    probed = np.argpartition(logits, -GREEDY_PROBES)[-GREEDY_PROBES:]
+    order = probed[np.lexsort((probed, -logits[probed]))]
+    lowest = logits[order[-1]]  # a token not asked about may have this logit too
+    for token in order:
+        if logits[token] <= lowest:
+            break
+        if grammar.allows(int(token)):
+            return int(token)
+    return -1
 
 
 def check_replay(vocab: llama_cpp.llama_vocab_p, gbnf: str, tokens: Sequence[int]) -> None:
@@ -203,10 +226,12 @@ class SequenceSampler:
         if grammar is None:
             return token
         if not grammar.allows(token):
-            masked = grammar.mask(logits, self._ids)
-            if not np.isfinite(masked).any():
-                raise GrammarViolation("the grammar allows no token here")
-            token = self._draw(masked, index)
+            token = _likeliest_allowed(logits, grammar) if self._chain is None else -1
+            if token < 0:
+                masked = grammar.mask(logits, self._ids)
+                if not np.isfinite(masked).any():
+                    raise GrammarViolation("the grammar allows no token here")
+                token = self._draw(masked, index)
         self._checked = token
         return token
 

@@ -3,13 +3,10 @@ vocabulary) that each accepted grammar compiles and matches the JSON its schema 
 
 from __future__ import annotations
 
-import ctypes
 import json
 import time
 from typing import Any
 
-import llama_cpp
-import numpy as np
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
@@ -33,6 +30,7 @@ from quicsrv.engine.grammar import (
     check_compiles,
     grammar_for_schema,
 )
+from tests.engine.grammar_matcher import matches
 
 
 @pytest.fixture(autouse=True)
@@ -120,22 +118,36 @@ REFUSED = [
     (_object(a={"type": "object", "$defs": {}}), "properties.a.$defs", "only at the root"),
     (_object(a={"type": "object", "$id": "x"}), "properties.a.$id", "only at the root"),
     ({"$defs": []}, "$defs", "object of schemas"),
-    ({"maxLength": 3}, "maxLength", '"type": "string"'),
-    ({"minItems": 1}, "minItems", '"type": "array"'),
-    ({"additionalProperties": True}, "additionalProperties", '"type": "object"'),
-    ({"type": "array", "maxItems": 3}, "maxItems", "without items"),
+    ({"maxLength": 3, "minItems": 1}, "maxLength", "several types (array, string)"),
     ({"type": "string", "format": 3}, "format", "must be a string"),
-    ({"allOf": [{"type": "string"}]}, "allOf.0", "object schemas with properties"),
-    ({"allOf": [{"anyOf": [_object(a={})]}]}, "allOf.0", "object schemas with properties"),
+    ({"allOf": [{"type": "string"}, _object(a={})]}, "allOf.0", "only over object schemas"),
+    ({"allOf": [{"anyOf": [_object(a={})]}, _object(b={})]}, "allOf.0", "only over object"),
     ({"allOf": [_object(a={}), _object(a={})]}, "allOf.1", "share a property"),
     (_object(a={}) | {"allOf": [_object(b={})]}, "allOf", "beside properties"),
+    (
+        {"allOf": [_object(a={}), _object(b={}) | {"additionalProperties": False}]},
+        "allOf.1.additionalProperties",
+        "only as true",
+    ),
+    (
+        {"allOf": [_object(a={}), _object(b={})], "additionalProperties": False},
+        "allOf",
+        "beside additionalProperties",
+    ),
     ({"type": ["object", "null"], "allOf": [_object(b={})]}, "allOf", "list of types"),
-    ({"type": "array", "prefixItems": [{}], "items": {}}, "items", "beside prefixItems"),
-    ({"type": "array", "items": False}, "items", "only beside prefixItems"),
-    ({"type": "array", "prefixItems": [{}], "minItems": 2}, "minItems", "tuple of 1"),
-    ({"type": "array", "items": [{}, {}], "maxItems": 1}, "maxItems", "tuple of 2"),
+    ({"type": "array", "prefixItems": [{}], "items": [{}]}, "items", "beside prefixItems"),
+    ({"type": "array", "items": False, "minItems": 1}, "minItems", "the 0 items"),
+    (
+        {"type": "array", "prefixItems": [{}], "items": False, "minItems": 2},
+        "minItems",
+        "the 1 items that items: false leaves",
+    ),
     ({"type": "array", "prefixItems": []}, "prefixItems", "non-empty"),
-    ({"type": "object", "properties": {"*": {}}}, "properties", "named '*'"),
+    (
+        {"type": "object", "properties": {"a" * 201: {}}, "additionalProperties": True},
+        "properties",
+        "at most 200 characters",
+    ),
     (
         {"type": "object", "properties": {f"p{i}": {} for i in range(MAX_OPTIONAL_PROPERTIES + 1)}},
         "properties",
@@ -158,7 +170,9 @@ REFUSED = [
     ),
     (
         {"$defs": {"B": _object(s={"type": "string", "maxLength": MAX_STRING_LENGTH_BOUND})}}
-        | _object(**{f"p{i}": {"allOf": [{"$ref": "#/$defs/B"}]} for i in range(40)}),
+        | _object(
+            **{f"p{i}": {"allOf": [{"$ref": "#/$defs/B"}, _object(t={})]} for i in range(40)}
+        ),
         "properties.p31.allOf",
         "over 262144 bytes",
     ),
@@ -361,7 +375,7 @@ def test_huge_bounds_are_refused_before_the_converter_runs(monkeypatch):
     def never(*args):
         raise AssertionError("the converter ran")
 
-    monkeypatch.setattr(grammar._Converter, "visit", never)
+    monkeypatch.setattr(grammar.Converter, "visit", never)
     for schema in (
         {"type": "string", "maxLength": 100_000},
         {"type": "array", "items": {}, "maxItems": 100_000},
@@ -380,7 +394,7 @@ def test_a_converter_failure_is_a_refusal(monkeypatch, failure):
     def fail(*args):
         raise failure
 
-    monkeypatch.setattr(grammar._Converter, "visit", fail)
+    monkeypatch.setattr(grammar.Converter, "visit", fail)
     with pytest.raises(SchemaRejected) as refused:
         grammar_for_schema({"type": "string"})
     assert refused.value.path == ""
@@ -416,7 +430,8 @@ def test_a_hand_made_grammar_is_checked_before_llama_cpp_sees_it():
 
 def test_the_converter_is_fixed_where_it_writes_other_json_than_the_schemas():
     strings = grammar_for_schema({"type": "string"}).gbnf
-    assert r'char ::= [^"\\\x7F\x00-\x1F]' in strings  # no raw control characters
+    # No raw control characters, and no escape but the ones json.dumps writes.
+    assert r'char ::= [^"\\\x00-\x1F] | "\\" (["\\bfnrt] | "u00" (' in strings
     quoted = grammar_for_schema({"enum": ['a"b', "c\\d"]}).gbnf
     assert r'"\"a\\\"b\""' in quoted and r'"\"c\\\\d\""' in quoted
     assert 'date-time ::= date "T" time' in grammar_for_schema(HIJACK).gbnf
@@ -556,47 +571,19 @@ def test_anything_is_a_grammar_or_a_refusal(value):
 # With the model's vocabulary (llama.cpp's grammar sampler): compiling, and matching text.
 
 
-@pytest.fixture(scope="module")
-def vocab(model_path):
-    from quicsrv.engine.vocab import Vocabulary
-
-    loaded = Vocabulary.load(model_path)
-    yield loaded
-    loaded.close()
-
-
-_TOKEN_DATA = np.dtype([("id", np.int32), ("logit", np.float32), ("p", np.float32)], align=True)
-
-
-def _allows(sampler, token: int) -> bool:
-    one = np.zeros(1, dtype=_TOKEN_DATA)
-    one["id"] = token
-    array = llama_cpp.llama_token_data_array(
-        data=one.ctypes.data_as(llama_cpp.llama_token_data_p), size=1, selected=-1, sorted=False
-    )
-    llama_cpp.llama_sampler_apply(sampler, ctypes.byref(array))
-    return bool(np.isfinite(one["logit"][0]))
-
-
 def _matches(vocab, made: Grammar, text: str) -> bool:
-    """Whether the grammar lets a model write exactly ``text`` and stop."""
-    handle = vocab._model.vocab
-    sampler = llama_cpp.llama_sampler_init_grammar(handle, made.gbnf.encode(), b"root")
-    assert sampler
-    try:
-        for token in vocab.tokenize(text, add_special=False):
-            if not _allows(sampler, token):  # accepting it would abort the process
-                return False
-            llama_cpp.llama_sampler_accept(sampler, token)
-        return _allows(sampler, llama_cpp.llama_vocab_eos(handle))
-    finally:
-        llama_cpp.llama_sampler_free(sampler)
+    return matches(vocab, made.gbnf, text)
+
+
+def _text(value: object) -> str:
+    """The JSON text of ``value`` as the grammar spells it (characters raw, not \\u escapes)."""
+    return json.dumps(value, ensure_ascii=False)
 
 
 @pytest.mark.model
 @pytest.mark.parametrize("schema", ACCEPTED)
 def test_an_accepted_schemas_grammar_compiles(vocab, schema):
-    check_compiles(grammar_for_schema(schema), vocab._model.vocab)
+    check_compiles(grammar_for_schema(schema), vocab.handle)
 
 
 @pytest.mark.model
@@ -612,19 +599,19 @@ def test_an_accepted_schemas_grammar_compiles(vocab, schema):
 )
 def test_a_broken_grammar_does_not_compile(vocab, gbnf):
     with pytest.raises(SchemaRejected, match="llama.cpp cannot use"):
-        check_compiles(Grammar(gbnf, bytes(32)), vocab._model.vocab)
+        check_compiles(Grammar(gbnf, bytes(32)), vocab.handle)
 
 
 @pytest.mark.model
 def test_a_definition_that_is_its_own_first_element_is_refused_by_the_compile(vocab):
     schema = {"$ref": "#/$defs/A", "$defs": {"A": {"anyOf": [{"$ref": "#/$defs/A"}, {}]}}}
     with pytest.raises(SchemaRejected):
-        check_compiles(grammar_for_schema(schema), vocab._model.vocab)
+        check_compiles(grammar_for_schema(schema), vocab.handle)
 
 
 @pytest.mark.model
 def test_the_bounds_are_llama_cpps_parser_limit(vocab):
-    handle = vocab._model.vocab
+    handle = vocab.handle
     strings = {"type": "string", "maxLength": MAX_STRING_LENGTH_BOUND}
     cases: tuple[tuple[dict[str, Any], str], ...] = (
         (strings, "maxLength"),
@@ -644,7 +631,7 @@ def test_a_grammar_near_the_size_bound_builds_and_compiles_quickly(vocab):
     schema = _object(**{f"s{i}": {"type": "string", "maxLength": 1000} for i in range(n)})
     start = time.perf_counter()
     made = grammar_for_schema(schema)
-    check_compiles(made, vocab._model.vocab)
+    check_compiles(made, vocab.handle)
     assert len(made.gbnf) > 250_000
     assert time.perf_counter() - start < 1.0  # about 40 ms here; generous for slow machines
 
@@ -665,28 +652,28 @@ def test_the_grammar_matches_what_the_schema_allows(vocab):
         "merged": {"street": "x", "zip": "y", "note": "z"},
         "dated": "not a date (its maxLength holds)",
     }
-    assert _matches(vocab, made, json.dumps(person))
-    assert not _matches(vocab, made, json.dumps({k: v for k, v in person.items() if k != "age"}))
-    assert not _matches(vocab, made, json.dumps(person | {"kind": "c"}))
-    assert not _matches(vocab, made, json.dumps(person | {"nullable": "abcdef"}))
-    assert not _matches(vocab, made, json.dumps(person | {"maybe_kind": 3}))  # not a string
-    assert not _matches(vocab, made, json.dumps(person | {"born": "yesterday"}))
+    assert _matches(vocab, made, _text(person))
+    assert not _matches(vocab, made, _text({k: v for k, v in person.items() if k != "age"}))
+    assert not _matches(vocab, made, _text(person | {"kind": "c"}))
+    assert not _matches(vocab, made, _text(person | {"nullable": "abcdef"}))
+    assert not _matches(vocab, made, _text(person | {"maybe_kind": 3}))  # not a string
+    assert not _matches(vocab, made, _text(person | {"born": "yesterday"}))
     # A raw newline in a string is not JSON: the converter's own char rule allowed it.
-    assert not _matches(vocab, made, json.dumps(person).replace("\\n", "\n"))
-    assert _matches(vocab, JSON_OBJECT, json.dumps(person))
+    assert not _matches(vocab, made, _text(person).replace("\\n", "\n"))
+    assert _matches(vocab, JSON_OBJECT, _text(person))
     assert not _matches(vocab, JSON_OBJECT, "[1]")
 
 
 @pytest.mark.model
 def test_the_converters_fixes_hold_in_what_the_grammar_matches(vocab):
     item = grammar_for_schema(ITEM)
-    assert _matches(vocab, item, json.dumps({"Item": {"z": 1}, "x": 5}))
-    assert not _matches(vocab, item, json.dumps({"Item": {"z": 1}, "x": {"z": 1}}))
+    assert _matches(vocab, item, _text({"Item": {"z": 1}, "x": 5}))
+    assert not _matches(vocab, item, _text({"Item": {"z": 1}, "x": {"z": 1}}))
     hijack = grammar_for_schema(HIJACK)
-    assert _matches(vocab, hijack, json.dumps({"date_time": "x", "t": "2024-01-01T00:00:00Z"}))
+    assert _matches(vocab, hijack, _text({"date_time": "x", "t": "2024-01-01T00:00:00Z"}))
     quoted = grammar_for_schema({"enum": ['a"b', "c\\d", "e\nf", "é"]})
     for value in ['a"b', "c\\d", "e\nf", "é"]:
-        assert _matches(vocab, quoted, json.dumps(value))
+        assert _matches(vocab, quoted, _text(value))
     assert not _matches(vocab, quoted, '"c\\d"')  # the JSON text of c, then a backspace
 
 
@@ -696,5 +683,5 @@ def test_the_converters_fixes_hold_in_what_the_grammar_matches(vocab):
 def test_a_generated_schemas_grammar_compiles_and_matches_its_value(vocab, schema_and_value):
     schema, value = schema_and_value
     made = grammar_for_schema(schema)
-    check_compiles(made, vocab._model.vocab)
-    assert _matches(vocab, made, json.dumps(value)), (made.gbnf, json.dumps(value))
+    check_compiles(made, vocab.handle)
+    assert _matches(vocab, made, _text(value)), (made.gbnf, json.dumps(value))

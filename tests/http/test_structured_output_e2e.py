@@ -114,6 +114,36 @@ async def test_chat_output_follows_the_schema(engine, certs, sampling):
     assert finish == "length" or isinstance(json.loads(text), dict)
 
 
+# Issue 45: declared integers beside bounded additional strings. Under the inherited converter
+# nothing but an additional key without a comma could follow "b", so greedy decoding (asked for
+# "the integers a and b") wrote '{ "a": 1, "b": 2000000000000000 "}  # JSON object with ...' into
+# a key that never closed, to max_tokens (reported as not answering within 120 s under load).
+MIXED = {
+    "type": "object",
+    "properties": {"a": {"type": "integer"}, "b": {"type": "integer"}},
+    "additionalProperties": {"type": "string", "maxLength": 20},
+}
+
+
+async def test_declared_and_additional_members_make_valid_json_through_the_server(engine, certs):
+    mixed = {"type": "json_schema", "json_schema": {"name": "mixed", "schema": MIXED}}
+    async with running_server(engine, certs) as server, openai_client(server, certs) as client:
+        answer = await client.chat.completions.create(
+            model=await _model(server),
+            messages=[
+                {
+                    "role": "user",
+                    "content": "Write a JSON object with the integers a and b, and a note.",
+                }
+            ],
+            max_tokens=200,
+            temperature=0,
+            response_format=mixed,
+        )
+    assert answer.choices[0].finish_reason == "stop"
+    _valid(answer.choices[0].message.content, MIXED)
+
+
 async def test_the_sdk_parses_into_a_pydantic_model(engine, certs):
     async with running_server(engine, certs) as server, openai_client(server, certs) as client:
         completion = await client.chat.completions.parse(
