@@ -247,6 +247,14 @@ class ServerConfig:
             raise ConfigError("rate_limit_*_per_minute must be 0 (none) or more")
         if self.send_low_watermark_bytes >= self.send_high_watermark_bytes:
             raise ConfigError("send_low_watermark_bytes must be below send_high_watermark_bytes")
+        # A chunk fits beside every decoding sequence's token (the engine refuses every request
+        # otherwise: said at start, not as a 503 on each request).
+        widest = self.n_batch - self.n_seq_max
+        if not 0 < self.prefill_chunk_tokens <= widest:
+            raise ConfigError(
+                f"prefill_chunk_tokens must be in 1..n_batch - n_seq_max ({widest}), "
+                f"got {self.prefill_chunk_tokens}"
+            )
 
     def address(self, port: int) -> str:
         """``host:port`` as one writes it, an IPv6 host in brackets (``[::]:4433``); ``port``

@@ -146,6 +146,14 @@ def test_numbers_are_checked(key: str, value: object) -> None:
         ServerConfig.load(None, **{key: value})
 
 
+@pytest.mark.parametrize("chunk", [0, 505])
+def test_a_prefill_chunk_that_cannot_fit_beside_every_slot_is_refused_at_start(chunk: int) -> None:
+    config = ServerConfig.load(None, prefill_chunk_tokens=chunk, n_batch=512, n_seq_max=8)
+    with pytest.raises(ConfigError, match=r"prefill_chunk_tokens must be in 1\.\.n_batch"):
+        config.check()
+    ServerConfig.load(None, prefill_chunk_tokens=504, n_batch=512, n_seq_max=8).check()
+
+
 def test_defaults_then_toml_then_environment_then_overrides(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
