@@ -13,8 +13,14 @@ not land in the grace period) and the time from the SIGTERM to that line and to 
 exit, the clients' longest wait between two tokens, how each came back (the resume path, 0-RTT),
 and whether every text is exactly the uninterrupted run's.
 
+With ``--cut`` and ``--kill-worker``, each round is the soak's mix as well: ``--cut`` more readers
+drop their connection after ``CUT_AT // 2`` tokens (their generations pause) and resume on a new
+connection to the next server, and the engine worker is SIGKILLed once every live reader holds
+``CUT_AT // 2`` tokens (the SIGTERM comes once they all hold ``CUT_AT``: the worker is back).
+
     python -m loadtest.bench.restart_gap --rounds 3                          # one reader
     python -m loadtest.bench.restart_gap --rounds 20 --readers 8 --vanished 1  # issue 46
+    python -m loadtest.bench.restart_gap --rounds 20 --readers 8 --vanished 1 --cut 2 --kill-worker
 
 Targets of issue 46 (8 readers, 1 vanished, 20 restarts): SIGTERM to listening <= 2 s median,
 <= 2.5 s at the 95th percentile, no session left to replay by the grace period, every text exact.
@@ -26,6 +32,7 @@ import argparse
 import asyncio
 import contextlib
 import json
+import os
 import re
 import signal
 import statistics
@@ -39,7 +46,14 @@ from pathlib import Path
 
 from quicsrv.devcerts import DevCertPaths, ensure_dev_certs
 from quicsrv.spawn import SpawnedServer, spawn_server_async
-from quicsrv_client import Client, Reconnected, ReconnectPolicy, SessionStarted, TokenReceived
+from quicsrv_client import (
+    Client,
+    Reconnected,
+    ReconnectPolicy,
+    ResumePosition,
+    SessionStarted,
+    TokenReceived,
+)
 
 __all__ = ["Round", "main", "percentile"]
 
@@ -82,7 +96,11 @@ class Round:
     exact: int
     """Live readers whose text is exactly the uninterrupted run's."""
     readers: int
+    """Readers whose text was checked: the live ones and the cut ones."""
     vanished: int
+    cut: int = 0
+    """Readers that dropped their connection before the SIGTERM and resumed after it."""
+    worker_killed: bool = False
 
 
 def percentile(values: list[float], q: float) -> float:
@@ -131,7 +149,12 @@ class _Reader:
 
 
 async def _read(
-    port: int, certs: DevCertPaths, tickets: Path, reader: _Reader, cut: asyncio.Event
+    port: int,
+    certs: DevCertPaths,
+    tickets: Path,
+    reader: _Reader,
+    cut: asyncio.Event,
+    half: asyncio.Event,
 ) -> None:
     async with Client(
         "127.0.0.1", port, ca=certs.ca_cert, reconnect=ReconnectPolicy(), ticket_cache=tickets
@@ -140,12 +163,62 @@ async def _read(
             if isinstance(event, TokenReceived):
                 reader.ids.append(event.token_id)
                 reader.times.append(time.perf_counter())
+                if len(reader.ids) == CUT_AT // 2:
+                    half.set()
                 if len(reader.ids) == CUT_AT:
                     cut.set()
             elif isinstance(event, Reconnected):
                 reader.early = reader.early or event.early_data
             elif isinstance(event, SessionStarted) and event.resume_path:
                 reader.paths.append(event.resume_path)
+
+
+async def _drop(port: int, certs: DevCertPaths, reader: _Reader) -> ResumePosition:
+    """The soak's cut: a reader's connection goes after ``CUT_AT // 2`` tokens, nobody reads,
+    the generation pauses; what it holds and where to resume."""
+    client = Client("127.0.0.1", port, ca=certs.ca_cert)
+    await client.connect()
+    generation = client.generate(reader.prompt, max_tokens=MAX_TOKENS, ignore_eos=True)
+    async for event in generation:
+        if isinstance(event, TokenReceived):
+            reader.ids.append(event.token_id)
+            if len(reader.ids) >= CUT_AT // 2 and generation.position is not None:
+                break
+    position = generation.position
+    await client.aclose()
+    if position is None:
+        raise RuntimeError("a cut reader has no position to resume from")
+    del reader.ids[position.last_index + 1 :]
+    return position
+
+
+async def _resume(port: int, certs: DevCertPaths, reader: _Reader, at: ResumePosition) -> None:
+    async with Client("127.0.0.1", port, ca=certs.ca_cert) as c:
+        async for event in c.resume_from(at):
+            if isinstance(event, TokenReceived):
+                reader.ids.append(event.token_id)
+            elif isinstance(event, SessionStarted) and event.resume_path:
+                reader.paths.append(event.resume_path)
+
+
+def _kill_worker(server: SpawnedServer) -> None:
+    """SIGKILL the engine worker: the process below the server that runs its module (any of
+    the server's threads may have started it, so every thread's children are looked at)."""
+    pending, killed = [server.process.pid], 0
+    while pending:
+        pid = pending.pop()
+        for task in Path(f"/proc/{pid}/task").iterdir():
+            try:  # a thread (or a process) may end while it is looked at
+                children = (task / "children").read_text().split()
+                for child in children:
+                    pending.append(int(child))
+                    if b"quicsrv.engine.worker" in Path(f"/proc/{child}/cmdline").read_bytes():
+                        os.kill(int(child), signal.SIGKILL)
+                        killed += 1
+            except FileNotFoundError:
+                continue
+    if not killed:
+        raise RuntimeError("the server has no engine worker to kill")
 
 
 async def _exit(server: SpawnedServer) -> float:
@@ -173,17 +246,26 @@ async def _round(
     readers: int,
     vanished: int,
     env: dict[str, str],
+    mix: tuple[int, bool] = (0, False),
 ) -> tuple[Round, SpawnedServer]:
+    """``mix``: the cut readers, and whether the worker is killed (see the module docstring)."""
     port = old.port
+    n_cut, kill_worker = mix
     for i in range(vanished):
         await _vanish(port, certs, PROMPTS[i % len(PROMPTS)])
+    dropped = [_Reader(PROMPTS[(readers + i) % len(PROMPTS)], [], [], []) for i in range(n_cut)]
+    positions = [await _drop(port, certs, r) for r in dropped]
     cuts = [asyncio.Event() for _ in range(readers)]
+    halves = [asyncio.Event() for _ in range(readers)]
     state = [_Reader(PROMPTS[i % len(PROMPTS)], [], [], []) for i in range(readers)]
     tickets = work / "tickets.json"
     reading = [
-        asyncio.ensure_future(_read(port, certs, tickets, r, cut))
-        for r, cut in zip(state, cuts, strict=True)
+        asyncio.ensure_future(_read(port, certs, tickets, r, cut, half))
+        for r, cut, half in zip(state, cuts, halves, strict=True)
     ]
+    if kill_worker:
+        await asyncio.wait_for(asyncio.gather(*(h.wait() for h in halves)), _PATIENCE_S)
+        _kill_worker(old)
     await asyncio.wait_for(asyncio.gather(*(cut.wait() for cut in cuts)), _PATIENCE_S)
     log = work / f"server-{number}.log"
     signalled = time.perf_counter()
@@ -200,7 +282,10 @@ async def _round(
     listening = time.perf_counter()
     exit_at = await exited
     await asyncio.wait_for(asyncio.gather(*reading), _PATIENCE_S)
+    for reader, position in zip(dropped, positions, strict=True):
+        await asyncio.wait_for(_resume(new.port, certs, reader, position), _PATIENCE_S)
     counts = _handed(log)
+    checked = state + dropped
     gaps = [b - a for r in state for a, b in zip(r.times, r.times[1:], strict=False)]
     return (
         Round(
@@ -213,10 +298,12 @@ async def _round(
             streams_told=counts[3],
             longest_token_gap_s=max(gaps),
             early_data=sum(r.early for r in state),
-            resume_paths=dict(Counter(p for r in state for p in r.paths)),
-            exact=sum(r.ids == references[r.prompt] for r in state),
-            readers=readers,
+            resume_paths=dict(Counter(p for r in checked for p in r.paths)),
+            exact=sum(r.ids == references[r.prompt] for r in checked),
+            readers=len(checked),
             vanished=vanished,
+            cut=n_cut,
+            worker_killed=kill_worker,
         ),
         new,
     )
@@ -237,7 +324,9 @@ def _hand_over_s(log: Path) -> float:
     return (handed - begun).total_seconds()
 
 
-async def _run(work: Path, rounds: int, readers: int, vanished: int) -> list[Round]:
+async def _run(
+    work: Path, rounds: int, readers: int, vanished: int, mix: tuple[int, bool] = (0, False)
+) -> list[Round]:
     certs = ensure_dev_certs(work / "certs")
     data = work / "data"
     serve = ["--host", "127.0.0.1", "--data-dir", str(data)]
@@ -256,12 +345,12 @@ async def _run(work: Path, rounds: int, readers: int, vanished: int) -> list[Rou
             print("server 0 fell back to the safe mode: cpu_extra_buffers=off from now on")
         references = {}
         async with Client("127.0.0.1", server.port, ca=certs.ca_cert) as c:
-            for prompt in PROMPTS[: max(readers, vanished, 1)]:
+            for prompt in PROMPTS[: max(readers + mix[0], vanished, 1)]:
                 reference = await c.generate_text(prompt, max_tokens=MAX_TOKENS, ignore_eos=True)
                 references[prompt] = list(reference.token_ids)
         for number in range(rounds):
             result, server = await _round(
-                stack, server, serve, work, number, certs, references, readers, vanished, env
+                stack, server, serve, work, number, certs, references, readers, vanished, env, mix
             )
             print(_line(number, result), flush=True)
             results.append(result)
@@ -275,7 +364,7 @@ def _line(number: int, r: Round) -> str:
         f"{r.sigterm_to_handed_s:.2f} s, exit {r.sigterm_to_exit_s:.2f} s); paused {r.paused}, "
         f"KV saved {r.kv_saved}, left to replay {r.replay_by_grace}, told {r.streams_told}; "
         f"longest token gap {r.longest_token_gap_s:.2f} s; resumes: {paths}; 0-RTT "
-        f"{r.early_data}/{r.readers}; exact {r.exact}/{r.readers}"
+        f"{r.early_data}/{r.readers - r.cut}; exact {r.exact}/{r.readers}"
     )
 
 
@@ -292,6 +381,12 @@ def main(argv: list[str] | None = None) -> int:
         default=0,
         help="clients SIGKILLed mid-generation each round, before the SIGTERM",
     )
+    parser.add_argument(
+        "--cut", type=int, default=0, help="readers cut before the SIGTERM, resumed after it"
+    )
+    parser.add_argument(
+        "--kill-worker", action="store_true", help="SIGKILL the engine worker mid-round"
+    )
     parser.add_argument("--out", type=Path, default=Path("loadtest/results"))
     parser.add_argument(
         "--work", type=Path, help="keep the servers' data dir and logs here (default: temporary)"
@@ -299,12 +394,13 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     if args.readers < 1:
         parser.error("--readers must be at least 1")
+    mix = (args.cut, args.kill_worker)
     if args.work is not None:
         args.work.mkdir(parents=True, exist_ok=True)
-        rounds = asyncio.run(_run(args.work, args.rounds, args.readers, args.vanished))
+        rounds = asyncio.run(_run(args.work, args.rounds, args.readers, args.vanished, mix))
     else:
         with tempfile.TemporaryDirectory(prefix="quicsrv-restart-") as tmp:
-            rounds = asyncio.run(_run(Path(tmp), args.rounds, args.readers, args.vanished))
+            rounds = asyncio.run(_run(Path(tmp), args.rounds, args.readers, args.vanished, mix))
     listening = [r.sigterm_to_listening_s for r in rounds]
     gaps = [r.longest_token_gap_s for r in rounds]
     exact = sum(r.exact for r in rounds)
@@ -313,7 +409,8 @@ def main(argv: list[str] | None = None) -> int:
     print(
         f"SIGTERM to listening: median {statistics.median(listening):.2f} s, p95 "
         f"{percentile(listening, 0.95):.2f} s, max {max(listening):.2f} s over {len(rounds)} "
-        f"restarts ({args.readers} readers, {args.vanished} vanished); longest token gap median "
+        f"restarts ({args.readers} readers, {args.vanished} vanished, {args.cut} cut, worker "
+        f"{'killed' if args.kill_worker else 'kept'}); longest token gap median "
         f"{statistics.median(gaps):.2f} s (max {max(gaps):.2f}); left to replay by the grace "
         f"period {replays}; exact {exact}/{total}"
     )
