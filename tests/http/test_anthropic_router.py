@@ -9,38 +9,15 @@ from typing import Any
 
 import pytest
 
-from quicsrv.apikeys import ApiKeys
 from quicsrv.http.messages import FullResponse, HttpRequest
-from quicsrv.http.operator import PlainRoutes
-from quicsrv.http.router import Router
-from quicsrv.sessions.manager import SessionManager
-from quicsrv.settings import session_settings_for
 from tests.fakes import FakeEngine
+
+from .routers import LIMIT, fake_router
 
 pytestmark = pytest.mark.asyncio
 
-LIMIT = 4096
 KEY = "qs_test-key"
 ASK = {"model": "fake", "messages": [{"role": "user", "content": "Hi"}]}
-
-
-class _NoPlainRoutes(PlainRoutes):
-    def handle(self, method: object, path: object, headers: object) -> FullResponse:
-        raise AssertionError("no operator endpoint is asked for here")
-
-
-def _router(tmp_path: Path, *, keys: tuple[str, ...] = ()) -> Router:
-    sessions = SessionManager(FakeEngine(), session_settings_for(tmp_path, max_tokens_limit=64))
-    return Router(
-        sessions=sessions,
-        api_keys=ApiKeys(keys),
-        plain=_NoPlainRoutes(
-            metrics=sessions.metrics, readiness=lambda: None, authorize_metrics=lambda _: True
-        ),
-        metrics=sessions.metrics,
-        model_id="fake",
-        max_body_bytes=LIMIT,
-    )
 
 
 def _request(
@@ -115,14 +92,16 @@ async def test_refusals_on_anthropic_s_paths_take_its_shape(
     headers: dict[bytes, bytes],
     expected: tuple[int, str, str],
 ) -> None:
-    response = await _router(tmp_path).handle(_request(path, body, method=method, headers=headers))
+    response = await fake_router(tmp_path).handle(
+        _request(path, body, method=method, headers=headers)
+    )
     assert _anthropic(response) == expected
 
 
 async def test_a_body_past_the_limit_is_request_too_large_in_anthropic_s_shape(
     tmp_path: Path,
 ) -> None:
-    router = _router(tmp_path)
+    router = fake_router(tmp_path)
     assert _anthropic(router.too_large(_request("/v1/messages"))) == (
         413,
         "request_too_large",
@@ -136,7 +115,7 @@ async def test_a_body_past_the_limit_is_request_too_large_in_anthropic_s_shape(
 
 
 async def test_x_api_key_is_a_bearer_key_and_a_wrong_one_is_refused(tmp_path: Path) -> None:
-    router = _router(tmp_path, keys=(KEY,))
+    router = fake_router(tmp_path, keys=(KEY,))
     count = "/v1/messages/count_tokens"
     missing = await router.handle(_request(count, ASK))
     wrong = await router.handle(_request(count, ASK, headers={b"x-api-key": b"qs_wrong"}))
@@ -156,7 +135,7 @@ async def test_x_api_key_is_a_bearer_key_and_a_wrong_one_is_refused(tmp_path: Pa
 
 
 async def test_count_tokens_is_the_rendered_prompt_s_length(tmp_path: Path) -> None:
-    router = _router(tmp_path)
+    router = fake_router(tmp_path)
     body = {**ASK, "system": "Be brief."}
     response = await router.handle(_request("/v1/messages/count_tokens", body))
     assert isinstance(response, FullResponse) and response.status == 200
@@ -173,7 +152,7 @@ async def test_count_tokens_is_the_rendered_prompt_s_length(tmp_path: Path) -> N
 
 
 async def test_a_message_in_early_data_is_too_early_and_counting_is_not(tmp_path: Path) -> None:
-    router = _router(tmp_path)
+    router = fake_router(tmp_path)
     early = await router.handle(_request("/v1/messages", {**ASK, "max_tokens": 4}, early_data=True))
     counted = await router.handle(_request("/v1/messages/count_tokens", ASK, early_data=True))
     assert _anthropic(early) == (425, "invalid_request_error", "too_early")

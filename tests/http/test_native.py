@@ -6,20 +6,16 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from pathlib import Path
 
 import pytest
 
 import quicsrv_proto
-from quicsrv.apikeys import ApiKeys, hash_key, key_id
+from quicsrv.apikeys import hash_key, key_id
 from quicsrv.http.messages import FullResponse, HttpRequest, SessionStream
 from quicsrv.http.native import FRAMES
-from quicsrv.http.operator import PlainRoutes
-from quicsrv.http.router import Router
-from quicsrv.sessions.manager import SessionManager
-from quicsrv.settings import session_settings_for
 from quicsrv_proto import ErrorCode, http_status_for
-from tests.fakes import FakeEngine
+
+from .routers import LIMIT, fake_router
 
 pytestmark = pytest.mark.asyncio
 
@@ -30,27 +26,6 @@ RESUME = quicsrv_proto.encode_frame(
         session_id=SESSION, last_index=3, snapshot_hash=bytes(quicsrv_proto.SNAPSHOT_HASH_BYTES)
     )
 )
-LIMIT = 4096
-
-
-class _NoPlainRoutes(PlainRoutes):
-    def handle(self, method: object, path: object, headers: object) -> FullResponse:
-        raise AssertionError("no operator endpoint is asked for here")
-
-
-def _router(tmp_path: Path, *, keys: tuple[str, ...] = (), accepting: bool = True) -> Router:
-    sessions = SessionManager(FakeEngine(), session_settings_for(tmp_path, max_tokens_limit=64))
-    sessions.accepting = accepting
-    return Router(
-        sessions=sessions,
-        api_keys=ApiKeys(keys),
-        plain=_NoPlainRoutes(
-            metrics=sessions.metrics, readiness=lambda: None, authorize_metrics=lambda _: True
-        ),
-        metrics=sessions.metrics,
-        model_id="fake",
-        max_body_bytes=LIMIT,
-    )
 
 
 def _request(
@@ -94,21 +69,21 @@ def _refused(response: object) -> quicsrv_proto.Error:
     ],
 )
 async def test_what_is_not_a_request_gets_its_code(tmp_path, path, method, accepting, body, code):
-    router = _router(tmp_path, accepting=accepting)
+    router = fake_router(tmp_path, accepting=accepting)
     response = await router.handle(_request(path, body, method=method))
     assert _refused(response).code == code
     assert router.refusals == {code: 1}
 
 
 async def test_a_missing_key_is_refused_before_the_path_is_looked_at(tmp_path):
-    response = await _router(tmp_path, keys=("secret",)).handle(_request("/nowhere"))
+    response = await fake_router(tmp_path, keys=("secret",)).handle(_request("/nowhere"))
     assert _refused(response).code == ErrorCode.UNAUTHORIZED
     assert isinstance(response, FullResponse)
     assert (b"www-authenticate", b'Bearer realm="quicsrv"') in response.headers
 
 
 async def test_a_generate_opens_a_frame_stream_for_its_key(tmp_path):
-    router = _router(tmp_path, keys=("secret",))
+    router = fake_router(tmp_path, keys=("secret",))
     headers = {b"authorization": b"Bearer secret"}
     response = await router.handle(_request("/v1/generate", GENERATE, headers=headers))
     assert isinstance(response, SessionStream)
@@ -118,7 +93,7 @@ async def test_a_generate_opens_a_frame_stream_for_its_key(tmp_path):
 
 
 async def test_generate_in_early_data_is_too_early_but_resume_is_not(tmp_path):
-    router = _router(tmp_path)
+    router = fake_router(tmp_path)
     too_early = _refused(await router.handle(_request("/v1/generate", GENERATE, early_data=True)))
     assert (too_early.code, too_early.retry_after_s) == (ErrorCode.TOO_EARLY, 0.0)
     assert router.early_starts_refused == 1
@@ -130,7 +105,9 @@ async def test_generate_in_early_data_is_too_early_but_resume_is_not(tmp_path):
 
 async def test_a_completion_in_early_data_is_too_early_too(tmp_path):
     body = b'{"model": "fake", "prompt": "hi", "max_tokens": 4}'
-    response = await _router(tmp_path).handle(_request("/v1/completions", body, early_data=True))
+    response = await fake_router(tmp_path).handle(
+        _request("/v1/completions", body, early_data=True)
+    )
     assert isinstance(response, FullResponse)
     assert response.status == 425 and b'"too_early"' in response.body
 
@@ -147,17 +124,17 @@ async def test_a_completion_in_early_data_is_too_early_too(tmp_path):
     ],
 )
 async def test_bad_bodies_get_their_codes(tmp_path, path, body, code):
-    assert _refused(await _router(tmp_path).handle(_request(path, body))).code == code
+    assert _refused(await fake_router(tmp_path).handle(_request(path, body))).code == code
 
 
 async def test_a_malformed_session_header_is_an_invalid_field(tmp_path):
     headers = {b"quicsrv-session": b"zz"}
-    response = await _router(tmp_path).handle(_request("/v1/resume", RESUME, headers=headers))
+    response = await fake_router(tmp_path).handle(_request("/v1/resume", RESUME, headers=headers))
     assert _refused(response).code == ErrorCode.INVALID_FIELD
 
 
 async def test_a_body_past_the_limit_is_refused_in_its_api_s_own_shape(tmp_path):
-    router = _router(tmp_path)
+    router = fake_router(tmp_path)
     assert router.body_limit_bytes == LIMIT + quicsrv_proto.HEADER_SIZE
     assert _refused(router.too_large(_request("/v1/generate"))).code == ErrorCode.FRAME_TOO_LARGE
     json_error = router.too_large(_request("/v1/chat/completions"))
@@ -165,7 +142,7 @@ async def test_a_body_past_the_limit_is_refused_in_its_api_s_own_shape(tmp_path)
 
 
 async def test_the_json_api_keeps_its_shape_over_http3(tmp_path):
-    router = _router(tmp_path)
+    router = fake_router(tmp_path)
     unknown = await router.handle(_request("/v1/nope", method="GET"))
     assert isinstance(unknown, FullResponse)
     assert (unknown.status, unknown.content_type) == (404, "application/json")
@@ -177,14 +154,14 @@ async def test_the_json_api_keeps_its_shape_over_http3(tmp_path):
 
 async def test_a_refusal_is_not_logged_as_an_error(tmp_path, caplog):
     with caplog.at_level(logging.ERROR, logger="quicsrv"):
-        await _router(tmp_path).handle(_request("/v1/generate", b"garbage!"))
+        await fake_router(tmp_path).handle(_request("/v1/generate", b"garbage!"))
     assert not caplog.records  # a peer's mistake is not an error of ours
 
 
 async def test_an_unexpected_exception_is_an_internal_error_logged_once(
     tmp_path, caplog, monkeypatch
 ):
-    router = _router(tmp_path)
+    router = fake_router(tmp_path)
 
     def broken(frame: object) -> object:
         raise KeyError("a bug")

@@ -11,36 +11,14 @@ from typing import Any
 
 import pytest
 
-from quicsrv.apikeys import ApiKeys
 from quicsrv.http import token_api
 from quicsrv.http.messages import FullResponse, HttpRequest
-from quicsrv.http.operator import PlainRoutes
 from quicsrv.http.router import Router
-from quicsrv.sessions.manager import SessionManager
-from quicsrv.settings import session_settings_for
 from tests.fakes import FakeEngine
 
-LIMIT = 4096
+from .routers import fake_router
+
 KEY = "qs_test-key"
-
-
-class _NoPlainRoutes(PlainRoutes):
-    def handle(self, method: object, path: object, headers: object) -> FullResponse:
-        raise AssertionError("no operator endpoint is asked for here")
-
-
-def _router(tmp_path: Path, *, keys: tuple[str, ...] = ()) -> Router:
-    sessions = SessionManager(FakeEngine(), session_settings_for(tmp_path, max_tokens_limit=64))
-    return Router(
-        sessions=sessions,
-        api_keys=ApiKeys(keys),
-        plain=_NoPlainRoutes(
-            metrics=sessions.metrics, readiness=lambda: None, authorize_metrics=lambda _: True
-        ),
-        metrics=sessions.metrics,
-        model_id="fake",
-        max_body_bytes=LIMIT,
-    )
 
 
 def _request(
@@ -74,7 +52,7 @@ async def test_tokenize_and_detokenize_answer_over_every_protocol(
     tmp_path: Path, protocol: str
 ) -> None:
     """Outside ``/v1/``, yet JSON over HTTP/3 too (not the native API's ERROR frame)."""
-    router = _router(tmp_path)
+    router = fake_router(tmp_path)
     status, body = await _json(router, _request("/tokenize", {"content": "Hé!"}, protocol=protocol))
     assert (status, body) == (200, {"tokens": [ord("H"), ord("é"), ord("!")]})
     status, body = await _json(
@@ -88,7 +66,7 @@ async def test_tokenize_and_detokenize_answer_over_every_protocol(
 
 @pytest.mark.asyncio
 async def test_with_pieces_gives_text_or_the_bytes_of_a_split_character(tmp_path: Path) -> None:
-    router = _router(tmp_path)
+    router = fake_router(tmp_path)
     engine = router._sessions.engine
     assert isinstance(engine, FakeEngine)
     engine.pieces[0x41] = b"\xc3"  # half of "é": not valid UTF-8 alone
@@ -101,7 +79,7 @@ async def test_with_pieces_gives_text_or_the_bytes_of_a_split_character(tmp_path
 
 @pytest.mark.asyncio
 async def test_props_and_models_say_the_context_and_the_model_s_facts(tmp_path: Path) -> None:
-    router = _router(tmp_path)
+    router = fake_router(tmp_path)
     _, props = await _json(router, _request("/props", method="GET"))
     assert props["model_alias"] == "fake" and props["model_path"] == "fake.gguf"
     assert props["default_generation_settings"]["params"]["temperature"] == 0.8
@@ -117,7 +95,7 @@ async def test_props_and_models_say_the_context_and_the_model_s_facts(tmp_path: 
 
 @pytest.mark.asyncio
 async def test_the_token_endpoints_need_a_key_when_keys_are_set(tmp_path: Path) -> None:
-    router = _router(tmp_path, keys=(KEY,))
+    router = fake_router(tmp_path, keys=(KEY,))
     for request in (
         _request("/tokenize", {"content": "x"}),
         _request("/detokenize", {"tokens": [120]}),
@@ -135,7 +113,7 @@ async def test_the_token_endpoints_need_a_key_when_keys_are_set(tmp_path: Path) 
 async def test_input_tokens_counts_the_prompt_a_response_would_have(tmp_path: Path) -> None:
     """The fake template is ``<role>content``: one token per character, so the count is
     checkable by hand (the real template's agreement: the e2e test)."""
-    router = _router(tmp_path)
+    router = fake_router(tmp_path)
     ask = {"model": "fake", "input": "Hi", "instructions": "Be", "max_output_tokens": 8}
     status, body = await _json(router, _request("/v1/responses/input_tokens", ask))
     assert status == 200
@@ -195,7 +173,7 @@ async def test_input_tokens_counts_the_prompt_a_response_would_have(tmp_path: Pa
 async def test_bad_input_gets_a_400_with_a_stable_code(
     tmp_path: Path, path: str, body: Any, method: str, expected: tuple[int, str, str | None]
 ) -> None:
-    status, answer = await _json(_router(tmp_path), _request(path, body, method=method))
+    status, answer = await _json(fake_router(tmp_path), _request(path, body, method=method))
     error = answer["error"]
     assert (status, error["code"], error["param"]) == expected
     assert error["message"]
