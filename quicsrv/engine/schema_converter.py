@@ -52,7 +52,7 @@ _LONE_SURROGATE = re.compile("[\ud800-\udfff]")
 # A string's character, spelled as json.dumps(ensure_ascii=False) spells it: raw, or one of the
 # escapes it writes for '"', '\' and the control characters (\b \t \n \f \r short, the others
 # \u00xx in lowercase hex). Upstream's also lets raw control characters in (not JSON) and any
-# \uXXXX escape (lone surrogates, and a code point counted twice as a surrogate pair).
+# four-hex-digit \u escape (lone surrogates, and a code point counted twice as a surrogate pair).
 _RAW_CHARS = r'^"\\\x00-\x1F'  # inside a class: not a quote, a backslash or a control character
 _ESCAPE = r'"\\" (["\\bfnrt] | "u00" ([0] [0-7bef] | [1] [0-9a-f]))'
 _JSON_CHAR = BuiltinRule(f"[{_RAW_CHARS}] | {_ESCAPE}", [])
