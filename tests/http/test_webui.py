@@ -13,13 +13,14 @@ from quicsrv.http.faults import StreamFaults
 from quicsrv.http.messages import FullResponse
 from quicsrv.http.webui import PAGES
 from quicsrv_proto.http3 import PROTOCOL_HEADER
-from tests.http.test_native import _request, _router
+from tests.http.routers import fake_router
+from tests.http.test_native import _request
 
 
 @pytest.mark.asyncio
 @pytest.mark.parametrize("http3", [True, False], ids=["h3", "tcp"])
 async def test_the_page_and_its_files_need_no_key_and_allow_nothing_foreign(tmp_path, http3):
-    router = _router(tmp_path, keys=(hash_key("secret"),))
+    router = fake_router(tmp_path, keys=(hash_key("secret"),))
     for path, (_, content_type) in PAGES.items():
         response = await router.handle(_request(path, method="GET", http3=http3))
         assert isinstance(response, FullResponse), path
@@ -36,7 +37,7 @@ async def test_the_page_and_its_files_need_no_key_and_allow_nothing_foreign(tmp_
 
 @pytest.mark.asyncio
 async def test_the_page_loads_nothing_but_its_own_files_and_inserts_text_as_text(tmp_path):
-    router = _router(tmp_path)
+    router = fake_router(tmp_path)
     page = await router.handle(_request("/", method="GET", http3=False))
     script = await router.handle(_request("/ui/app.js", method="GET", http3=False))
     assert isinstance(page, FullResponse) and isinstance(script, FullResponse)
@@ -51,7 +52,7 @@ async def test_the_page_loads_nothing_but_its_own_files_and_inserts_text_as_text
 
 @pytest.mark.asyncio
 async def test_only_get_serves_the_page(tmp_path):
-    router = _router(tmp_path)
+    router = fake_router(tmp_path)
     response = await router.handle(_request("/", method="POST", http3=False))
     assert isinstance(response, FullResponse) and response.status == 404
 
