@@ -183,7 +183,7 @@ class CompletionsEndpoints:
         every prompt token's)."""
         piece = self._sessions.piece
         if chat:
-            return {"content": logprobs.entries(tokens, piece), "refusal": None}
+            return logprobs.chat_logprobs(tokens, piece)
         body = logprobs.CompletionLogprobs(piece)
         if record.prompt_logprobs is not None:
             prompt = record.spec.prompt_tokens

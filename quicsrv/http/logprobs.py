@@ -31,6 +31,7 @@ from .errors import ApiError
 __all__ = [
     "CompletionLogprobs",
     "Piece",
+    "chat_logprobs",
     "completion_request",
     "entries",
     "entry",
@@ -77,6 +78,11 @@ def entry(
 def entries(tokens: Iterable[quicsrv_proto.Token], piece: Piece) -> list[dict[str, Any]]:
     """The entries of TOKEN frames that carry log-probabilities."""
     return [entry(t.token_id, t.logprob, t.top_logprobs, piece) for t in tokens]
+
+
+def chat_logprobs(tokens: Iterable[quicsrv_proto.Token], piece: Piece) -> dict[str, Any]:
+    """A chat completion choice's (or chunk's) ``logprobs``: TOKEN frames' entries."""
+    return {"content": entries(tokens, piece), "refusal": None}
 
 
 def recorded(record: SessionRecord, piece: Piece) -> tuple[dict[str, Any], ...]:

@@ -205,7 +205,7 @@ class SseEncoder:
             return None
         tokens, self._scored = self._scored, []
         if self._completion_logprobs is None:
-            return {"content": logprobs.entries(tokens, self._piece), "refusal": None}
+            return logprobs.chat_logprobs(tokens, self._piece)
         for token in tokens:
             self._completion_logprobs.add_token(token)
         return self._completion_logprobs.take()
