@@ -95,8 +95,11 @@ system-deps:
 	  else echo "system-deps: not root; install$$missing yourself ($(SYSTEM_PACKAGES))" >&2; fi; \
 	fi
 
+# The suite takes about 11 min on two cores; a run past TEST_LIMIT is stuck: stop it, so that a
+# hang costs minutes, not CI's whole 90 (faulthandler_timeout has printed where it hangs).
+TEST_LIMIT ?= 40m
 test: certs system-deps
-	$(BIN)/python -m pytest
+	timeout --kill-after=30s $(TEST_LIMIT) $(BIN)/python -m pytest
 
 # The container image and the compose file, built and run with podman (tests/deploy/
 # test_container.py): about 6 min cold (a Debian base from mmdebstrap, then the image), 2.5 min

@@ -6,7 +6,7 @@ The server prints ``quicsrv listening on HOST:PORT (...)`` once every socket is 
 the process and its port when that line arrives, or an error with the log's tail when the
 process exits first. A thread keeps reading the server's output (to a log file and to an
 optional callback) so the pipe never fills. Leaving the context sends SIGTERM (a graceful
-shutdown) and waits, then kills.
+shutdown) and waits, then kills the server's whole process group.
 
 The other side of a start: a process quicsrv starts (a ``--workers`` server, an engine worker)
 calls :func:`die_with_parent` first, so that not even a kill -9 of its parent leaves it running.
@@ -79,6 +79,9 @@ def spawn_server(
         text=True,
         cwd=cwd,
         env={**os.environ, **(env or {}), "PYTHONUNBUFFERED": "1"},
+        # Its own process group: whatever it starts (``--workers`` processes, engine workers)
+        # can be killed with it, so that none outlives the block holding the output pipe.
+        start_new_session=True,
     )
     lines: deque[str] = deque(maxlen=200)
     listening = threading.Event()
@@ -116,11 +119,21 @@ def spawn_server(
             try:
                 process.wait(stop_timeout_s)
             except subprocess.TimeoutExpired:
-                process.kill()
+                _kill_group(process.pid)
                 process.wait()
         reader.join(stop_timeout_s)
-        if process.stdout is not None:
+        if reader.is_alive():
+            # A descendant still holds the pipe open (the server died and left it behind):
+            # kill the group, or the read below never ends, nor the close, which waits for it.
+            _kill_group(process.pid)
+            reader.join(stop_timeout_s)
+        if process.stdout is not None and not reader.is_alive():
             process.stdout.close()
+
+
+def _kill_group(pgid: int) -> None:
+    with contextlib.suppress(ProcessLookupError, PermissionError):
+        os.killpg(pgid, signal.SIGKILL)
 
 
 @contextlib.asynccontextmanager

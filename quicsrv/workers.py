@@ -114,7 +114,8 @@ def run_workers(config: ServerConfig) -> int:
                 log.info("worker %d replaced (pid %s)", i, workers[i][0].pid)
         return 0
     finally:
-        holder.close()
+        for holder in holders:
+            holder.close()
         for process, _ready, _started in workers:
             if process.is_alive():
                 os.kill(process.pid or 0, signal.SIGTERM)

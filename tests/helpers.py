@@ -175,7 +175,10 @@ async def server_process(
         *("--data-dir", str(data_dir)),
         *(extra or []),
     ]
-    async with spawn_server_async(args, prefix=prefix or ()) as server:
+    # Its whole output kept beside its data (pytest keeps the last runs' tmp dirs): what a
+    # failed or stuck test's server did.
+    log = data_dir / "server.log"
+    async with spawn_server_async(args, prefix=prefix or (), log=log) as server:
         yield server.process, server.port
 
 

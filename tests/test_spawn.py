@@ -1,0 +1,51 @@
+"""``quicsrv.spawn``: leaving the block ends the server and everything it started, even when
+they ignore SIGTERM and hold its output pipe (else the block, and the test around it, hangs)."""
+
+from __future__ import annotations
+
+import os
+import sys
+import textwrap
+from pathlib import Path
+
+from quicsrv.spawn import spawn_server
+
+# Stands in for ``quicsrv serve`` (run as the spawn's prefix, its own arguments ignored): a
+# child that ignores SIGTERM and keeps stdout open, a parent that ignores it too.
+_STUBBORN = textwrap.dedent(
+    """
+    import os, signal, sys, time
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    child = os.fork()
+    if child == 0:
+        while True:
+            time.sleep(1)
+    print(f"child {child}", flush=True)
+    print("quicsrv listening on 127.0.0.1:4999 (stub)", flush=True)
+    while True:
+        time.sleep(1)
+    """
+)
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    # A zombie (dead, not yet reaped by its parent) counts as gone.
+    stat = Path(f"/proc/{pid}/stat")
+    return stat.exists() and stat.read_text().split(") ")[1][0] != "Z"
+
+
+def test_leaving_kills_a_server_and_its_children_that_ignore_sigterm(tmp_path: Path) -> None:
+    script = tmp_path / "stubborn.py"
+    script.write_text(_STUBBORN)
+    with spawn_server([], prefix=[sys.executable, str(script)], stop_timeout_s=0.5) as server:
+        assert server.port == 4999
+        child = next(int(line.split()[1]) for line in server.lines if line.startswith("child"))
+        parent = server.process.pid
+        assert _alive(child)
+    assert server.process.returncode is not None
+    assert not _alive(parent)
+    assert not _alive(child)
