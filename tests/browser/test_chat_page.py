@@ -9,6 +9,7 @@ with fixed strings.
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import re
 import shutil
@@ -22,9 +23,11 @@ from playwright.async_api import expect
 
 from quicsrv.apikeys import hash_key, new_key
 from quicsrv.devcerts import DevCertPaths, spki_hash
+from quicsrv.sessions.manager import SessionManager
 from quicsrv.transport import RunningServer
 from quicsrv_proto import EndReason
-from tests.helpers import running_server
+from tests.helpers import running_server, session_settings
+from tests.redis_server import redis_server
 
 from ..http.helpers import tls_context
 
@@ -243,3 +246,27 @@ async def test_with_an_api_key_the_page_asks_for_it_and_stop_cancels_on_the_serv
     [record] = records
     assert record.end is not None and record.end.reason is EndReason.CANCELLED
     assert 0 < record.end.completion_tokens < 400
+
+
+async def test_the_page_rides_out_a_store_outage_and_finishes_the_answer(engine, certs, tmp_path):
+    """Redis (with its append-only file) killed while the page streams, started again once the
+    page is reconnecting: the answer finishes, the same as uninterrupted."""
+    with redis_server(append_only=True) as redis:
+        sessions = SessionManager(engine, session_settings(tmp_path, store_url=redis.url))
+        async with running_server(engine, certs, sessions=sessions, store=redis.url) as server:
+            [expected] = await _reference(server, certs, [QUESTION], 200)
+            async with _chromium(server, certs, tmp_path / "profile", quic=True) as page:
+                await _ask(page, QUESTION, max_tokens=200)
+                await expect(page.locator("#output")).to_have_text(
+                    re.compile(r".{20}", re.DOTALL), timeout=WAIT_MS
+                )
+                await asyncio.to_thread(redis.stop)  # SIGKILL
+                # The stream ended with store_unavailable (or a resume was refused with 503).
+                await expect(page.locator("#status")).to_have_attribute(
+                    "data-reconnects", re.compile(r"[1-9]"), timeout=WAIT_MS
+                )
+                await asyncio.to_thread(redis.restart)
+                await _until_status(page, "done")
+                output = await page.text_content("#output")
+                await _screenshot(page, "store-outage")
+    assert output == expected

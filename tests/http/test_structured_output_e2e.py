@@ -7,6 +7,7 @@ a cut stream's joined text is compared with the same request run uninterrupted o
 
 from __future__ import annotations
 
+import asyncio
 import json
 import os
 import signal
@@ -398,3 +399,122 @@ async def test_the_responses_api_lets_the_model_pick_one_of_several_functions(en
     assert deltas == done.arguments == call.arguments
     _valid(call.arguments, schemas[call.name])
     assert [e.sequence_number for e in events] == list(range(len(events)))
+
+
+# Issue 45: every shape an object schema can take, generated greedy and seeded, each output
+# validated. Values that could run on (strings, additional members) are bounded where the shape
+# allows it; "any object" and `additionalProperties: true` bound nothing, which is the point.
+OBJECT_SHAPES: dict[str, dict[str, Any]] = {
+    "closed-by-default": {
+        "type": "object",
+        "properties": {
+            "name": {"type": "string", "maxLength": 24},
+            "age": {"type": "integer"},
+            "nickname": {"type": "string", "maxLength": 12},
+        },
+        "required": ["name", "age"],
+    },
+    "optional-then-any": {
+        "type": "object",
+        "properties": {
+            "name": {"type": "string", "maxLength": 24},
+            "age": {"type": "integer"},
+        },
+        "required": ["name"],
+        "additionalProperties": True,
+    },
+    "optional-then-schema": {
+        "type": "object",
+        "properties": {"a": {"type": "integer"}, "b": {"type": "integer"}},
+        "additionalProperties": {"type": "string", "maxLength": 20},
+    },
+    "any-object": {"type": "object"},
+    "map": {"type": "object", "additionalProperties": {"type": "integer"}},
+    "all-of": {
+        "allOf": [
+            {
+                "type": "object",
+                "properties": {"name": {"type": "string", "maxLength": 24}},
+                "required": ["name"],
+            },
+            {"type": "object", "properties": {"age": {"type": "integer"}}, "required": ["age"]},
+        ]
+    },
+    "nested": {
+        "type": "object",
+        "properties": {
+            "keeper": {
+                "type": "object",
+                "properties": {"name": {"type": "string", "maxLength": 24}},
+                "required": ["name"],
+                "additionalProperties": False,
+            },
+            "lamps": {
+                "type": "array",
+                "items": {
+                    "type": "object",
+                    "properties": {"colour": {"enum": ["white", "red", "green"]}},
+                    "required": ["colour"],
+                    "additionalProperties": False,
+                },
+                "maxItems": 3,
+            },
+        },
+        "required": ["keeper", "lamps"],
+        "additionalProperties": False,
+    },
+    "recursive": {
+        "$ref": "#/$defs/node",
+        "$defs": {
+            "node": {
+                "type": "object",
+                "properties": {
+                    "name": {"type": "string", "maxLength": 12},
+                    "children": {"type": "array", "items": {"$ref": "#/$defs/node"}, "maxItems": 2},
+                },
+                "required": ["name"],
+                "additionalProperties": False,
+            }
+        },
+    },
+}
+# What each shape is asked for: the shapes that bound nothing get a question with a short answer
+# (a 135M model asked to "describe" writes on to max_tokens, which no schema can forbid).
+SHAPE_ASKS = {
+    "map": (
+        "Count the lamps of three lighthouses as a short JSON object of integers, "
+        'like {"north": 2}.'
+    ),
+    "recursive": (
+        "The lighthouse keeper Tom has two daughters, Ann and Bea, who have no children. Write "
+        'this family tree as JSON: {"name": ..., "children": [...]}.'
+    ),
+}
+SHAPE_ASK = "Give the name and age of a lighthouse keeper as a short JSON object."
+
+
+async def test_every_object_shape_makes_valid_json_greedy_and_seeded(engine, certs):
+    samplings = {"greedy": {"temperature": 0}, "seeded": {"temperature": 0.9, "seed": 7}}
+    slots = asyncio.Semaphore(8)
+
+    async def one(client: openai.AsyncOpenAI, model: str, shape: str, sampling: str):
+        async with slots:
+            return await client.chat.completions.create(
+                model=model,
+                messages=[{"role": "user", "content": SHAPE_ASKS.get(shape, SHAPE_ASK)}],
+                max_tokens=160,
+                response_format={
+                    "type": "json_schema",
+                    "json_schema": {"name": shape, "schema": OBJECT_SHAPES[shape]},
+                },
+                **samplings[sampling],
+            )
+
+    cases = [(shape, sampling) for shape in OBJECT_SHAPES for sampling in samplings]
+    async with running_server(engine, certs) as server, openai_client(server, certs) as client:
+        model = await _model(server)
+        answers = await asyncio.gather(*(one(client, model, *case) for case in cases))
+    for (shape, sampling), answer in zip(cases, answers, strict=True):
+        choice = answer.choices[0]
+        assert choice.finish_reason == "stop", (shape, sampling, choice.message.content)
+        _valid(choice.message.content, OBJECT_SHAPES[shape])
