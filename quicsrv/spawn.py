@@ -71,6 +71,9 @@ def spawn_server(
     where ``python -m`` imports quicsrv from first (another checkout, for a comparison). The
     block may stop the process itself (another signal, to check its exit status)."""
     command = [*prefix, sys.executable, "-m", "quicsrv.cli", "serve", *args]
+    # Opened first, not on the reading thread: a log that cannot be opened is an error here,
+    # not a thread that dies and a start waited for until its timeout.
+    sink = open(log, "a") if log is not None else None  # noqa: SIM115 - closed by read()
     process = subprocess.Popen(
         command,
         stdout=subprocess.PIPE,
@@ -89,7 +92,6 @@ def spawn_server(
 
     def read() -> None:
         assert process.stdout is not None
-        sink = open(log, "a") if log is not None else None  # noqa: SIM115 - closed below
         try:
             for line in process.stdout:
                 lines.append(line)

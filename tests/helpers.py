@@ -177,6 +177,7 @@ async def server_process(
     ]
     # Its whole output kept beside its data (pytest keeps the last runs' tmp dirs): what a
     # failed or stuck test's server did.
+    data_dir.mkdir(parents=True, exist_ok=True)
     log = data_dir / "server.log"
     async with spawn_server_async(args, prefix=prefix or (), log=log) as server:
         yield server.process, server.port

@@ -8,6 +8,8 @@ import sys
 import textwrap
 from pathlib import Path
 
+import pytest
+
 from quicsrv.spawn import spawn_server
 
 # Stands in for ``quicsrv serve`` (run as the spawn's prefix, its own arguments ignored): a
@@ -49,3 +51,8 @@ def test_leaving_kills_a_server_and_its_children_that_ignore_sigterm(tmp_path: P
     assert server.process.returncode is not None
     assert not _alive(parent)
     assert not _alive(child)
+
+
+def test_a_log_that_cannot_be_opened_is_an_error_at_once(tmp_path: Path) -> None:
+    with pytest.raises(FileNotFoundError), spawn_server([], log=tmp_path / "absent" / "log"):
+        pass

@@ -17,10 +17,16 @@ With ``--cut`` and ``--kill-worker``, each round is the soak's mix as well: ``--
 drop their connection after ``CUT_AT // 2`` tokens (their generations pause) and resume on a new
 connection to the next server, and the engine worker is SIGKILLed once every live reader holds
 ``CUT_AT // 2`` tokens (the SIGTERM comes once they all hold ``CUT_AT``: the worker is back).
+``--kill-server-every K`` makes every Kth round's SIGTERM a SIGKILL (nothing is handed over:
+every session comes back from its record, by replay or an earlier pause's KV cells), and
+``--seeded`` samples every other prompt (temperature 0.8, top-k 40, a seed of its own) where the
+others are greedy. A long run of all of it is the soak of issue 45 (30 minutes: ``--rounds 150``).
 
     python -m loadtest.bench.restart_gap --rounds 3                          # one reader
     python -m loadtest.bench.restart_gap --rounds 20 --readers 8 --vanished 1  # issue 46
     python -m loadtest.bench.restart_gap --rounds 20 --readers 8 --vanished 1 --cut 2 --kill-worker
+    python -m loadtest.bench.restart_gap --rounds 150 --readers 4 --vanished 1 --cut 2 \
+        --kill-worker --kill-server-every 5 --seeded                             # the soak
 
 Targets of issue 46 (8 readers, 1 vanished, 20 restarts): SIGTERM to listening <= 2 s median,
 <= 2.5 s at the 95th percentile, no session left to replay by the grace period, every text exact.
@@ -43,6 +49,7 @@ from collections import Counter
 from dataclasses import asdict, dataclass
 from datetime import UTC, datetime
 from pathlib import Path
+from typing import Any
 
 from quicsrv.devcerts import DevCertPaths, ensure_dev_certs
 from quicsrv.spawn import SpawnedServer, spawn_server_async
@@ -75,6 +82,15 @@ _HANDED = re.compile(
 _PATIENCE_S = 300.0  # a failure's deadline on 2 busy shared cores, not a measurement
 
 
+def sampling(prompt: str, seeded: bool) -> dict[str, Any]:
+    """How ``prompt`` is generated: greedy, or (``seeded``, every other prompt) sampled with a
+    seed of its own."""
+    index = PROMPTS.index(prompt)
+    if seeded and index % 2:
+        return {"temperature": 0.8, "top_k": 40, "seed": 11 + index}
+    return {}
+
+
 @dataclass(frozen=True, slots=True)
 class Round:
     sigterm_to_listening_s: float
@@ -101,6 +117,8 @@ class Round:
     cut: int = 0
     """Readers that dropped their connection before the SIGTERM and resumed after it."""
     worker_killed: bool = False
+    server_killed: bool = False
+    """SIGKILL, not SIGTERM: the hand-over counts are 0 and its time is nan."""
 
 
 def percentile(values: list[float], q: float) -> float:
@@ -145,6 +163,7 @@ class _Reader:
     ids: list[int]
     times: list[float]
     paths: list[str]
+    params: dict[str, Any]
     early: bool = False
 
 
@@ -159,7 +178,10 @@ async def _read(
     async with Client(
         "127.0.0.1", port, ca=certs.ca_cert, reconnect=ReconnectPolicy(), ticket_cache=tickets
     ) as c:
-        async for event in c.generate(reader.prompt, max_tokens=MAX_TOKENS, ignore_eos=True):
+        generation = c.generate(
+            reader.prompt, max_tokens=MAX_TOKENS, ignore_eos=True, **reader.params
+        )
+        async for event in generation:
             if isinstance(event, TokenReceived):
                 reader.ids.append(event.token_id)
                 reader.times.append(time.perf_counter())
@@ -178,7 +200,9 @@ async def _drop(port: int, certs: DevCertPaths, reader: _Reader) -> ResumePositi
     the generation pauses; what it holds and where to resume."""
     client = Client("127.0.0.1", port, ca=certs.ca_cert)
     await client.connect()
-    generation = client.generate(reader.prompt, max_tokens=MAX_TOKENS, ignore_eos=True)
+    generation = client.generate(
+        reader.prompt, max_tokens=MAX_TOKENS, ignore_eos=True, **reader.params
+    )
     async for event in generation:
         if isinstance(event, TokenReceived):
             reader.ids.append(event.token_id)
@@ -246,18 +270,19 @@ async def _round(
     readers: int,
     vanished: int,
     env: dict[str, str],
-    mix: tuple[int, bool] = (0, False),
+    mix: Mix,
 ) -> tuple[Round, SpawnedServer]:
-    """``mix``: the cut readers, and whether the worker is killed (see the module docstring)."""
+    """``mix``: what else happens in the round (see the module docstring)."""
     port = old.port
-    n_cut, kill_worker = mix
+    n_cut, kill_worker = mix.cut, mix.kill_worker
+    kill_server = mix.kill_server_every > 0 and number % mix.kill_server_every == 0
     for i in range(vanished):
         await _vanish(port, certs, PROMPTS[i % len(PROMPTS)])
-    dropped = [_Reader(PROMPTS[(readers + i) % len(PROMPTS)], [], [], []) for i in range(n_cut)]
+    dropped = [_reader(PROMPTS[(readers + i) % len(PROMPTS)], mix) for i in range(n_cut)]
     positions = [await _drop(port, certs, r) for r in dropped]
     cuts = [asyncio.Event() for _ in range(readers)]
     halves = [asyncio.Event() for _ in range(readers)]
-    state = [_Reader(PROMPTS[i % len(PROMPTS)], [], [], []) for i in range(readers)]
+    state = [_reader(PROMPTS[i % len(PROMPTS)], mix) for i in range(readers)]
     tickets = work / "tickets.json"
     reading = [
         asyncio.ensure_future(_read(port, certs, tickets, r, cut, half))
@@ -269,7 +294,7 @@ async def _round(
     await asyncio.wait_for(asyncio.gather(*(cut.wait() for cut in cuts)), _PATIENCE_S)
     log = work / f"server-{number}.log"
     signalled = time.perf_counter()
-    old.process.send_signal(signal.SIGTERM)
+    old.process.send_signal(signal.SIGKILL if kill_server else signal.SIGTERM)
     starting = asyncio.ensure_future(
         stack.enter_async_context(
             spawn_server_async(
@@ -284,13 +309,13 @@ async def _round(
     await asyncio.wait_for(asyncio.gather(*reading), _PATIENCE_S)
     for reader, position in zip(dropped, positions, strict=True):
         await asyncio.wait_for(_resume(new.port, certs, reader, position), _PATIENCE_S)
-    counts = _handed(log)
+    counts = (0, 0, 0, 0) if kill_server else _handed(log)
     checked = state + dropped
     gaps = [b - a for r in state for a, b in zip(r.times, r.times[1:], strict=False)]
     return (
         Round(
             sigterm_to_listening_s=listening - signalled,
-            sigterm_to_handed_s=_hand_over_s(log),
+            sigterm_to_handed_s=float("nan") if kill_server else _hand_over_s(log),
             sigterm_to_exit_s=exit_at - signalled,
             paused=counts[0],
             kv_saved=counts[1],
@@ -304,6 +329,7 @@ async def _round(
             vanished=vanished,
             cut=n_cut,
             worker_killed=kill_worker,
+            server_killed=kill_server,
         ),
         new,
     )
@@ -324,9 +350,19 @@ def _hand_over_s(log: Path) -> float:
     return (handed - begun).total_seconds()
 
 
-async def _run(
-    work: Path, rounds: int, readers: int, vanished: int, mix: tuple[int, bool] = (0, False)
-) -> list[Round]:
+@dataclass(frozen=True, slots=True)
+class Mix:
+    cut: int = 0
+    kill_worker: bool = False
+    kill_server_every: int = 0
+    seeded: bool = False
+
+
+def _reader(prompt: str, mix: Mix) -> _Reader:
+    return _Reader(prompt, [], [], [], sampling(prompt, mix.seeded))
+
+
+async def _run(work: Path, rounds: int, readers: int, vanished: int, mix: Mix) -> list[Round]:
     certs = ensure_dev_certs(work / "certs")
     data = work / "data"
     serve = ["--host", "127.0.0.1", "--data-dir", str(data)]
@@ -345,8 +381,10 @@ async def _run(
             print("server 0 fell back to the safe mode: cpu_extra_buffers=off from now on")
         references = {}
         async with Client("127.0.0.1", server.port, ca=certs.ca_cert) as c:
-            for prompt in PROMPTS[: max(readers + mix[0], vanished, 1)]:
-                reference = await c.generate_text(prompt, max_tokens=MAX_TOKENS, ignore_eos=True)
+            for prompt in PROMPTS[: max(readers + mix.cut, vanished, 1)]:
+                reference = await c.generate_text(
+                    prompt, max_tokens=MAX_TOKENS, ignore_eos=True, **sampling(prompt, mix.seeded)
+                )
                 references[prompt] = list(reference.token_ids)
         for number in range(rounds):
             result, server = await _round(
@@ -359,8 +397,9 @@ async def _run(
 
 def _line(number: int, r: Round) -> str:
     paths = ", ".join(f"{p} {n}" for p, n in sorted(r.resume_paths.items())) or "none"
+    signal_name = "SIGKILL" if r.server_killed else "SIGTERM"
     return (
-        f"round {number}: SIGTERM to listening {r.sigterm_to_listening_s:.2f} s (hand-over "
+        f"round {number}: {signal_name} to listening {r.sigterm_to_listening_s:.2f} s (hand-over "
         f"{r.sigterm_to_handed_s:.2f} s, exit {r.sigterm_to_exit_s:.2f} s); paused {r.paused}, "
         f"KV saved {r.kv_saved}, left to replay {r.replay_by_grace}, told {r.streams_told}; "
         f"longest token gap {r.longest_token_gap_s:.2f} s; resumes: {paths}; 0-RTT "
@@ -387,6 +426,16 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--kill-worker", action="store_true", help="SIGKILL the engine worker mid-round"
     )
+    parser.add_argument(
+        "--kill-server-every",
+        type=int,
+        default=0,
+        metavar="K",
+        help="SIGKILL the server instead of SIGTERM every Kth round (0: never)",
+    )
+    parser.add_argument(
+        "--seeded", action="store_true", help="sample every other prompt with a seed"
+    )
     parser.add_argument("--out", type=Path, default=Path("loadtest/results"))
     parser.add_argument(
         "--work", type=Path, help="keep the servers' data dir and logs here (default: temporary)"
@@ -394,23 +443,25 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     if args.readers < 1:
         parser.error("--readers must be at least 1")
-    mix = (args.cut, args.kill_worker)
+    mix = Mix(args.cut, args.kill_worker, args.kill_server_every, args.seeded)
     if args.work is not None:
         args.work.mkdir(parents=True, exist_ok=True)
         rounds = asyncio.run(_run(args.work, args.rounds, args.readers, args.vanished, mix))
     else:
         with tempfile.TemporaryDirectory(prefix="quicsrv-restart-") as tmp:
             rounds = asyncio.run(_run(Path(tmp), args.rounds, args.readers, args.vanished, mix))
-    listening = [r.sigterm_to_listening_s for r in rounds]
+    listening = [r.sigterm_to_listening_s for r in rounds if not r.server_killed]
+    killed = sum(r.server_killed for r in rounds)
     gaps = [r.longest_token_gap_s for r in rounds]
     exact = sum(r.exact for r in rounds)
     total = sum(r.readers for r in rounds)
     replays = sum(r.replay_by_grace for r in rounds)
     print(
         f"SIGTERM to listening: median {statistics.median(listening):.2f} s, p95 "
-        f"{percentile(listening, 0.95):.2f} s, max {max(listening):.2f} s over {len(rounds)} "
-        f"restarts ({args.readers} readers, {args.vanished} vanished, {args.cut} cut, worker "
-        f"{'killed' if args.kill_worker else 'kept'}); longest token gap median "
+        f"{percentile(listening, 0.95):.2f} s, max {max(listening):.2f} s over {len(listening)} "
+        f"SIGTERM restarts and {killed} SIGKILLs ({args.readers} readers, {args.vanished} "
+        f"vanished, {args.cut} cut, worker {'killed' if args.kill_worker else 'kept'}, "
+        f"{'greedy and seeded' if args.seeded else 'greedy'}); longest token gap median "
         f"{statistics.median(gaps):.2f} s (max {max(gaps):.2f}); left to replay by the grace "
         f"period {replays}; exact {exact}/{total}"
     )
