@@ -20,13 +20,14 @@ connection to the next server, and the engine worker is SIGKILLed once every liv
 ``--kill-server-every K`` makes every Kth round's SIGTERM a SIGKILL (nothing is handed over:
 every session comes back from its record, by replay or an earlier pause's KV cells), and
 ``--seeded`` samples every other prompt (temperature 0.8, top-k 40, a seed of its own) where the
-others are greedy. A long run of all of it is the soak of issue 45 (30 minutes: ``--rounds 150``).
+others are greedy. A long run of all of it is the soak of issue 45 (``--minutes 30``: rounds
+until 30 minutes have passed, at most ``--rounds``).
 
     python -m loadtest.bench.restart_gap --rounds 3                          # one reader
     python -m loadtest.bench.restart_gap --rounds 20 --readers 8 --vanished 1  # issue 46
     python -m loadtest.bench.restart_gap --rounds 20 --readers 8 --vanished 1 --cut 2 --kill-worker
-    python -m loadtest.bench.restart_gap --rounds 150 --readers 4 --vanished 1 --cut 2 \
-        --kill-worker --kill-server-every 5 --seeded                             # the soak
+    python -m loadtest.bench.restart_gap --rounds 1000 --minutes 30 --readers 4 --vanished 1 \
+        --cut 2 --kill-worker --kill-server-every 5 --seeded                     # the soak
 
 Targets of issue 46 (8 readers, 1 vanished, 20 restarts): SIGTERM to listening <= 2 s median,
 <= 2.5 s at the 95th percentile, no session left to replay by the grace period, every text exact.
@@ -362,7 +363,11 @@ def _reader(prompt: str, mix: Mix) -> _Reader:
     return _Reader(prompt, [], [], [], sampling(prompt, mix.seeded))
 
 
-async def _run(work: Path, rounds: int, readers: int, vanished: int, mix: Mix) -> list[Round]:
+async def _run(
+    work: Path, rounds: int, readers: int, vanished: int, mix: Mix, minutes: float = 0.0
+) -> list[Round]:
+    """``rounds`` rounds, or fewer when ``minutes`` (if given) have passed first."""
+    deadline = time.monotonic() + minutes * 60 if minutes else None
     certs = ensure_dev_certs(work / "certs")
     data = work / "data"
     serve = ["--host", "127.0.0.1", "--data-dir", str(data)]
@@ -387,6 +392,8 @@ async def _run(work: Path, rounds: int, readers: int, vanished: int, mix: Mix) -
                 )
                 references[prompt] = list(reference.token_ids)
         for number in range(rounds):
+            if deadline is not None and time.monotonic() >= deadline:
+                break
             result, server = await _round(
                 stack, server, serve, work, number, certs, references, readers, vanished, env, mix
             )
@@ -413,6 +420,9 @@ def main(argv: list[str] | None = None) -> int:
         description="the gap clients ride out across server restarts",
     )
     parser.add_argument("--rounds", type=int, default=3, help="restarts")
+    parser.add_argument(
+        "--minutes", type=float, default=0.0, help="stop starting rounds after this long (0: no)"
+    )
     parser.add_argument("--readers", type=int, default=1, help="live readers each round")
     parser.add_argument(
         "--vanished",
@@ -446,10 +456,14 @@ def main(argv: list[str] | None = None) -> int:
     mix = Mix(args.cut, args.kill_worker, args.kill_server_every, args.seeded)
     if args.work is not None:
         args.work.mkdir(parents=True, exist_ok=True)
-        rounds = asyncio.run(_run(args.work, args.rounds, args.readers, args.vanished, mix))
+        rounds = asyncio.run(
+            _run(args.work, args.rounds, args.readers, args.vanished, mix, args.minutes)
+        )
     else:
         with tempfile.TemporaryDirectory(prefix="quicsrv-restart-") as tmp:
-            rounds = asyncio.run(_run(Path(tmp), args.rounds, args.readers, args.vanished, mix))
+            rounds = asyncio.run(
+                _run(Path(tmp), args.rounds, args.readers, args.vanished, mix, args.minutes)
+            )
     listening = [r.sigterm_to_listening_s for r in rounds if not r.server_killed]
     killed = sum(r.server_killed for r in rounds)
     gaps = [r.longest_token_gap_s for r in rounds]
