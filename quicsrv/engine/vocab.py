@@ -23,6 +23,7 @@ from llama_cpp.llama_chat_format import Jinja2ChatFormatter
 from ._api import Grammar, InvalidSchema
 from .facts import ModelInfo
 from .grammar import SchemaRejected, check_compiles, grammar_for_schema
+from .tool_call_grammar import is_tool_call_blocks, tool_call_blocks_grammar
 
 __all__ = ["HERMES_TOOL_CALLS", "Vocabulary", "check_chat_template", "file_digest"]
 
@@ -84,7 +85,11 @@ class Vocabulary:
         except (ValueError, RecursionError):  # RecursionError: absurdly deep nesting
             raise InvalidSchema("the schema is not valid JSON") from None
         try:
-            converted = grammar_for_schema(value)
+            converted = (
+                tool_call_blocks_grammar(value)
+                if is_tool_call_blocks(value)
+                else grammar_for_schema(value)
+            )
             check_compiles(converted, self.handle)
         except SchemaRejected as exc:
             raise InvalidSchema(exc.message, exc.path) from None
