@@ -230,7 +230,7 @@ def _tool_call_format(chat: Jinja2ChatFormatter | None) -> str | None:
         },
     }
     try:
-        rendered = str(chat(messages=[{"role": "user", "content": "hi"}], tools=[probe]).prompt)
+        rendered = str(chat(messages=[{"role": "user", "content": "hi"}], tools=[probe]).prompt)  # type: ignore[list-item]
     except Exception:  # a template's own raise_exception, or one that cannot take tools
         return None
     if _PROBE_TOOL not in rendered:
