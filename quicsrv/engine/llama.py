@@ -135,10 +135,17 @@ class EngineSettings:
     prefix_cache_dir: Path | None
     """Where entries go from memory (a directory other engines on this node may share)."""
     prefix_cache_disk_bytes: int
+    chat_template_file: Path | None
+    """A Jinja chat template used instead of the GGUF's (checked at start: ``app.preflight``)."""
     cpu_extra_buffers: bool = True
     """llama.cpp's extra CPU weight buffers (AMX, repacked layouts); off = the safe mode."""
-    chat_template: str | None = None
-    """A Jinja chat template used instead of the GGUF's (``chat_template_file``)."""
+
+    @property
+    def chat_template(self) -> str | None:
+        """The text of :attr:`chat_template_file` (None: the GGUF's template)."""
+        if self.chat_template_file is None:
+            return None
+        return self.chat_template_file.read_text(encoding="utf-8")
 
     def numerics(self, model_digest: bytes) -> bytes:
         """What a token's computed numbers depend on besides the tokens: cells computed under

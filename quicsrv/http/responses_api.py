@@ -607,8 +607,7 @@ def _input(value: object, native_tools: str | None) -> tuple[ChatMessage, ...]:
             calls.append(call)
             continue
         if calls:
-            content = calls_text(native_tools, calls)
-            messages.append(ChatMessage(role="assistant", content=content))
+            messages.append(ChatMessage(role="assistant", content=calls_text(native_tools, calls)))
             calls = []
         messages.append(_input_message(item, f"input[{i}]"))
     if calls:

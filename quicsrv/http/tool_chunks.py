@@ -13,7 +13,7 @@ from typing import Any
 
 from .tool_answers import parse_answer
 from .tool_calls import call_id
-from .tool_format import ArgumentsDelta, CallStarted, Piece, TextDelta
+from .tool_format import GENERIC, ArgumentsDelta, CallStarted, Piece, TextDelta
 
 __all__ = ["chat_delta", "chat_message"]
 
@@ -46,7 +46,9 @@ def chat_delta(session_id: bytes, pieces: Sequence[Piece]) -> dict[str, Any]:
     return delta
 
 
-def chat_message(session_id: bytes, text: str, answer_format: str) -> tuple[dict[str, Any], bool]:
+def chat_message(
+    session_id: bytes, text: str, answer_format: str = GENERIC
+) -> tuple[dict[str, Any], bool]:
     """The assistant ``message`` of the whole answer ``text`` (in format ``answer_format``,
     :mod:`.tool_answers`), and whether it calls tools."""
     answer = parse_answer(answer_format, text)
