@@ -18,11 +18,11 @@ from typing import Any
 import jsonschema
 import pytest
 
+from quicsrv.http.hermes_format import calls_text
 from tests.helpers import running_server
 
 from .helpers import cut_and_resume, openai_client, tcp_client
 from .test_tools_e2e import (
-    ASK_TEXT,
     ASK_TOOL,
     GREEDY,
     SCHEMAS,
@@ -65,29 +65,19 @@ async def test_required_and_named_calls_through_chat_completions(hermes_engine, 
             model=server.app.router.model_id,
             messages=[{"role": "user", "content": "Get the weather in Paris and in Rome."}],
             tools=[WEATHER, TIME],
-            max_tokens=80,
+            max_tokens=60,
             **GREEDY,
         )
         required = await client.chat.completions.create(**params, tool_choice="required")
         named = await client.chat.completions.create(
             **params, tool_choice={"type": "function", "function": {"name": "get_time"}}
         )
-        stream = await client.chat.completions.create(**params, tool_choice="required", stream=True)
-        calls: dict[int, dict[str, str]] = {}
-        async for chunk in stream:
-            for call in chunk.choices[0].delta.tool_calls or []:
-                entry = calls.setdefault(call.index, {"name": "", "args": ""})
-                entry["name"] += call.function.name or ""
-                entry["args"] += call.function.arguments or ""
         # The template rendered the tools: its tools section is in the prompt.
         plain = await client.chat.completions.create(
             model=params["model"], messages=params["messages"], max_tokens=1
         )
     message = required.choices[0].message
     assert _check_message(message, required.choices[0].finish_reason) == "calls"
-    assert [(c["name"], c["args"]) for c in calls.values()] == [
-        (c.function.name, c.function.arguments) for c in message.tool_calls
-    ]
     [call] = named.choices[0].message.tool_calls
     assert call.function.name == "get_time" and named.choices[0].finish_reason == "tool_calls"
     jsonschema.validate(json.loads(call.function.arguments), SCHEMAS["get_time"])
@@ -100,21 +90,38 @@ async def test_auto_answers_in_text_or_calls_and_results_go_back(hermes_engine, 
         openai_client(server, certs) as client,
     ):
         model = server.app.router.model_id
-        for question in (ASK_TOOL, ASK_TEXT):
-            messages: list[Any] = [{"role": "user", "content": question}]
-            first = await client.chat.completions.create(
-                model=model, messages=messages, tools=[WEATHER], max_tokens=60, **GREEDY
-            )
-            choice = first.choices[0]
-            if _check_message(choice.message, choice.finish_reason) == "calls":
-                messages += [choice.message.model_dump(exclude_none=True)] + [
-                    {"role": "tool", "tool_call_id": c.id, "content": "Sunny, 24 C"}
-                    for c in choice.message.tool_calls
-                ]
-                second = await client.chat.completions.create(
-                    model=model, messages=messages, tools=[WEATHER], max_tokens=40, **GREEDY
-                )
-                _check_message(second.choices[0].message, second.choices[0].finish_reason)
+        messages: list[Any] = [{"role": "user", "content": ASK_TOOL}]
+        first = await client.chat.completions.create(
+            model=model, messages=messages, tools=[WEATHER], max_tokens=40, **GREEDY
+        )
+        choice = first.choices[0]
+        _check_message(choice.message, choice.finish_reason)
+        # A call and its result, then the model's next turn (text or calls again).
+        function = {"name": "get_weather", "arguments": '{"city": "Paris"}'}
+        messages += [
+            {
+                "role": "assistant",
+                "content": None,
+                "tool_calls": [{"id": "call_1", "type": "function", "function": function}],
+            },
+            {"role": "tool", "tool_call_id": "call_1", "content": "Sunny, 24 C"},
+        ]
+        second = await client.chat.completions.create(
+            model=model, messages=messages, tools=[WEATHER], max_tokens=40, **GREEDY
+        )
+    _check_message(second.choices[0].message, second.choices[0].finish_reason)
+    # The template was shown the call and the result as its own blocks.
+    shown = hermes_engine.render_chat(
+        [
+            {"role": "assistant", "content": calls_text([("get_weather", '{"city": "Paris"}')])},
+            {"role": "tool", "content": "Sunny, 24 C"},
+        ]
+    )
+    assert (
+        '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>'
+        in shown
+    )
+    assert "<tool_response>\nSunny, 24 C\n</tool_response>" in shown
 
 
 async def test_the_responses_api_returns_function_calls(hermes_engine, certs):
@@ -128,34 +135,23 @@ async def test_the_responses_api_returns_function_calls(hermes_engine, certs):
             input=ASK_TOOL,
             tools=flat,
             tool_choice="required",
-            max_output_tokens=80,
+            max_output_tokens=60,
             **GREEDY,
         )
-        named = await client.responses.create(
-            model=server.app.router.model_id,
-            input=ASK_TOOL,
-            tools=flat,
-            tool_choice={"type": "function", "name": "get_weather"},
-            max_output_tokens=80,
-            **GREEDY,
-        )
-    for answer in (response, named):
-        assert answer.status == "completed" and answer.output
-        for item in answer.output:
-            assert item.type == "function_call" and item.call_id.startswith("call_")
-            jsonschema.validate(json.loads(item.arguments), SCHEMAS[item.name])
-    assert [item.name for item in named.output] == ["get_weather"]
+    assert response.status == "completed" and response.output
+    for item in response.output:
+        assert item.type == "function_call" and item.call_id.startswith("call_")
+        jsonschema.validate(json.loads(item.arguments), SCHEMAS[item.name])
 
 
-@pytest.mark.parametrize("choice", ["required", "auto"])
-async def test_a_cut_native_call_stream_resumes_exactly(hermes_engine, certs, choice):
+async def test_a_cut_native_call_stream_resumes_exactly(hermes_engine, certs):
     async with running_server(hermes_engine, certs) as server, tcp_client(server, certs) as tcp:
         body = {
             "model": server.app.router.model_id,
             "messages": [{"role": "user", "content": ASK_TOOL}],
             "tools": [WEATHER],
-            "tool_choice": choice,
-            "max_tokens": 60,
+            "tool_choice": "required",
+            "max_tokens": 40,
             "stream": True,
             **GREEDY,
         }
@@ -163,5 +159,4 @@ async def test_a_cut_native_call_stream_resumes_exactly(hermes_engine, certs, ch
     whole = _normalized(cut.whole, _chat_session(cut.whole), cut.session)
     assert _normalized(cut.before + cut.after, cut.session, cut.session) == whole
     assert len(cut.before) == 5 and cut.after  # it was cut inside the answer
-    if choice == "required":
-        assert any("tool_calls" in json.dumps(e.json) for e in cut.after if e.data != "[DONE]")
+    assert any("tool_calls" in json.dumps(e.json) for e in cut.after if e.data != "[DONE]")
