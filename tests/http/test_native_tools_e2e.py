@@ -65,7 +65,7 @@ async def test_required_and_named_calls_through_chat_completions(hermes_engine, 
             model=server.app.router.model_id,
             messages=[{"role": "user", "content": "Get the weather in Paris and in Rome."}],
             tools=[WEATHER, TIME],
-            max_tokens=60,
+            max_tokens=120,
             **GREEDY,
         )
         required = await client.chat.completions.create(**params, tool_choice="required")
@@ -135,7 +135,7 @@ async def test_the_responses_api_returns_function_calls(hermes_engine, certs):
             input=ASK_TOOL,
             tools=flat,
             tool_choice="required",
-            max_output_tokens=60,
+            max_output_tokens=120,
             **GREEDY,
         )
     assert response.status == "completed" and response.output
