@@ -25,6 +25,7 @@ import quicsrv_proto
 from quicsrv_proto import EndReason
 from quicsrv_proto.frames import CHAT_ROLES, MAX_SEED
 
+from ..engine.tool_call_grammar import TOOL_CALL_BLOCKS
 from . import field_policy, logprobs
 from .errors import ApiError
 from .file_parts import file_text
@@ -356,7 +357,7 @@ def json_schema_of(value: object, param: str) -> str | None:
     if strict is not None and not isinstance(strict, bool):
         raise _invalid(f"{where}.strict must be a boolean", f"{where}.strict")
     schema = spec.get("schema")
-    if not isinstance(schema, dict):
+    if not isinstance(schema, dict) or TOOL_CALL_BLOCKS in schema:  # (that one is the server's)
         raise _invalid(f"{where}.schema must be a JSON schema object", f"{where}.schema")
     # Enforced either way: every token is sampled under the schema's grammar, strict or not.
     return json.dumps(schema, separators=(",", ":"))

@@ -194,3 +194,18 @@ def test_the_vocabulary_detects_a_hermes_template_and_the_grammar_takes_its_answ
     finally:
         plain.close()
         hermes.close()
+
+
+def test_a_client_cannot_ask_for_tool_call_blocks_as_its_response_format() -> None:
+    from quicsrv.http.errors import ApiError
+    from quicsrv.http.openai_api import parse_completion
+
+    schema = {TOOL_CALL_BLOCKS: {"call": {}, "parallel": False, "text": True}}
+    body = {
+        "model": "m",
+        "messages": [{"role": "user", "content": "hi"}],
+        "response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": schema}},
+    }
+    with pytest.raises(ApiError) as refused:
+        parse_completion(json.dumps(body).encode(), chat=True, model_id="m")
+    assert refused.value.param == "response_format.json_schema.schema"
