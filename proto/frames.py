@@ -158,6 +158,9 @@ class Generate(Frame):
     """Keep the prompt's tokens' log-probabilities with the session too (``logprobs``
     alternatives each), for the HTTP API's ``echo``; its cells are then all computed, none
     reused. The native stream does not carry them."""
+    tools: str | None = None
+    """The tool list (JSON text: an array in OpenAI's chat shape) handed to a chat template
+    that renders tools (the HTTP API's native tool calls); ``messages`` only."""
 
     def to_payload(self) -> dict[str, Any]:
         payload: dict[str, Any] = {"max_tokens": self.max_tokens}
@@ -184,6 +187,8 @@ class Generate(Frame):
             payload["logprobs"] = self.logprobs
         if self.score_prompt:
             payload["score_prompt"] = True
+        if self.tools is not None:
+            payload["tools"] = self.tools
         return payload
 
     @classmethod
@@ -227,8 +232,11 @@ class Generate(Frame):
             json_schema=r.optional_text("json_schema", max_chars=MAX_SCHEMA_CHARS),
             logprobs=r.optional_integer("logprobs", lo=0, hi=MAX_TOP_LOGPROBS),
             score_prompt=r.flag("score_prompt", default=False),
+            tools=r.optional_text("tools", max_chars=MAX_SCHEMA_CHARS),
         )
         r.finish()
+        if frame.tools is not None and messages is None:
+            raise InvalidField("GENERATE.tools applies to messages, not to a prompt")
         if frame.top_p <= 0.0:
             raise InvalidField("GENERATE.top_p must be greater than 0")
         if frame.repeat_penalty <= 0.0:

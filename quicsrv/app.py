@@ -26,6 +26,7 @@ from .cpus import usable_cpus
 from .datadir import DataDirBusy, DataDirLock
 from .engine import Engine, EngineUnavailable, default_model_path
 from .engine.supervisor import WorkerEngine
+from .engine.vocab import check_chat_template
 from .http.operator import PlainRoutes, authorize_metrics, readiness
 from .http.router import Router
 from .logs import quiet_exception_handler
@@ -59,6 +60,13 @@ def preflight(config: ServerConfig) -> str | None:
         return str(exc)
     if not model_path.is_file():
         return f"model_path: {model_path} is not a file"
+    if config.chat_template_file is not None:
+        try:
+            check_chat_template(config.chat_template_file.read_text(encoding="utf-8"))
+        except (OSError, UnicodeDecodeError) as exc:
+            return f"chat_template_file: cannot read {config.chat_template_file}: {exc}"
+        except ValueError as exc:
+            return f"chat_template_file: {config.chat_template_file} is not a Jinja template: {exc}"
     if config.store in ("", "file"):
         return None
     try:

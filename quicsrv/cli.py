@@ -59,6 +59,12 @@ def _parser() -> argparse.ArgumentParser:
     serve.add_argument("--host", help="address to bind (default :: = dual-stack)")
     serve.add_argument("--port", type=int, help="UDP port (default 4433; 0 = ephemeral)")
     serve.add_argument("--model", type=Path, dest="model_path", help="any GGUF file")
+    serve.add_argument(
+        "--chat-template-file",
+        type=Path,
+        dest="chat_template_file",
+        help="Jinja chat template to use instead of the GGUF's",
+    )
     serve.add_argument("--cert", type=Path, dest="cert_path", help="server certificate (PEM)")
     serve.add_argument("--key", type=Path, dest="key_path", help="server private key (PEM)")
     serve.add_argument("--parallel", type=int, dest="n_seq_max", help="sequences decoded at once")

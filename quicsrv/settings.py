@@ -52,6 +52,7 @@ def engine_settings(config: ServerConfig, model_path: Path) -> EngineSettings:
         prefix_cache_max_bytes=config.prefix_cache_max_bytes,
         prefix_cache_dir=(config.kv_shared_dir or config.data_dir) / "prefix-cache",
         prefix_cache_disk_bytes=config.prefix_cache_disk_bytes,
+        chat_template_file=config.chat_template_file,
     )
 
 

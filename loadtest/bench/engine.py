@@ -58,10 +58,15 @@ class _Sink:
 
 
 def run_streams(
-    engine: LlamaEngine, streams: int, max_tokens: int, *, logprobs: int | None = None
+    engine: LlamaEngine,
+    streams: int,
+    max_tokens: int,
+    *,
+    logprobs: int | None = None,
+    grammar: str | None = None,
 ) -> tuple[float, list[StreamResult]]:
     """``streams`` greedy generations of ``max_tokens`` at once (``logprobs``: each token's
-    log-probability with that many alternatives)."""
+    log-probability with that many alternatives; ``grammar``: GBNF each is sampled under)."""
     requests = [
         SequenceRequest(
             prompt_tokens=tuple(engine.tokenize(PROMPTS[i % len(PROMPTS)], add_special=True)),
@@ -69,6 +74,7 @@ def run_streams(
             sampling=SamplingParams(),
             ignore_eos=True,
             logprobs=logprobs,
+            grammar=grammar,
         )
         for i in range(streams)
     ]

@@ -8,6 +8,11 @@ the server's ``usage``; TTFT is request sent → first content or argument delta
 format sends nothing until the answer's first key is written, a few tokens in)::
 
     .venv/bin/python -m loadtest.bench.tools [--rounds 3] [--max-tokens 60]
+
+With ``--chat-template-file tests/http/hermes_template.jinja`` the server renders a template
+that shows tools in the Hermes style, and the same modes measure the native format instead
+(:mod:`quicsrv.http.hermes_format`: the tools in the template, ``<tool_call>`` blocks, a text
+answer under a grammar that only forbids a leading ``<``).
 """
 
 from __future__ import annotations
@@ -135,7 +140,12 @@ async def _measure(args: argparse.Namespace, logs: Path) -> list[Run]:
         certs.server_cert,
         certs.server_key,
         logs / "quicsrv.log",
-        env={"QUICSRV_MODEL_NAME": MODEL_NAME},
+        env={"QUICSRV_MODEL_NAME": MODEL_NAME}
+        | (
+            {"QUICSRV_CHAT_TEMPLATE_FILE": str(args.chat_template_file.resolve())}
+            if args.chat_template_file
+            else {}
+        ),
     ) as child:
         async with httpx.AsyncClient(
             base_url=f"https://localhost:{child.port}", verify=str(certs.ca_cert), timeout=300
@@ -154,6 +164,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--max-tokens", type=int, default=60)
     parser.add_argument("--model", type=Path, help="GGUF (default: the project's default)")
     parser.add_argument("--logs", type=Path, default=Path("loadtest/results/tools-logs"))
+    parser.add_argument(
+        "--chat-template-file", type=Path, help="a chat template for the server (native tools)"
+    )
     args = parser.parse_args(argv)
     args.logs.mkdir(parents=True, exist_ok=True)
     print(_render(asyncio.run(_measure(args, args.logs.resolve()))))

@@ -334,7 +334,12 @@ class Engine(Protocol):
         self, text: str, *, add_special: bool, parse_special: bool = True
     ) -> list[int]: ...
 
-    def render_chat(self, messages: list[dict[str, str]]) -> str: ...
+    def render_chat(
+        self, messages: list[dict[str, str]], tools: list[dict[str, object]] | None = None
+    ) -> str:
+        """The chat's prompt; ``tools`` (OpenAI's shape) go to a template that renders them
+        (``model_info.tool_call_format``)."""
+        ...
 
     def piece(self, token_id: int) -> bytes: ...
 

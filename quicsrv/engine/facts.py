@@ -35,8 +35,12 @@ class ModelInfo:
     size_bytes: int
     """Bytes of the weights' tensors (llama.cpp's ``llama_model_size``)."""
     chat_template: str | None
-    """The Jinja chat template the file carries (None: the server's plain fallback)."""
+    """The Jinja chat template prompts are rendered with: the file's, or
+    ``chat_template_file``'s (None: the server's plain fallback)."""
     bos_token: str | None
     """The beginning-of-sequence token's text."""
     eos_token: str | None
     """The end-of-sequence token's text."""
+    tool_call_format: str | None = None
+    """How the chat template shows tools and calls: ``hermes`` (``<tool_call>`` JSON), or
+    None (it renders none: the generic format, :mod:`quicsrv.http.tool_format`)."""

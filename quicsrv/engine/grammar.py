@@ -76,6 +76,7 @@ __all__ = [
     "SchemaRejected",
     "check_compiles",
     "grammar_for_schema",
+    "grammar_of_gbnf",
 ]
 
 GRAMMAR_VERSION = f"quicsrv-grammar/1 llama-cpp-python {llama_cpp.__version__}"
@@ -248,6 +249,13 @@ def _grammar_for_text(text: str, kind: str = "json_schema") -> Grammar:
         raise SchemaRejected(f"the converter failed: {type(exc).__name__}: {exc}"[:300]) from None
     if root_rule != "root" or not isinstance(gbnf, str):
         raise SchemaRejected("the converter made no root rule")
+    _check_gbnf(gbnf)
+    return _grammar(gbnf, kind)
+
+
+def grammar_of_gbnf(gbnf: str, kind: str) -> Grammar:
+    """A grammar written by hand (by another module), checked for what llama.cpp's parser
+    survives and digested like every other; raises SchemaRejected."""
     _check_gbnf(gbnf)
     return _grammar(gbnf, kind)
 

@@ -135,8 +135,17 @@ class EngineSettings:
     prefix_cache_dir: Path | None
     """Where entries go from memory (a directory other engines on this node may share)."""
     prefix_cache_disk_bytes: int
+    chat_template_file: Path | None
+    """A Jinja chat template used instead of the GGUF's (checked at start: ``app.preflight``)."""
     cpu_extra_buffers: bool = True
     """llama.cpp's extra CPU weight buffers (AMX, repacked layouts); off = the safe mode."""
+
+    @property
+    def chat_template(self) -> str | None:
+        """The text of :attr:`chat_template_file` (None: the GGUF's template)."""
+        if self.chat_template_file is None:
+            return None
+        return self.chat_template_file.read_text(encoding="utf-8")
 
     def numerics(self, model_digest: bytes) -> bytes:
         """What a token's computed numbers depend on besides the tokens: cells computed under
@@ -229,8 +238,10 @@ class ModelFacts:
     def tokenize(self, text: str, *, add_special: bool, parse_special: bool = True) -> list[int]:
         return self.vocabulary.tokenize(text, add_special=add_special, parse_special=parse_special)
 
-    def render_chat(self, messages: list[dict[str, str]]) -> str:
-        return self.vocabulary.render_chat(messages)
+    def render_chat(
+        self, messages: list[dict[str, str]], tools: list[dict[str, object]] | None = None
+    ) -> str:
+        return self.vocabulary.render_chat(messages, tools)
 
     def grammar_for(self, schema: str) -> Grammar:
         return self.vocabulary.grammar_for(schema)
@@ -256,7 +267,9 @@ class LlamaEngine(ModelFacts):
         self._cells = KvCells(self._context)
         self._batch = llama_cpp.llama_batch_init(settings.n_batch, 0, 1)
         self._n_vocab = self._model.n_vocab()
-        self.vocabulary = Vocabulary(self._model, file_digest(settings.model_path))
+        self.vocabulary = Vocabulary(
+            self._model, file_digest(settings.model_path), settings.chat_template
+        )
         self._logit_views: dict[int, npt.NDArray[np.float32]] = {}
         self._inbox: queue.SimpleQueue[LlamaSequence | None] = queue.SimpleQueue()
         self._waiting: deque[LlamaSequence] = deque()

@@ -178,7 +178,7 @@ class WorkerEngine(ModelFacts):
     def __init__(self, settings: EngineSettings, supervision: SupervisorSettings) -> None:
         self.settings = settings
         self.supervision = supervision
-        self.vocabulary = Vocabulary.load(settings.model_path)
+        self.vocabulary = Vocabulary.load(settings.model_path, settings.chat_template)
         self._spool = Spool(supervision.spool_dir)
         self._lock = threading.Lock()
         self._changed = threading.Condition(self._lock)

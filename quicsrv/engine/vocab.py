@@ -14,6 +14,7 @@ from collections import OrderedDict
 from pathlib import Path
 
 import blake3
+import jinja2
 import llama_cpp
 from llama_cpp import _logger as llama_cpp_logger
 from llama_cpp._internals import LlamaModel
@@ -22,8 +23,14 @@ from llama_cpp.llama_chat_format import Jinja2ChatFormatter
 from ._api import Grammar, InvalidSchema
 from .facts import ModelInfo
 from .grammar import SchemaRejected, check_compiles, grammar_for_schema
+from .tool_call_grammar import is_tool_call_blocks, tool_call_blocks_grammar
 
-__all__ = ["Vocabulary", "file_digest"]
+__all__ = ["HERMES_TOOL_CALLS", "Vocabulary", "check_chat_template", "file_digest"]
+
+#: :attr:`Vocabulary.tool_call_format` of a template that renders tools and speaks of
+#: ``<tool_call>`` (Qwen 2.5/3, Hermes, SmolLM3 and many more).
+HERMES_TOOL_CALLS = "hermes"
+_PROBE_TOOL = "quicsrv_probe_tool"
 
 _GRAMMARS_KEPT = 256
 
@@ -31,11 +38,19 @@ _GRAMMARS_KEPT = 256
 class Vocabulary:
     """Tokenizer, token pieces and chat template of one GGUF model."""
 
-    def __init__(self, model: LlamaModel, model_digest: bytes) -> None:
+    def __init__(
+        self, model: LlamaModel, model_digest: bytes, chat_template: str | None = None
+    ) -> None:
+        """``chat_template``: a Jinja chat template used instead of the GGUF's own."""
         self._model = model
         self._owned = False
         self.model_digest = model_digest
-        self._chat = _chat_formatter(model)
+        self.chat_template = chat_template or model.metadata().get("tokenizer.chat_template")
+        """The template prompts are rendered with (None: the GGUF has none)."""
+        self._chat = _chat_formatter(model, self.chat_template)
+        self.tool_call_format = _tool_call_format(self._chat)
+        """:data:`HERMES_TOOL_CALLS` when the template renders tools in that style, else None
+        (tools are then shown the generic way: :mod:`quicsrv.http.tool_format`)."""
         # Filled as tokens are met: the decode thread asks for every token it samples, and a
         # list index is cheaper there than a ctypes call (into cache lines a decode evicted).
         n_vocab = int(model.n_vocab())
@@ -45,14 +60,14 @@ class Vocabulary:
         self._grammars_lock = threading.Lock()
 
     @classmethod
-    def load(cls, model_path: Path) -> Vocabulary:
+    def load(cls, model_path: Path, chat_template: str | None = None) -> Vocabulary:
         """The vocabulary alone (``vocab_only``): no weights, no compute backend."""
         llama_cpp_logger.set_verbose(False)
         llama_cpp.llama_backend_init()
         params = llama_cpp.llama_model_default_params()
         params.vocab_only = True
         model = LlamaModel(path_model=str(model_path), params=params, verbose=False)
-        vocabulary = cls(model, file_digest(model_path))
+        vocabulary = cls(model, file_digest(model_path), chat_template)
         vocabulary._owned = True
         return vocabulary
 
@@ -70,7 +85,11 @@ class Vocabulary:
         except (ValueError, RecursionError):  # RecursionError: absurdly deep nesting
             raise InvalidSchema("the schema is not valid JSON") from None
         try:
-            converted = grammar_for_schema(value)
+            converted = (
+                tool_call_blocks_grammar(value)
+                if is_tool_call_blocks(value)
+                else grammar_for_schema(value)
+            )
             check_compiles(converted, self.handle)
         except SchemaRejected as exc:
             raise InvalidSchema(exc.message, exc.path) from None
@@ -97,12 +116,16 @@ class Vocabulary:
         text (llama-server's ``/tokenize`` flags, same defaults as every prompt here)."""
         return list(self._model.tokenize(text.encode("utf-8"), add_special, parse_special))
 
-    def render_chat(self, messages: list[dict[str, str]]) -> str:
+    def render_chat(
+        self, messages: list[dict[str, str]], tools: list[dict[str, object]] | None = None
+    ) -> str:
+        """The prompt of ``messages``; ``tools`` (OpenAI's shape) passed to the template, for
+        one that renders them (:attr:`tool_call_format`)."""
         if self._chat is None:
             # No template in the GGUF: a plain transcript is the least surprising fallback.
             lines = [f"{m['role']}: {m['content']}" for m in messages]
             return "\n".join(lines) + "\nassistant:"
-        return str(self._chat(messages=messages).prompt)  # type: ignore[arg-type]
+        return str(self._chat(messages=messages, tools=tools).prompt)  # type: ignore[arg-type]
 
     def is_end_of_generation(self, token_id: int) -> bool:
         known = self._end_of_generation[_checked(token_id)]
@@ -162,9 +185,10 @@ class Vocabulary:
             n_embd=number("embedding_length"),
             n_params=int(llama_cpp.llama_model_n_params(self._model.model)),
             size_bytes=int(llama_cpp.llama_model_size(self._model.model)),
-            chat_template=header.get("tokenizer.chat_template") or None,
+            chat_template=self.chat_template or None,
             bos_token=special_text(int(self._model.token_bos())),
             eos_token=special_text(int(self._model.token_eos())),
+            tool_call_format=self.tool_call_format,
         )
 
     def close(self) -> None:
@@ -180,8 +204,41 @@ def _checked(token_id: int) -> int:
     return token_id
 
 
-def _chat_formatter(model: LlamaModel) -> Jinja2ChatFormatter | None:
-    template = model.metadata().get("tokenizer.chat_template")
+def check_chat_template(template: str) -> None:
+    """Raise ValueError (saying where) unless ``template`` parses as a Jinja chat template."""
+    try:
+        Jinja2ChatFormatter(template=template, eos_token="", bos_token="")
+    except jinja2.TemplateError as exc:
+        line = getattr(exc, "lineno", None)
+        raise ValueError(f"{exc}" + (f" (line {line})" if line else "")) from None
+
+
+def _tool_call_format(chat: Jinja2ChatFormatter | None) -> str | None:
+    """Whether the template renders tools, and in which style: a probe conversation rendered
+    with a probe tool must show the tool's name (most templates without a tools section ignore
+    ``tools``), and the template must speak of ``<tool_call>`` (the Hermes style: calls as
+    ``<tool_call>`` JSON, results as ``<tool_response>``). Other styles (Llama 3.x's bare JSON,
+    Mistral's ``[TOOL_CALLS]``) are not read yet: they get the generic format."""
+    if chat is None:
+        return None
+    probe = {
+        "type": "function",
+        "function": {
+            "name": _PROBE_TOOL,
+            "description": "probe",
+            "parameters": {"type": "object", "properties": {}},
+        },
+    }
+    try:
+        rendered = str(chat(messages=[{"role": "user", "content": "hi"}], tools=[probe]).prompt)  # type: ignore[list-item]
+    except Exception:  # a template's own raise_exception, or one that cannot take tools
+        return None
+    if _PROBE_TOOL not in rendered:
+        return None
+    return HERMES_TOOL_CALLS if "<tool_call>" in rendered + chat.template else None
+
+
+def _chat_formatter(model: LlamaModel, template: str | None) -> Jinja2ChatFormatter | None:
     if not template:
         return None
     eos = model.token_to_piece(model.token_eos(), special=True)

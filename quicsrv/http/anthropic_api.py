@@ -8,7 +8,7 @@ counts. Which fields are accepted, and at which values, is :mod:`.field_policy`'
 ``COUNT_TOKENS``); the blocks inside messages are checked here, each refused by its path
 (``messages[1].content[0]``). The conversation becomes the chat the model's template renders:
 ``system`` first, a user's text, each ``tool_result`` as a ``tool`` message, an assistant's text
-and its ``tool_use`` blocks as the calls it generated (:func:`.tool_format.calls_text`, as the
+and its ``tool_use`` blocks as the calls it generated (:func:`.tool_answers.calls_text`, as the
 other APIs show earlier calls). Tools go through the same machinery as chat completions and
 the Responses API (:func:`.tool_calls.parse_tool_choice`): ``tool_choice`` ``auto`` and
 ``any`` are the generic format's ``auto`` and ``required``, ``{"type": "tool", "name"}`` a named
@@ -35,10 +35,11 @@ from quicsrv_proto import EndReason
 from quicsrv_proto.frames import MAX_MESSAGES
 
 from ..sessions.record import SessionRecord
-from . import field_policy, openai_api, tool_format
+from . import field_policy, openai_api
 from .errors import ApiError
+from .tool_answers import answer_format, calls_text, parse_answer
 from .tool_calls import CallText, ToolChoice, parse_tool_choice
-from .tool_format import ToolFormat, parse_answer, with_tool_prompt
+from .tool_format import ToolFormat, with_tool_prompt
 
 __all__ = [
     "KIND",
@@ -84,7 +85,7 @@ class MessagesRequest:
         """What the session record keeps, so that a resumed stream renders alike."""
         api: dict[str, Any] = {"kind": KIND}
         if isinstance(self.tools, ToolFormat):
-            api["answer"] = tool_format.GENERIC
+            api["answer"] = self.tools.answer
         elif self.tools is not None:
             api["tools"] = self.tools.stored()
         return api
@@ -102,8 +103,8 @@ class MessageShape:
     """The prompt's length in tokens."""
     tools: ToolChoice | None = None
     """The answer is the input of this one tool (the whole text is its input)."""
-    generic: bool = False
-    """The answer is in the generic tool format: text or tool uses (:mod:`.tool_format`)."""
+    tool_answer: str | None = None
+    """The answer is text or tool uses, in this format (:mod:`.tool_answers`)."""
 
     @classmethod
     def of(cls, record: SessionRecord, model: str) -> MessageShape:
@@ -114,7 +115,7 @@ class MessageShape:
             model=model,
             prompt_tokens=len(record.spec.prompt_tokens),
             tools=None if names is None else ToolChoice.from_stored(names),
-            generic=tool_format.stored(api),
+            tool_answer=answer_format(api),
         )
 
 
@@ -142,9 +143,9 @@ def check_version(headers: Mapping[bytes, bytes]) -> None:
         )
 
 
-def parse_create(body: bytes, *, model_id: str) -> MessagesRequest:
+def parse_create(body: bytes, *, model_id: str, native_tools: str | None = None) -> MessagesRequest:
     """Check a ``POST /v1/messages`` body; raises :class:`ApiError` (400, or 404 for a model
-    this server does not serve)."""
+    this server does not serve). ``native_tools``: as :func:`.openai_api.parse_completion`'s."""
     request = openai_api.json_object(body)
     field_policy.MESSAGES.check(request)
     openai_api.check_model(request, model_id)
@@ -157,7 +158,7 @@ def parse_create(body: bytes, *, model_id: str) -> MessagesRequest:
     temperature = request.get("temperature")
     if isinstance(temperature, int | float) and temperature > MAX_TEMPERATURE:
         raise _invalid("temperature must be between 0 and 1", "temperature")
-    messages, tools = _conversation(request)
+    messages, tools = _conversation(request, native_tools)
     payload: dict[str, Any] = {
         "max_tokens": max_tokens,
         "messages": messages,
@@ -173,6 +174,8 @@ def parse_create(body: bytes, *, model_id: str) -> MessagesRequest:
     payload["truncation"] = truncation
     if tools is not None:
         payload["json_schema"] = tools.schema
+    if isinstance(tools, ToolFormat) and tools.template_tools is not None:
+        payload["tools"] = tools.template_tools
     return MessagesRequest(
         generate=_generate(payload),
         stream=openai_api.optional(request, "stream", bool, False),
@@ -180,14 +183,19 @@ def parse_create(body: bytes, *, model_id: str) -> MessagesRequest:
     )
 
 
-def parse_count(body: bytes, *, model_id: str) -> quicsrv_proto.Generate:
+def parse_count(
+    body: bytes, *, model_id: str, native_tools: str | None = None
+) -> quicsrv_proto.Generate:
     """Check a ``POST /v1/messages/count_tokens`` body: the GENERATE whose prompt is counted
     (the same prompt :func:`parse_create` makes of the same fields)."""
     request = openai_api.json_object(body)
     field_policy.COUNT_TOKENS.check(request)
     openai_api.check_model(request, model_id)
-    messages, _ = _conversation(request)
-    return _generate({"max_tokens": 1, "messages": messages})
+    messages, tools = _conversation(request, native_tools)
+    payload: dict[str, Any] = {"max_tokens": 1, "messages": messages}
+    if isinstance(tools, ToolFormat) and tools.template_tools is not None:
+        payload["tools"] = tools.template_tools
+    return _generate(payload)
 
 
 def _generate(payload: dict[str, Any]) -> quicsrv_proto.Generate:
@@ -198,16 +206,16 @@ def _generate(payload: dict[str, Any]) -> quicsrv_proto.Generate:
 
 
 def _conversation(
-    request: dict[str, Any],
+    request: dict[str, Any], native: str | None
 ) -> tuple[list[dict[str, str]], ToolChoice | ToolFormat | None]:
     """The chat the template renders (``system``, then the messages, the tool prompt added to
     the system message when the answer is in the generic format), and the tools."""
-    tools = _tools(request.get("tools"), request.get("tool_choice"))
-    messages = _messages(request.get("messages"))
+    tools = _tools(request.get("tools"), request.get("tool_choice"), native)
+    messages = _messages(request.get("messages"), native)
     system = _system(request.get("system"))
     if system is not None:
         messages = [{"role": "system", "content": system}, *messages]
-    if isinstance(tools, ToolFormat):
+    if isinstance(tools, ToolFormat) and tools.template_tools is None:
         messages = with_tool_prompt(messages, tools.prompt)
     return messages, tools
 
@@ -251,7 +259,7 @@ def _system(value: object) -> str | None:
 _TOOL_KEYS = frozenset({"name", "description", "input_schema", "type", "cache_control", "strict"})
 
 
-def _tools(tools: object, choice: object) -> ToolChoice | ToolFormat | None:
+def _tools(tools: object, choice: object, native: str | None) -> ToolChoice | ToolFormat | None:
     """Anthropic's ``tools`` and ``tool_choice`` on the machinery every API shares."""
     functions: list[dict[str, Any]] | None = None
     if tools is not None:
@@ -282,7 +290,7 @@ def _tools(tools: object, choice: object) -> ToolChoice | ToolFormat | None:
         named = {"auto": "auto", "any": "required", "none": "none"}.get(kind)
         if kind == "tool":
             named = {"type": "function", "name": choice.get("name")}
-    return parse_tool_choice(functions, named, parallel=parallel, nested=False)
+    return parse_tool_choice(functions, named, parallel=parallel, nested=False, native=native)
 
 
 def _function(tool: object, where: str) -> dict[str, Any]:
@@ -330,7 +338,7 @@ _BLOCK_NEUTRAL: dict[str, tuple[object, ...] | None] = {
 _BLOCKS_OF = {"user": ("text", "tool_result"), "assistant": ("text", "tool_use")}
 
 
-def _messages(value: object) -> list[dict[str, str]]:
+def _messages(value: object, native: str | None) -> list[dict[str, str]]:
     if not isinstance(value, list) or not value:
         raise _invalid(
             "messages: a non-empty array of messages is required",
@@ -370,13 +378,13 @@ def _messages(value: object) -> list[dict[str, str]]:
             continue
         if not isinstance(content, list):
             raise _invalid(f"{where}.content must be a string or an array of blocks", where)
-        turn, calls = _blocks(role, content, f"{where}.content", calls)
+        turn, calls = _blocks(role, content, f"{where}.content", calls, native)
         chat += turn
     return chat
 
 
 def _blocks(
-    role: str, blocks: list[Any], where: str, previous_calls: set[str]
+    role: str, blocks: list[Any], where: str, previous_calls: set[str], native: str | None
 ) -> tuple[list[dict[str, str]], set[str]]:
     """One message's blocks as chat messages: text gathered, a tool result each a ``tool``
     message, an assistant's tool uses shown as the calls it generated. Returns them and the
@@ -399,7 +407,7 @@ def _blocks(
         if kind == "text":
             texts.append(_text_block(block, at))
         elif kind == "tool_use":
-            texts.append(_tool_use_text(block, at))
+            texts.append(_tool_use_text(block, at, native))
             calls.add(block["id"])
         else:
             if texts:
@@ -436,12 +444,12 @@ def _text_block(block: object, at: str) -> str:
     return text
 
 
-def _tool_use_text(block: dict[str, Any], at: str) -> str:
+def _tool_use_text(block: dict[str, Any], at: str, native: str | None) -> str:
     """An earlier tool use, as the call the model generated (the other APIs show calls so)."""
     name, tool_id, given = block.get("name"), block.get("id"), block.get("input")
     if not isinstance(name, str) or not isinstance(tool_id, str) or not isinstance(given, dict):
         raise _invalid(f"{at}: a tool_use block has an id, a name and an input object", at)
-    return tool_format.calls_text([(name, json.dumps(given, ensure_ascii=False))])
+    return calls_text(native, [(name, json.dumps(given, ensure_ascii=False))])
 
 
 def _tool_result_text(block: dict[str, Any], at: str, calls: set[str]) -> str:
@@ -570,8 +578,8 @@ def message_body(
         call = CallText(shape.tools)
         call.finish(text)
         content = [tool_use_block(shape, 0, call.name or "", tool_input(call.arguments()))]
-    elif shape.generic:
-        answer = parse_answer(text)
+    elif shape.tool_answer is not None:
+        answer = parse_answer(shape.tool_answer, text)
         content = [
             tool_use_block(shape, i, name, tool_input(arguments))
             for i, (name, arguments) in enumerate(answer.calls)

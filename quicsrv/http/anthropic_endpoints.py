@@ -53,7 +53,11 @@ class AnthropicEndpoints:
         """``POST /v1/messages``: Anthropic's events (``stream: true``), else one ``message``
         body once the generation has ended."""
         anthropic_api.check_version(request.headers)
-        create = anthropic_api.parse_create(request.body, model_id=self._model_id)
+        create = anthropic_api.parse_create(
+            request.body,
+            model_id=self._model_id,
+            native_tools=self._sessions.engine.model_info.tool_call_format,
+        )
         api = create.api()
         session = await self._sessions.open_generation(
             create.generate,
@@ -85,7 +89,11 @@ class AnthropicEndpoints:
         """``POST /v1/messages/count_tokens``: the prompt's length in tokens, rendered as
         ``POST /v1/messages`` renders the same fields (the tool prompt included)."""
         anthropic_api.check_version(request.headers)
-        frame = anthropic_api.parse_count(request.body, model_id=self._model_id)
+        frame = anthropic_api.parse_count(
+            request.body,
+            model_id=self._model_id,
+            native_tools=self._sessions.engine.model_info.tool_call_format,
+        )
         count = await self._sessions.count_prompt_tokens(frame)
         return json_response(200, {"input_tokens": count})
 

@@ -39,8 +39,9 @@ from .anthropic_api import MessageShape
 from .cursor import FLAG_MESSAGES, encode_cursor
 from .errors import ApiError, anthropic_payload, from_code
 from .sse import RESTART_RETRY_S
+from .tool_answers import answer_parser
 from .tool_calls import CallText
-from .tool_format import AnswerParser, ArgumentsDelta, CallStarted, Piece, TextDelta
+from .tool_format import ArgumentsDelta, CallStarted, Piece, TextDelta
 
 __all__ = ["PING", "MessageEncoder", "error_bytes"]
 
@@ -68,7 +69,7 @@ class MessageEncoder:
         # Which stop sequence matched: read from the record when a STOP arrives.
         self._stop_sequence = stop_sequence
         self._call = None if shape.tools is None else CallText(shape.tools)
-        self._answer = AnswerParser() if shape.generic else None
+        self._answer = None if shape.tool_answer is None else answer_parser(shape.tool_answer)
         self._open: int | None = None  # the content block open, by index
         self._next = 0  # the number the next event takes
         self.finished = False

@@ -21,7 +21,7 @@ from quicsrv_proto.http3 import SESSION_HEADER
 from ..apikeys import ClientId
 from ..sessions.manager import SessionManager
 from ..sessions.record import SessionRecord
-from . import logprobs, openai_api, token_api, tool_format
+from . import logprobs, openai_api, token_api
 from .cursor import Cursor
 from .errors import ApiError
 from .messages import (
@@ -34,6 +34,7 @@ from .messages import (
     json_response,
 )
 from .sse import SseEncoder, StreamShape, collect_answer
+from .tool_answers import answer_format
 from .tool_calls import ToolChoice
 from .tool_format import ToolFormat
 
@@ -79,14 +80,19 @@ class CompletionsEndpoints:
     async def create(self, request: HttpRequest, who: ClientId, *, chat: bool) -> Response:
         """``POST /v1/chat/completions`` (``chat``) or ``POST /v1/completions``: a stream of
         events (``stream: true``), else one body once the generation has ended."""
-        completion = openai_api.parse_completion(request.body, chat=chat, model_id=self._model_id)
+        completion = openai_api.parse_completion(
+            request.body,
+            chat=chat,
+            model_id=self._model_id,
+            native_tools=self._sessions.engine.model_info.tool_call_format,
+        )
         tools = completion.tools
-        generic = isinstance(tools, ToolFormat)
+        tool_answer = tools.answer if isinstance(tools, ToolFormat) else None
         call = tools if isinstance(tools, ToolChoice) else None
         # A resumed stream renders the answer the same way: the record says how.
         api: dict[str, Any] | None = None
-        if generic:
-            api = {"kind": "chat", "answer": tool_format.GENERIC}
+        if tool_answer is not None:
+            api = {"kind": "chat", "answer": tool_answer}
         elif call is not None:
             api = {"kind": "chat", "tools": call.stored()}
         session = await self._sessions.open_generation(
@@ -104,7 +110,7 @@ class CompletionsEndpoints:
             model=self._model_id,
             created=int(session.record.created_at_s),
             tools=call,
-            generic=generic,
+            tool_answer=tool_answer,
             echo=(completion.generate.prompt or "") if completion.echo else "",
         )
         scored = completion.generate.logprobs is not None
@@ -142,7 +148,7 @@ class CompletionsEndpoints:
         session = await self._sessions.reattach(session_id, cursor.index + 1, key_id=who.key_id)
         record = session.record
         names = (record.api or {}).get("tools")
-        generic = tool_format.stored(record.api)
+        tool_answer = answer_format(record.api)
         shape = StreamShape(
             session_id=session_id,
             chat=cursor.chat,
@@ -150,13 +156,13 @@ class CompletionsEndpoints:
             model=self._model_id,
             created=int(record.created_at_s),
             tools=None if names is None else ToolChoice.from_stored(names),
-            generic=generic,
+            tool_answer=tool_answer,
         )
         # Past the last token (the finishing or usage event): only the END is left to send.
         from_index = min(cursor.index + 1, len(record.generated))
         scored = record.logprobs is not None
         # Tool calls' deltas, and text completions' text_offset, depend on the text before.
-        before = names or generic or (scored and not cursor.chat)
+        before = names or tool_answer or (scored and not cursor.chat)
         encoder = SseEncoder(
             shape,
             mac_key=self._sessions.keys.current,

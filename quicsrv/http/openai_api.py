@@ -25,12 +25,14 @@ import quicsrv_proto
 from quicsrv_proto import EndReason
 from quicsrv_proto.frames import CHAT_ROLES, MAX_SEED
 
+from ..engine.tool_call_grammar import TOOL_CALL_BLOCKS
 from . import field_policy, logprobs
 from .errors import ApiError
 from .file_parts import file_text
+from .tool_answers import calls_text
 from .tool_calls import CallText, ToolChoice, call_id, parse_tool_choice
 from .tool_chunks import chat_message
-from .tool_format import ToolFormat, calls_text, with_tool_prompt
+from .tool_format import ToolFormat, with_tool_prompt
 
 __all__ = [
     "DEFAULT_SAMPLING",
@@ -87,9 +89,12 @@ class CompletionRequest:
     where they are asked for)."""
 
 
-def parse_completion(body: bytes, *, chat: bool, model_id: str) -> CompletionRequest:
+def parse_completion(
+    body: bytes, *, chat: bool, model_id: str, native_tools: str | None = None
+) -> CompletionRequest:
     """Check a completion request body; raises :class:`ApiError` (400, or 404 for a model
-    this server does not serve)."""
+    this server does not serve). ``native_tools``: the chat template's own tool-call format
+    (``ModelInfo.tool_call_format``; None: tools the generic way)."""
     request = json_object(body)
     (field_policy.CHAT if chat else field_policy.COMPLETIONS).check(request)
     check_model(request, model_id)
@@ -106,7 +111,7 @@ def parse_completion(body: bytes, *, chat: bool, model_id: str) -> CompletionReq
         )
     payload: dict[str, Any] = {"max_tokens": _max_tokens(request, chat)}
     if chat:
-        payload["messages"] = _messages(request.get("messages"))
+        payload["messages"] = _messages(request.get("messages"), native_tools)
     else:
         payload["prompt"] = _prompt(request.get("prompt"))
     payload |= sampling_payload(request)
@@ -133,6 +138,7 @@ def parse_completion(body: bytes, *, chat: bool, model_id: str) -> CompletionReq
             request.get("tools"),
             request.get("tool_choice"),
             parallel=request.get("parallel_tool_calls"),
+            native=native_tools,
         )
         if tools is not None:
             if schema is not None:
@@ -141,7 +147,9 @@ def parse_completion(body: bytes, *, chat: bool, model_id: str) -> CompletionReq
                     "response_format",
                 )
             schema = tools.schema
-            if isinstance(tools, ToolFormat):
+            if isinstance(tools, ToolFormat) and tools.template_tools is not None:
+                payload["tools"] = tools.template_tools
+            elif isinstance(tools, ToolFormat):
                 payload["messages"] = with_tool_prompt(payload["messages"], tools.prompt)
         if schema is not None:
             payload["json_schema"] = schema
@@ -273,7 +281,7 @@ def completion_body(
         "finish_reason": finish_reason(end.reason, tool_call=isinstance(tools, ToolChoice)),
     }
     if chat and isinstance(tools, ToolFormat):
-        choice["message"], calls = chat_message(session_id, text)
+        choice["message"], calls = chat_message(session_id, text, tools.answer)
         choice["finish_reason"] = finish_reason(end.reason, tool_call=calls)
     elif chat and isinstance(tools, ToolChoice):
         call = CallText(tools)
@@ -349,7 +357,7 @@ def json_schema_of(value: object, param: str) -> str | None:
     if strict is not None and not isinstance(strict, bool):
         raise _invalid(f"{where}.strict must be a boolean", f"{where}.strict")
     schema = spec.get("schema")
-    if not isinstance(schema, dict):
+    if not isinstance(schema, dict) or TOOL_CALL_BLOCKS in schema:  # (that one is the server's)
         raise _invalid(f"{where}.schema must be a JSON schema object", f"{where}.schema")
     # Enforced either way: every token is sampled under the schema's grammar, strict or not.
     return json.dumps(schema, separators=(",", ":"))
@@ -454,7 +462,7 @@ def _max_tokens(request: dict[str, Any], chat: bool) -> int:
     return int(value)
 
 
-def _messages(value: object) -> list[dict[str, str]]:
+def _messages(value: object, native_tools: str | None = None) -> list[dict[str, str]]:
     if not isinstance(value, list) or not value:
         raise _invalid(
             "messages must be a non-empty array", "messages", "missing_required_parameter"
@@ -480,7 +488,7 @@ def _messages(value: object) -> list[dict[str, str]]:
         if calls is not None:
             if role != "assistant":
                 raise _invalid(f"{param}: only an assistant message has tool_calls", param)
-            text += _calls_text(calls, f"{param}.tool_calls")
+            text += _calls_text(calls, f"{param}.tool_calls", native_tools)
         messages.append({"role": role, "content": text})
     return messages
 
@@ -514,9 +522,9 @@ def _check_message_keys(message: dict[str, Any], param: str) -> None:
             )
 
 
-def _calls_text(calls: object, param: str) -> str:
-    """An assistant's earlier tool calls, as the text a template without tools shows the model
-    (:func:`.tool_format.calls_text`)."""
+def _calls_text(calls: object, param: str, native_tools: str | None) -> str:
+    """An assistant's earlier tool calls, as the text the model is shown them in
+    (:func:`.tool_answers.calls_text`)."""
     if not isinstance(calls, list):
         raise _invalid(f"{param} must be an array", param)
     texts = []
@@ -528,7 +536,7 @@ def _calls_text(calls: object, param: str) -> str:
         if not isinstance(arguments, str):
             raise _invalid(f"{param}[{i}].function.arguments must be a string", f"{param}[{i}]")
         texts.append((function["name"], arguments))
-    return calls_text(texts)
+    return calls_text(native_tools, texts)
 
 
 def message_text(

@@ -59,6 +59,7 @@ from ..sessions.record import SessionRecord
 from . import field_policy, openai_api, tool_format
 from .errors import ApiError
 from .logprobs import Piece, recorded, responses_request
+from .tool_answers import calls_text
 from .tool_calls import CallText, ToolChoice, ToolFormat, call_id, parse_tool_choice
 
 __all__ = [
@@ -462,9 +463,9 @@ def error_event(sequence: int, code: str, message: str) -> dict[str, Any]:
 # --- requests ------------------------------------------------------------------------------
 
 
-def parse_create(body: bytes, *, model_id: str) -> CreateRequest:
+def parse_create(body: bytes, *, model_id: str, native_tools: str | None = None) -> CreateRequest:
     """Check a ``POST /v1/responses`` body; raises :class:`ApiError` (400, 404 for a model this
-    server does not serve)."""
+    server does not serve). ``native_tools``: as :func:`.openai_api.parse_completion`'s."""
     request = openai_api.json_object(body)
     field_policy.RESPONSES.check(request)
     openai_api.check_model(request, model_id)
@@ -484,7 +485,7 @@ def parse_create(body: bytes, *, model_id: str) -> CreateRequest:
     previous = request.get("previous_response_id")
     if previous is not None and not isinstance(previous, str):
         raise _invalid("previous_response_id must be a string", "previous_response_id")
-    items = _input(request.get("input"))
+    items = _input(request.get("input"), native_tools)
     max_output_tokens = openai_api.optional(request, "max_output_tokens", int, None)
     if max_output_tokens is not None and max_output_tokens < 1:
         raise _invalid("max_output_tokens must be at least 1", "max_output_tokens")
@@ -499,6 +500,7 @@ def parse_create(body: bytes, *, model_id: str) -> CreateRequest:
         request.get("tool_choice"),
         parallel=request.get("parallel_tool_calls"),
         nested=False,
+        native=native_tools,
     )
     if tools is not None:
         if schema is not None:
@@ -517,6 +519,8 @@ def parse_create(body: bytes, *, model_id: str) -> CreateRequest:
     }
     if schema is not None:
         payload["json_schema"] = schema
+    if isinstance(tools, ToolFormat) and tools.template_tools is not None:
+        payload["tools"] = tools.template_tools
     if top_logprobs is not None:
         payload["logprobs"] = top_logprobs
     try:
@@ -584,7 +588,7 @@ def _invalid(message: str, param: str | None, code: str = "invalid_value") -> Ap
     return ApiError(400, message, code=code, param=param)
 
 
-def _input(value: object) -> tuple[ChatMessage, ...]:
+def _input(value: object, native_tools: str | None) -> tuple[ChatMessage, ...]:
     if isinstance(value, str):
         return (ChatMessage(role="user", content=value),)
     if not isinstance(value, list) or not value:
@@ -603,11 +607,11 @@ def _input(value: object) -> tuple[ChatMessage, ...]:
             calls.append(call)
             continue
         if calls:
-            messages.append(ChatMessage(role="assistant", content=tool_format.calls_text(calls)))
+            messages.append(ChatMessage(role="assistant", content=calls_text(native_tools, calls)))
             calls = []
         messages.append(_input_message(item, f"input[{i}]"))
     if calls:
-        messages.append(ChatMessage(role="assistant", content=tool_format.calls_text(calls)))
+        messages.append(ChatMessage(role="assistant", content=calls_text(native_tools, calls)))
     return tuple(messages)
 
 

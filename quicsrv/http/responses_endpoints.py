@@ -59,9 +59,15 @@ class ResponsesEndpoints:
         self._model_id = model_id
         self._keepalive = keepalive
 
+    def _native_tools(self) -> str | None:
+        """The chat template's own tool-call format (None: tools the generic way)."""
+        return self._sessions.engine.model_info.tool_call_format
+
     async def create(self, request: HttpRequest, who: ClientId) -> Response:
         """``POST /v1/responses``."""
-        create = responses_api.parse_create(request.body, model_id=self._model_id)
+        create = responses_api.parse_create(
+            request.body, model_id=self._model_id, native_tools=self._native_tools()
+        )
         generate, prior = create.generate, None
         if create.previous_response_id is not None:
             generate, prior = await self._continue(create, who)
@@ -123,7 +129,9 @@ class ResponsesEndpoints:
         endpoint makes it optional): the served one."""
         body = openai_api.json_object(request.body)
         body.setdefault("model", self._model_id)
-        create = responses_api.parse_create(json.dumps(body).encode(), model_id=self._model_id)
+        create = responses_api.parse_create(
+            json.dumps(body).encode(), model_id=self._model_id, native_tools=self._native_tools()
+        )
         generate, prior = create.generate, None
         if create.previous_response_id is not None:
             generate, prior = await self._continue(create, who)

@@ -1,4 +1,4 @@
-"""The Responses API's output for an answer in the generic tool format (:mod:`.tool_format`):
+"""The Responses API's output for an answer in a tool format (:mod:`.tool_answers`):
 a message, or one ``function_call`` item per call, and the events that stream them.
 
 Whether the model answers in text or calls is known only a few tokens in, so the events are
@@ -21,19 +21,21 @@ from typing import Any
 
 import quicsrv_proto
 
-from . import responses_api, tool_format
+from . import responses_api
 from .errors import from_code
 from .responses_api import ResponseView
 from .responses_stream import error_bytes, event_bytes, stream_ended
+from .tool_answers import answer_format, answer_parser, parse_answer
 from .tool_calls import call_id
-from .tool_format import AnswerParser, ArgumentsDelta, CallStarted, Piece, TextDelta
+from .tool_format import GENERIC, ArgumentsDelta, CallStarted, Piece, TextDelta
 
 __all__ = ["ToolAnswerEncoder", "generic", "response_object"]
 
 
 def generic(view: ResponseView) -> bool:
-    """Whether the response's answer is in the generic tool format."""
-    return tool_format.stored(view.fields)
+    """Whether the response's answer is text or calls, in a tool format
+    (:mod:`.tool_answers`: the generic one or the template's)."""
+    return answer_format(view.fields) is not None
 
 
 def response_object(view: ResponseView, *, announced: bool = False) -> dict[str, Any]:
@@ -48,7 +50,7 @@ def response_object(view: ResponseView, *, announced: bool = False) -> dict[str,
     body["parallel_tool_calls"] = fields.get("parallel_tool_calls", True)
     if announced:
         return body
-    answer = tool_format.parse_answer(view.text)
+    answer = parse_answer(answer_format(fields) or GENERIC, view.text)
     if answer.calls:
         last = len(answer.calls) - 1
         body["output"] = [
@@ -78,7 +80,7 @@ def _call_item(
 
 
 def _last_call(view: ResponseView) -> int:
-    return len(tool_format.parse_answer(view.text).calls) - 1
+    return len(parse_answer(answer_format(view.fields) or GENERIC, view.text).calls) - 1
 
 
 def _call_item_id(session_id: bytes, index: int) -> str:
@@ -105,7 +107,7 @@ class ToolAnswerEncoder:
         # The record's end time, read when the END arrives (the record has it by then).
         self._ended_at = ended_at
         self._text = ""
-        self._answer = AnswerParser()
+        self._answer = answer_parser(answer_format(view.fields) or GENERIC)
         self._open: str | None = None  # "message", or "call" (the last one started)
         self._after = after
         self._next = 0  # the number the next event takes

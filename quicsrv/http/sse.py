@@ -37,9 +37,9 @@ from . import logprobs, openai_api
 from .cursor import FLAG_CHAT, FLAG_USAGE, encode_cursor
 from .errors import ApiError, from_code
 from .logprobs import CompletionLogprobs, Piece
+from .tool_answers import answer_parser
 from .tool_calls import CallText, ToolChoice
 from .tool_chunks import chat_delta
-from .tool_format import AnswerParser
 
 __all__ = [
     "KEEPALIVE_COMMENT",
@@ -79,8 +79,8 @@ class StreamShape:
     """When the session was created (Unix seconds): the same on a resumed stream."""
     tools: ToolChoice | None = None
     """The answer is a call of one of these functions (``tool_calls`` deltas, not content)."""
-    generic: bool = False
-    """The answer is in the generic tool format: text or calls (:mod:`.tool_format`)."""
+    tool_answer: str | None = None
+    """The answer is text or calls, in this format (:mod:`.tool_answers`)."""
     echo: str = ""
     """Text completions' ``echo``: the prompt, the opening event's text."""
 
@@ -106,7 +106,7 @@ class SseEncoder:
         # A tool call's deltas depend on the text before them: a resumed stream starts from
         # the text of the tokens it skips (``text_before``).
         self._call = None if shape.tools is None else CallText(shape.tools, text_before)
-        self._answer = AnswerParser() if shape.generic else None
+        self._answer = None if shape.tool_answer is None else answer_parser(shape.tool_answer)
         if self._answer is not None:
             self._answer.push(text_before)
         # The call's id and name go with its first event: a resumed stream had them already

@@ -19,6 +19,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from .errors import ApiError
+from .hermes_format import HERMES, hermes_format
 from .tool_format import Function, ToolFormat, tool_format
 
 __all__ = ["CallText", "ToolChoice", "ToolFormat", "call_id", "parse_tool_choice"]
@@ -66,13 +67,16 @@ def parse_tool_choice(
     parallel: object = None,
     param: str = "tools",
     nested: bool = True,
+    native: str | None = None,
 ) -> ToolChoice | ToolFormat | None:
     """How a request's tools shape its answer: None (no tools, or ``tool_choice: "none"``); a
     :class:`ToolChoice` (a function named: one call of it); a :class:`ToolFormat` (``auto``,
     the default with tools, or ``required``: the generic format, see :mod:`.tool_format`).
     ``parallel``: ``parallel_tool_calls`` (default true, as OpenAI's). ``nested``: chat
     completions' ``{"type": "function", "function": {...}}``; else the Responses API's flat
-    ``{"type": "function", "name", "parameters"}``. Raises ApiError."""
+    ``{"type": "function", "name", "parameters"}``. ``native``: the chat template's own
+    tool-call format (:data:`.hermes_format.HERMES`: every choice but ``none`` is then a
+    :class:`ToolFormat` in it, a named function its only callable one). Raises ApiError."""
     if parallel is not None and not isinstance(parallel, bool):
         raise _invalid("parallel_tool_calls must be a boolean", "parallel_tool_calls")
     if tools is None or tools == []:
@@ -82,6 +86,19 @@ def parse_tool_choice(
     functions = _functions(tools, param, nested)
     if choice == "none":
         return None
+    if native == HERMES:
+        listed = list(functions.values())
+        if choice in (None, "auto", "required"):
+            parallel_calls = parallel is not False
+            return hermes_format(
+                listed, listed, required=choice == "required", parallel=parallel_calls
+            )
+        name = _named(choice, nested)
+        if name not in functions:
+            raise _invalid(
+                f"tool_choice names {name!r}, which is not among the tools", "tool_choice"
+            )
+        return hermes_format(listed, [functions[name]], required=True, parallel=False)
     if choice in (None, "auto", "required"):
         return tool_format(
             list(functions.values()), required=choice == "required", parallel=parallel is not False

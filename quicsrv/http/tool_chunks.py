@@ -1,5 +1,6 @@
-"""A generic-format answer (:mod:`.tool_format`) as chat completions show it: content deltas or
-``tool_calls`` deltas in chunks, and the whole ``message`` of a ``stream: false`` answer.
+"""A tool answer (:mod:`.tool_answers`: the generic format or the template's) as chat
+completions show it: content deltas or ``tool_calls`` deltas in chunks, and the whole
+``message`` of a ``stream: false`` answer.
 
 Call ``i`` has the id ``call_<session id>`` (``_<i>`` after it for the second call on), so
 a resumed stream names the calls as the first one did.
@@ -10,8 +11,9 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
+from .tool_answers import parse_answer
 from .tool_calls import call_id
-from .tool_format import ArgumentsDelta, CallStarted, Piece, TextDelta, parse_answer
+from .tool_format import GENERIC, ArgumentsDelta, CallStarted, Piece, TextDelta
 
 __all__ = ["chat_delta", "chat_message"]
 
@@ -44,9 +46,12 @@ def chat_delta(session_id: bytes, pieces: Sequence[Piece]) -> dict[str, Any]:
     return delta
 
 
-def chat_message(session_id: bytes, text: str) -> tuple[dict[str, Any], bool]:
-    """The assistant ``message`` of the whole answer ``text``, and whether it calls tools."""
-    answer = parse_answer(text)
+def chat_message(
+    session_id: bytes, text: str, answer_format: str = GENERIC
+) -> tuple[dict[str, Any], bool]:
+    """The assistant ``message`` of the whole answer ``text`` (in format ``answer_format``,
+    :mod:`.tool_answers`), and whether it calls tools."""
+    answer = parse_answer(answer_format, text)
     if not answer.calls:
         return {"role": "assistant", "content": answer.text, "refusal": None}, False
     calls = [

@@ -62,21 +62,32 @@ class ToolFormat:
     """The answer is calls only (``tool_choice: "required"``)."""
     parallel: bool
     """Several calls may come in one answer."""
+    answer: str = "generic"
+    """The answer's format, as the session record names it: :data:`GENERIC`, or
+    :data:`.hermes_format.HERMES` (the template's own ``<tool_call>`` blocks)."""
+    template_tools: str | None = None
+    """The tool list (JSON text, OpenAI's shape) for a template that renders tools (GENERATE's
+    ``tools``); None: the tools are in :attr:`prompt`."""
 
 
-def tool_format(functions: Sequence[Function], *, required: bool, parallel: bool) -> ToolFormat:
-    """The generic format of ``functions`` (at least one)."""
+def call_schema(functions: Sequence[Function]) -> dict[str, Any]:
+    """The schema of one call of one of ``functions``: ``{"name", "arguments"}``, name
+    first (the call is announced, with its name, before its arguments stream)."""
     calls = [
         {
             "type": "object",
-            # name first: the call is announced, with its name, before its arguments stream.
             "properties": {"name": {"const": f.name}, "arguments": f.parameters},
             "required": ["name", "arguments"],
             "additionalProperties": False,
         }
         for f in functions
     ]
-    items: dict[str, Any] = calls[0] if len(calls) == 1 else {"anyOf": calls}
+    return calls[0] if len(calls) == 1 else {"anyOf": calls}
+
+
+def tool_format(functions: Sequence[Function], *, required: bool, parallel: bool) -> ToolFormat:
+    """The generic format of ``functions`` (at least one)."""
+    items = call_schema(functions)
     array: dict[str, Any] = {"type": "array", "items": items, "minItems": 1}
     if not parallel:
         array["maxItems"] = 1
@@ -171,16 +182,16 @@ def with_tool_prompt(messages: list[dict[str, str]], prompt: str) -> list[dict[s
 def system_text(instructions: str | None, tools: object) -> str | None:
     """The Responses API's system message: its ``instructions``, then the tool prompt when
     ``tools`` is a :class:`ToolFormat` (one message, kept apart from the input's own)."""
-    if not isinstance(tools, ToolFormat):
+    if not isinstance(tools, ToolFormat) or not tools.prompt:  # (the template shows them)
         return instructions
     return tools.prompt if not instructions else instructions + "\n\n" + tools.prompt
 
 
 def fields(tools: ToolFormat, given: object, choice: object) -> dict[str, Any]:
-    """What a Responses record keeps of a generic-format request: the answer's format, and
-    the tools and choice it echoes."""
+    """What a Responses record keeps of a request with tools (generic or the template's):
+    the answer's format, and the tools and choice it echoes."""
     return {
-        "answer": GENERIC,
+        "answer": tools.answer,
         "tools": given,
         "tool_choice": choice or "auto",
         "parallel_tool_calls": tools.parallel,
@@ -251,12 +262,17 @@ class AnswerParser:
         for char in text:
             self._step(char)
         out, self._out = self._out, []
-        return _merged(out)
+        return merged_pieces(out)
 
     @property
     def done(self) -> bool:
         """The answer's JSON is complete (or stopped making sense)."""
         return self._state == "done"
+
+    @property
+    def call_closed(self) -> bool:
+        """A call's object has just closed (a comma or the array's end comes next)."""
+        return self._state == "after call"
 
     def _step(self, c: str) -> None:
         state = self._state
@@ -457,7 +473,7 @@ def _unescaped(raw: str) -> str:
     return str(value)
 
 
-def _merged(pieces: list[Piece]) -> list[Piece]:
+def merged_pieces(pieces: list[Piece]) -> list[Piece]:
     """Consecutive deltas of the same kind (and call) joined into one."""
     merged: list[Piece] = []
     for piece in pieces:

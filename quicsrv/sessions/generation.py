@@ -13,6 +13,7 @@ rendered and tokenized afresh.
 from __future__ import annotations
 
 import asyncio
+import json
 import logging
 import secrets
 from collections.abc import Callable, Sequence
@@ -75,7 +76,10 @@ def prompt_chars(frame: quicsrv_proto.Generate) -> int:
     """About how many characters a GENERATE gives the tokenizer (a chat: its messages, each
     with its template overhead, so many empty messages do not pass for a short prompt)."""
     if frame.messages is not None:
-        return sum(len(m.role) + len(m.content) + _MESSAGE_OVERHEAD_CHARS for m in frame.messages)
+        tools = len(frame.tools or "")
+        return tools + sum(
+            len(m.role) + len(m.content) + _MESSAGE_OVERHEAD_CHARS for m in frame.messages
+        )
     return len(frame.prompt or "")
 
 
@@ -84,7 +88,8 @@ def prompt_length(engine: Engine, frame: quicsrv_proto.Generate) -> int:
     :func:`build_request` does for a new generation (a chat through the model's template); no
     limit is checked and nothing is dropped (``truncation`` is not applied)."""
     if frame.messages is not None:
-        return len(_chat_tokens(engine, frame.messages))
+        tools = None if frame.tools is None else _tools(frame.tools)
+        return len(_chat_tokens(engine, frame.messages, tools))
     assert frame.prompt is not None  # proto guarantees exactly one of the two
     return len(engine.tokenize(frame.prompt, add_special=True))
 
@@ -108,12 +113,13 @@ def build_request(
     messages, continued = None, False
     if frame.messages is not None:
         messages = tuple(frame.messages)
-        tokens, continued = _chat_prompt(engine, messages, prior)
+        tools = None if frame.tools is None else _tools(frame.tools)
+        tokens, continued = _chat_prompt(engine, messages, prior, tools)
         if len(tokens) > budget and frame.truncation is Truncation.AUTO:
             kept = fit_history(
                 frame.messages,
                 budget=budget,
-                prompt_tokens=lambda messages: len(_chat_tokens(engine, messages)),
+                prompt_tokens=lambda messages: len(_chat_tokens(engine, messages, tools)),
                 content_tokens=lambda m: len(engine.tokenize(m.content, add_special=False)),
             )
             if kept is not None:
@@ -124,7 +130,7 @@ def build_request(
                     budget,
                 )
                 messages = kept
-                tokens, continued = _chat_prompt(engine, kept, prior)
+                tokens, continued = _chat_prompt(engine, kept, prior, tools)
     else:
         assert frame.prompt is not None  # proto guarantees exactly one of the two
         tokens = engine.tokenize(frame.prompt, add_special=True)
@@ -188,7 +194,7 @@ async def prepare_off_loop(
 
 
 def _chat_prompt(
-    engine: Engine, messages: tuple[ChatMessage, ...], prior: PriorTurn | None
+    engine: Engine, messages: tuple[ChatMessage, ...], prior: PriorTurn | None, tools: _Tools
 ) -> tuple[list[int], bool]:
     """The chat's prompt tokens, and whether they continue ``prior``'s own (see the module
     docstring)."""
@@ -197,8 +203,8 @@ def _chat_prompt(
         if messages[:n] == prior.messages and messages[n : n + 1] == (
             ChatMessage(role="assistant", content=prior.answer),
         ):
-            before = _render(engine, prior.messages)
-            full = _render(engine, messages)
+            before = _render(engine, prior.messages, tools)
+            full = _render(engine, messages, tools)
             head = before + prior.answer
             if (
                 full.startswith(head)
@@ -207,15 +213,33 @@ def _chat_prompt(
             ):
                 rest = engine.tokenize(full[len(head) :], add_special=False)
                 return [*prior.prompt_tokens, *prior.generated, *rest], True
-    return _chat_tokens(engine, messages), False
+    return _chat_tokens(engine, messages, tools), False
 
 
-def _render(engine: Engine, messages: Sequence[ChatMessage]) -> str:
-    return engine.render_chat([{"role": m.role, "content": m.content} for m in messages])
+#: The tool list a chat template renders (GENERATE's ``tools``, parsed), or None.
+_Tools = list[dict[str, object]] | None
 
 
-def _chat_tokens(engine: Engine, messages: Sequence[ChatMessage]) -> list[int]:
-    return engine.tokenize(_render(engine, messages), add_special=False)
+def _tools(text: str) -> list[dict[str, object]]:
+    try:
+        tools = json.loads(text)
+    except ValueError:
+        tools = None
+    if not isinstance(tools, list) or not all(isinstance(t, dict) for t in tools):
+        raise RequestRejected(
+            ErrorCode.INVALID_FIELD, "GENERATE.tools must be a JSON array of objects"
+        )
+    return tools
+
+
+def _render(engine: Engine, messages: Sequence[ChatMessage], tools: _Tools) -> str:
+    chat = [{"role": m.role, "content": m.content} for m in messages]
+    # Without tools, the call every Engine has always taken (fakes included).
+    return engine.render_chat(chat) if tools is None else engine.render_chat(chat, tools)
+
+
+def _chat_tokens(engine: Engine, messages: Sequence[ChatMessage], tools: _Tools) -> list[int]:
+    return engine.tokenize(_render(engine, messages, tools), add_special=False)
 
 
 def _random_seed() -> bytes:

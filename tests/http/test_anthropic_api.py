@@ -161,9 +161,9 @@ def test_every_suffix_is_the_tail_and_the_sdk_accumulates_the_unstreamed_body(
     sizes: list[int], answer: str
 ) -> None:
     if answer == "calls":
-        shape, text = _shape(generic=True), CALLS
+        shape, text = _shape(tool_answer="generic"), CALLS
     elif answer == "text":
-        shape, text = _shape(generic=True), '{"response": "Hi \\"there\\" \\u00e9!"}'
+        shape, text = _shape(tool_answer="generic"), '{"response": "Hi \\"there\\" \\u00e9!"}'
     elif answer == "named":
         shape = _shape(tools=ToolChoice(("get_weather",), ""))
         text = '{"city": "Paris", "days": [1, 2]}'
@@ -195,14 +195,16 @@ def test_every_suffix_is_the_tail_and_the_sdk_accumulates_the_unstreamed_body(
 
 def test_a_generic_answer_with_nothing_in_it_is_one_empty_text_block() -> None:
     texts = ['{"resp']
-    events = _events(_stream(_shape(generic=True), _frames(texts, _end(texts, EndReason.LENGTH))))
+    events = _events(
+        _stream(_shape(tool_answer="generic"), _frames(texts, _end(texts, EndReason.LENGTH)))
+    )
     assert [n for _, n, _ in events][1:] == [
         "content_block_start",
         "content_block_stop",
         "message_delta",
         "message_stop",
     ]
-    body = anthropic_api.message_body(_shape(generic=True), texts[0], _end(texts), None)
+    body = anthropic_api.message_body(_shape(tool_answer="generic"), texts[0], _end(texts), None)
     assert body["content"] == [{"type": "text", "text": ""}]
 
 

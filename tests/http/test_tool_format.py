@@ -245,7 +245,12 @@ def test_a_chat_stream_resumed_after_any_event_ends_as_the_whole_one(calls, cuts
     for whole_text in (_calls_text(calls, None, False), json.dumps({"response": text})):
         pieces = [p for p in _split(whole_text, cuts) if p]
         shape = StreamShape(
-            session_id=SESSION, chat=True, include_usage=False, model="m", created=1, generic=True
+            session_id=SESSION,
+            chat=True,
+            include_usage=False,
+            model="m",
+            created=1,
+            tool_answer="generic",
         )
         frames = _chat_frames(pieces, EndReason.EOS)
         whole = _chat_events(SseEncoder(shape, mac_key=MAC_KEY).encode_all(frames))
