@@ -10,6 +10,7 @@ import pytest
 
 from quicsrv.settings import socket_options_for
 from quicsrv.transport.sockets import open_udp_socket
+from quicsrv.transport.tcp import open_tcp_socket
 
 pytestmark = pytest.mark.skipif(
     not sys.platform.startswith("linux"), reason="option values are Linux's"
@@ -161,3 +162,14 @@ def test_describe_is_one_line_naming_each_option() -> None:
 def test_invalid_buffer_size_is_refused() -> None:
     with pytest.raises(ValueError, match="recv_buffer_bytes"):
         socket_options_for(recv_buffer_bytes=0)
+
+
+@pytest.mark.parametrize("host", ["127.0.0.1", "::"])
+def test_every_accepted_tcp_connection_sends_without_nagle(host: str) -> None:
+    # A streamed event must leave at once, not wait for the previous one's ACK.
+    listener = open_tcp_socket(host, 0)
+    with listener, socket.create_connection(("127.0.0.1", listener.getsockname()[1])):
+        listener.setblocking(True)
+        accepted, _ = listener.accept()
+        with accepted:
+            assert accepted.getsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY) != 0
