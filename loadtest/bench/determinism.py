@@ -255,6 +255,12 @@ def _cells(settings: EngineSettings) -> list[dict[str, object]]:
         }
 
     decoding = [(2, 7, 8)]  # a neighbour of the next-lower id decoding one token
+    # Sequences 2 and 3 decode a token a step (at 100 and 200 cells), each step's call shared
+    # with a 9-token prompt of the next id up (the engine's call while every sequence holds
+    # at most 256 cells).
+    beside_short = [call([(2, 0, 100)]), call([(3, 0, 200)])] + [
+        call([(2, 100 + i, 101 + i), (3, 200 + i, 201 + i), (4 + i, 0, 9)]) for i in range(4)
+    ]
     cases: list[Callable[[], dict[str, object]]] = [
         lambda: case(
             "8 short prompts (7-10 tokens) in one call",
@@ -262,6 +268,20 @@ def _cells(settings: EngineSettings) -> list[dict[str, object]]:
             3,
             [call([(3, 0, 10)])],
             [call([(s, 0, 7 + s % 4) for s in range(8)])],
+        ),
+        lambda: case(
+            "decoded tokens within 256 cells in the short pieces' call (the decoded one)",
+            True,
+            3,
+            [call([(3, 0, 200)])] + [call([(3, p, p + 1)]) for p in range(200, 204)],
+            beside_short,
+        ),
+        lambda: case(
+            "decoded tokens within 256 cells in the short pieces' call (a piece there)",
+            True,
+            5,
+            [call([(5, 0, 9)])],
+            beside_short,
         ),
         lambda: case(
             "pieces of 64 of 4 prompts in one call (equal lengths)",

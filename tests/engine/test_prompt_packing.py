@@ -150,19 +150,20 @@ def test_a_burst_is_prefilled_in_fewer_calls_than_prompts_and_each_equals_its_so
 
     sinks, decodes, steps = _burst(engine, observer, requests)
     assert [s.tokens for s in sinks] == solo
-    # One step: the short prompts share one call; each long one's tiled chunks (pieces.
-    # cold_plan: the last one takes the remainder) merge into one piece (tiled, as alone),
-    # sharing a call where the lengths are equal; then each long one's last position (row by
-    # row, as a request finding the whole prompt computes it) in a call of its own. Eight
-    # first tokens in one step and at most five calls, where one prompt a step took twelve
-    # steps (each long prompt three).
+    # A step takes the oldest prompts until it holds half the waiting prompt tokens (so the
+    # burst's first half does not wait for its second). Step one: the short prompts share one
+    # call; the first long one's tiled chunks (pieces.cold_plan: the last one takes the
+    # remainder) merge into one piece (tiled, as alone), then its last position (row by row,
+    # as a request finding the whole prompt computes it) in a call of its own. Step two: the
+    # decoded tokens (every sequence under 256 cells: row by row, one call), then the second
+    # long one's piece and last position. Eight first tokens in two steps and six calls,
+    # where one prompt a step took twelve steps (each long prompt three).
     firsts = [s.first for s in sinks]
     calls = [f[0] - decodes for f in firsts if f is not None]
     in_step = [f[1] - steps for f in firsts if f is not None]
     assert len(calls) == len(texts)
-    assert calls[: len(SHORT)] == [1] * len(SHORT)
-    assert all(c <= 5 for c in calls[len(SHORT) :])
-    assert in_step == [0] * len(texts)
+    assert calls == [1] * len(SHORT) + [3, 6]
+    assert in_step == [0] * (len(texts) - 1) + [1]
 
 
 def test_a_sequence_prefilled_in_a_burst_resumes_exactly_by_replay_and_by_kv_restore(packing):
