@@ -502,6 +502,11 @@ def _prefix_cache(stats: PrefixStats) -> Iterator[Metric]:
         "source",
         [("reused", stats.reused_tokens), ("prefilled", stats.prefilled_tokens)],
     )
+    yield CounterMetricFamily(
+        "quicsrv_prefix_cache_shelf_dropped",
+        "Evicted entries not written to disk: the writer (lowest CPU priority) was too far behind",
+        value=float(stats.shelf_dropped),
+    )
     yield _labelled(
         CounterMetricFamily,
         "quicsrv_prefix_cache_lookups",

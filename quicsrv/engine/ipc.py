@@ -186,6 +186,7 @@ class PrefixHeld:
     resident_tokens: int
     blob_bytes: int
     disk_bytes: int
+    shelf_dropped: int = 0
 
 
 Event = (

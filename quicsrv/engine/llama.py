@@ -387,7 +387,12 @@ class LlamaEngine(ModelFacts):
     def _step(self) -> bool:
         idle = not self._active and not self._waiting
         while idle or not self._inbox.empty():
-            item = self._inbox.get(block=idle)
+            if idle:
+                self._placement.idle(True)
+                item = self._inbox.get()
+                self._placement.idle(False)
+            else:
+                item = self._inbox.get_nowait()
             if item is None:
                 for sequence in [*self._active, *self._waiting]:
                     self._finish(sequence, FinishReason.SHUTDOWN)

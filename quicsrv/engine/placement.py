@@ -170,15 +170,27 @@ class SlotPlacement:
         kept = extend(plan, n_past, 1) if n_past > computed else cut(plan, n_past)
         return cache.keep(slot, request.cache_scope, tokens, kept)
 
+    def idle(self, idle: bool) -> None:
+        """The engine waits for work (True) or computes (False): the shelf is written only
+        while it waits (:class:`.prefix_cache.PrefixShelf`)."""
+        shelf = self._cache.shelf if self._cache is not None else None
+        if shelf is not None:
+            if idle:
+                shelf.engine_idle.set()
+            else:
+                shelf.engine_idle.clear()
+
     def shelve(self) -> None:
         """Closing: the cells kept in slots go to the shelf, if there is one, the most recently
         used first, so that the next engine (a restarted server) finds them."""
         cache = self._cache
         if cache is None or cache.shelf is None:
             return
+        self.idle(True)
         for entry in sorted(cache.resident(), key=lambda e: -e.used):
             assert entry.slot is not None
             blob = self._cells.save(entry.slot)
             cache.drop(entry)
             if blob is not None:
-                cache.shelf.put(entry, blob)
+                cache.shelf.put(entry, blob, wait=True)
+        cache.shelf.flush()

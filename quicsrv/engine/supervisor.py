@@ -525,7 +525,7 @@ class WorkerEngine(ModelFacts):
             elif isinstance(event, PrefixHeld):
                 stats = self.prefix_stats
                 stats.resident_tokens, stats.blob_bytes = event.resident_tokens, event.blob_bytes
-                stats.disk_bytes = event.disk_bytes
+                stats.disk_bytes, stats.shelf_dropped = event.disk_bytes, event.shelf_dropped
             elif sequence is None:
                 continue
             elif isinstance(event, TokenGenerated):

@@ -250,7 +250,15 @@ class _Worker:
         """Report what the prefix cache holds (it changes when sequences come and go)."""
         if self._engine is not None and self._engine.prefix_stats.enabled:
             stats = self._engine.prefix_stats
-            self._report(PrefixHeld(key, stats.resident_tokens, stats.blob_bytes, stats.disk_bytes))
+            self._report(
+                PrefixHeld(
+                    key,
+                    stats.resident_tokens,
+                    stats.blob_bytes,
+                    stats.disk_bytes,
+                    stats.shelf_dropped,
+                )
+            )
 
     def paused(self, key: int, state: PausedState) -> None:
         self.forget(key)

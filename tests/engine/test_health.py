@@ -39,6 +39,7 @@ def test_every_field_of_the_health_is_a_metric():
     metrics = ServerMetrics()
     prefix = PrefixStats(hits=2, misses=3, reused_tokens=64, prefilled_tokens=100)
     prefix.resident_tokens, prefix.blob_bytes, prefix.disk_bytes = 128, 4096, 8192
+    prefix.shelf_dropped = 3
     engine = FakeEngine(
         state=EngineHealth(
             failure="a crash loop",
@@ -64,6 +65,7 @@ def test_every_field_of_the_health_is_a_metric():
         "quicsrv_engine_poisoned_generations_total": 2.0,
         "quicsrv_prompt_tokens_total{reused}": 64.0,
         "quicsrv_prompt_tokens_total{prefilled}": 100.0,
+        "quicsrv_prefix_cache_shelf_dropped_total": 3.0,
         "quicsrv_prefix_cache_lookups_total{hit}": 2.0,
         "quicsrv_prefix_cache_lookups_total{miss}": 3.0,
         "quicsrv_prefix_cache_enabled": 1.0,

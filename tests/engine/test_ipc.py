@@ -61,7 +61,7 @@ MESSAGES = [
                 key=4,
                 plan=PrefillPlan((Segment(130, 64), Segment(150, 1), Segment(170, 64)), 150),
             ),
-            PrefixHeld(key=4, resident_tokens=300, blob_bytes=0, disk_bytes=5),
+            PrefixHeld(key=4, resident_tokens=300, blob_bytes=0, disk_bytes=5, shelf_dropped=2),
         ),
         finished_at=12.5,
     ),

@@ -3,12 +3,14 @@
 from __future__ import annotations
 
 import dataclasses
+import threading
+from pathlib import Path
 
 import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from quicsrv.engine import PrefillPlan, Segment
+from quicsrv.engine import PrefillPlan, Segment, prefix_cache
 from quicsrv.engine.prefix_cache import (
     BLOCK_TOKENS,
     PrefixCache,
@@ -192,6 +194,7 @@ def test_the_shelf_keeps_what_memory_cannot_and_another_cache_finds_it(tmp_path)
         entry = writer.entry_in(slot)
         assert entry is not None
         writer.spill(entry, blob)  # the second pushes the first out of memory, onto the shelf
+    writer.shelf.flush()
     assert writer.stats.blob_bytes == 100 and writer.stats.disk_bytes > 100
     # Another engine (a replacement worker, another process) with the same directory.
     reader = _cache()
@@ -216,9 +219,97 @@ def test_the_shelf_drops_the_oldest_past_its_budget(tmp_path):
         entry = cache.entry_in(slot)
         assert entry is not None
         cache.spill(entry, bytes(1000))
+    cache.shelf.flush()
     assert cache.stats.disk_bytes <= 2_500
     assert cache.find("", [*prompts[0], 1]) is None
     assert cache.find("", [*prompts[2], 1]) is not None
+
+
+def test_a_shelved_entry_is_found_from_memory_until_its_file_is_written(tmp_path, monkeypatch):
+    # The writer is held: spilling never waits for the disk, and nothing is lost meanwhile.
+    release = threading.Event()
+    real_write = prefix_cache.write_atomically
+
+    def held_write(path: Path, *parts: bytes | memoryview, **kwargs: object) -> None:
+        assert release.wait(30)
+        real_write(path, *parts)
+
+    monkeypatch.setattr(prefix_cache, "write_atomically", held_write)
+    cache = _cache(max_blob_bytes=0)
+    cache.shelf = PrefixShelf(tmp_path, max_bytes=10_000, stats=cache.stats)
+    tokens = list(range(2 * B))
+    cache.keep(0, "key", tokens, (Segment(len(tokens), 64),))
+    entry = cache.entry_in(0)
+    assert entry is not None
+    cache.spill(entry, b"c" * 100)  # returns with the writer still held
+    assert not list(tmp_path.glob("*.prefix"))
+    hit = cache.find("key", [*tokens, 1])
+    assert hit is not None and hit.entry.blob == b"c" * 100
+    release.set()
+    cache.shelf.flush()
+    reader = _cache()
+    reader.shelf = PrefixShelf(tmp_path, max_bytes=10_000, stats=reader.stats)
+    hit = reader.find("key", [*tokens, 1])
+    assert hit is not None and hit.entry.blob == b"c" * 100
+
+
+def test_the_shelf_is_written_only_while_the_engine_waits_for_work(tmp_path):
+    cache = _cache(max_blob_bytes=0)
+    shelf = cache.shelf = PrefixShelf(tmp_path, max_bytes=10_000, stats=cache.stats)
+    shelf.engine_idle.clear()  # computing
+    tokens = list(range(2 * B))
+    cache.keep(0, "key", tokens, (Segment(len(tokens), 64),))
+    entry = cache.entry_in(0)
+    assert entry is not None
+    cache.spill(entry, b"d" * 100)
+    flushed = threading.Thread(target=shelf.flush)
+    flushed.start()
+    flushed.join(0.5)
+    assert flushed.is_alive() and not list(tmp_path.glob("*.prefix"))
+    hit = cache.find("key", [*tokens, 1])
+    assert hit is not None and hit.entry.blob == b"d" * 100  # from memory meanwhile
+    shelf.engine_idle.set()  # waiting for work
+    flushed.join(30)
+    assert not flushed.is_alive() and len(list(tmp_path.glob("*.prefix"))) == 1
+
+
+def test_past_the_pending_budget_an_eviction_is_not_shelved_and_a_closing_put_waits(
+    tmp_path, monkeypatch
+):
+    written: list[Path] = []
+    release = threading.Event()
+    real_write = prefix_cache.write_atomically
+
+    def held_write(path: Path, *parts: bytes | memoryview, **kwargs: object) -> None:
+        assert release.wait(30)
+        real_write(path, *parts)
+        written.append(path)
+
+    monkeypatch.setattr(prefix_cache, "write_atomically", held_write)
+    cache = _cache(max_blob_bytes=0)
+    shelf = cache.shelf = PrefixShelf(
+        tmp_path, max_bytes=10_000, stats=cache.stats, max_pending_bytes=150
+    )
+    entries = []
+    for slot, start in enumerate((0, 1000, 2000)):
+        cache.keep(slot, "", list(range(start, start + 2 * B)), (Segment(2 * B, 64),))
+        entry = cache.entry_in(slot)
+        assert entry is not None
+        entries.append(entry)
+    cache.spill(entries[0], bytes(100))
+    cache.spill(entries[1], bytes(100))  # 200 bytes would wait: not shelved, not waited for
+    assert cache.stats.shelf_dropped == 1
+    assert cache.find("", [*entries[1].tokens, 1]) is None
+    closing = threading.Thread(
+        target=shelf.put, args=(entries[2], bytes(100)), kwargs={"wait": True}
+    )
+    closing.start()
+    assert not written  # the writer is still held, so the closing put cannot have gone through
+    release.set()
+    closing.join(30)
+    assert not closing.is_alive()
+    shelf.flush()
+    assert len(written) == 2 and cache.stats.shelf_dropped == 1
 
 
 def test_a_recorded_plan_this_engine_cannot_follow_is_refused_not_replayed_otherwise(
