@@ -32,6 +32,7 @@ import httpx
 
 from loadtest.bench.llama_server import llama_server
 from loadtest.bench.llama_server_build import find_llama_server
+from loadtest.bench.machine import wait_until_quiet
 from loadtest.bench.servers import ServerSettings, quicsrv_server
 from loadtest.bench.stats import PROMPTS, percentile
 from loadtest.bench.ttft_paths import _event_text
@@ -165,6 +166,13 @@ async def _measure(args: argparse.Namespace, logs: Path) -> list[Sample]:
         samples: list[Sample] = []
         for r in range(args.rounds):
             for endpoint in endpoints if r % 2 == 0 else list(reversed(endpoints)):
+                # What the last turn left running (a server writing its cache to disk once
+                # idle, the kernel flushing it) is not this server's to pay for.
+                busy = await asyncio.to_thread(
+                    wait_until_quiet, args.quiet_below, args.quiet_patience_s, 0.5
+                )
+                if busy > args.quiet_below:
+                    print(f"round {r} {endpoint.name}: the machine stayed {busy:.0%} busy")
                 mine = await _round(endpoint, clients[endpoint.name], r, args)
                 samples += mine
                 medians = {
@@ -229,6 +237,13 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--tree", type=Path, help="also serve this checkout (an earlier commit)")
     parser.add_argument("--llama-server", default="auto", help="auto, none or a binary's path")
+    parser.add_argument(
+        "--quiet-below",
+        type=float,
+        default=0.1,
+        help="before each turn, wait until the machine is busy less than this share",
+    )
+    parser.add_argument("--quiet-patience-s", type=float, default=30.0)
     parser.add_argument("--out", type=Path, default=Path("loadtest/results"))
     args = parser.parse_args(argv)
     stamp = datetime.now(UTC).strftime("%Y%m%d-%H%M%S")
