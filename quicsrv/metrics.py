@@ -504,7 +504,8 @@ def _prefix_cache(stats: PrefixStats) -> Iterator[Metric]:
     )
     yield CounterMetricFamily(
         "quicsrv_prefix_cache_shelf_dropped",
-        "Evicted entries not written to disk: the writer (lowest CPU priority) was too far behind",
+        "Evicted entries not written to disk: too many waited for the writer, which writes only "
+        "while the engine waits for work",
         value=float(stats.shelf_dropped),
     )
     yield _labelled(

@@ -158,7 +158,8 @@ class PrefixStats:
     blob_bytes: int = 0
     disk_bytes: int = 0
     shelf_dropped: int = 0
-    """Evicted entries not shelved: the writer was too far behind (the disk, or a busy CPU)."""
+    """Evicted entries not shelved: too many waited for the writer, which writes only while the
+    engine waits for work (a busy engine, or a slow disk)."""
 
     def count(self, *, reused: int, n_prompt: int) -> None:
         """A prompt of ``n_prompt`` tokens is fed, its first ``reused`` from kept cells (not
