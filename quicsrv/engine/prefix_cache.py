@@ -260,28 +260,33 @@ class PrefixShelf:
                     self._changed.wait()
                 path = self._queue.popleft()
                 shelved = self._pending[path]
-            self.engine_idle.wait()
-            data = cbor2.dumps(
-                {
-                    "v": 1,
-                    "tokens": list(shelved.tokens),
-                    "segments": shelved.segments,
-                    "blob": shelved.blob,
-                }
-            )
-            chunks = [
-                memoryview(data)[i : i + WRITE_CHUNK] for i in range(0, len(data), WRITE_CHUNK)
-            ]
             try:
-                write_atomically(path, *chunks, before_part=self.engine_idle.wait)
-            except OSError as exc:  # a full disk costs the entry, nothing else
-                log.warning("prefix cache: cannot write %s: %s", path.name, exc)
+                self._write(path, shelved)
+            except Exception:  # a full disk, or worse: it costs the entry, never the writer
+                log.warning("prefix cache: cannot write %s", path.name, exc_info=True)
+            finally:
+                with self._changed:
+                    if self._pending.get(path) is shelved:  # else put again: queued again
+                        del self._pending[path]
+                        self._pending_bytes -= len(shelved.blob)
+                    self._changed.notify_all()
+
+    def _write(self, path: Path, shelved: _Shelved) -> None:
+        self.engine_idle.wait()
+        data = cbor2.dumps(
+            {
+                "v": 1,
+                "tokens": list(shelved.tokens),
+                "segments": shelved.segments,
+                "blob": shelved.blob,
+            }
+        )
+        view = memoryview(data)
+        chunks = [view[i : i + WRITE_CHUNK] for i in range(0, len(data), WRITE_CHUNK)]
+        try:
+            write_atomically(path, *chunks, before_part=self.engine_idle.wait)
+        finally:
             self._trim()
-            with self._changed:
-                if self._pending.get(path) is shelved:  # else put again meanwhile: queued again
-                    del self._pending[path]
-                    self._pending_bytes -= len(shelved.blob)
-                self._changed.notify_all()
 
     def find(self, blocks: Sequence[bytes], scope: str, longer_than: int) -> Entry | None:
         """The shelved entry whose last whole block is the deepest of ``blocks`` (so that it

@@ -273,6 +273,30 @@ def test_the_shelf_is_written_only_while_the_engine_waits_for_work(tmp_path):
     assert not flushed.is_alive() and len(list(tmp_path.glob("*.prefix"))) == 1
 
 
+def test_a_failed_write_costs_its_entry_and_the_writer_goes_on(tmp_path, monkeypatch, caplog):
+    real_write = prefix_cache.write_atomically
+    failing = {"first": True}
+
+    def write_once_broken(path: Path, *parts: bytes | memoryview, **kwargs: object) -> None:
+        if failing.pop("first", False):
+            raise RuntimeError("not an OSError: the writer must survive it too")
+        real_write(path, *parts)
+
+    monkeypatch.setattr(prefix_cache, "write_atomically", write_once_broken)
+    cache = _cache(max_blob_bytes=0)
+    shelf = cache.shelf = PrefixShelf(tmp_path, max_bytes=10_000, stats=cache.stats)
+    prompts = [list(range(k, k + 2 * B)) for k in (0, 1000)]
+    for slot, tokens in enumerate(prompts):
+        cache.keep(slot, "", tokens, (Segment(len(tokens), 64),))
+        entry = cache.entry_in(slot)
+        assert entry is not None
+        cache.spill(entry, bytes(100))
+    shelf.flush()  # returns: the failed entry is no longer waiting
+    assert "cannot write" in caplog.text
+    assert cache.find("", [*prompts[0], 1]) is None
+    assert cache.find("", [*prompts[1], 1]) is not None
+
+
 def test_past_the_pending_budget_an_eviction_is_not_shelved_and_a_closing_put_waits(
     tmp_path, monkeypatch
 ):
