@@ -21,16 +21,15 @@ import pytest
 from quicsrv.http.hermes_format import calls_text
 from tests.helpers import running_server
 
-from .helpers import cut_and_resume, openai_client, tcp_client
+from .helpers import openai_client, tcp_client
 from .test_tools_e2e import (
     ASK_TOOL,
     GREEDY,
     SCHEMAS,
     TIME,
     WEATHER,
-    _chat_session,
     _check_message,
-    _normalized,
+    _cut_chat_resumes_exactly,
 )
 
 pytestmark = [pytest.mark.model, pytest.mark.asyncio]
@@ -155,8 +154,4 @@ async def test_a_cut_native_call_stream_resumes_exactly(hermes_engine, certs):
             "stream": True,
             **GREEDY,
         }
-        cut = await cut_and_resume(tcp, "/v1/chat/completions", body, stop_after=5)
-    whole = _normalized(cut.whole, _chat_session(cut.whole), cut.session)
-    assert _normalized(cut.before + cut.after, cut.session, cut.session) == whole
-    assert len(cut.before) == 5 and cut.after  # it was cut inside the answer
-    assert any("tool_calls" in json.dumps(e.json) for e in cut.after if e.data != "[DONE]")
+        await _cut_chat_resumes_exactly(tcp, body, "tool_calls")

@@ -13,6 +13,7 @@ import json
 import re
 from typing import Any
 
+import httpx
 import jsonschema
 import pytest
 
@@ -141,6 +142,18 @@ def _chat_session(events: list[SseEvent]) -> str:
     return str(events[0].json["id"]).removeprefix("chatcmpl-")
 
 
+async def _cut_chat_resumes_exactly(
+    tcp: httpx.AsyncClient, body: dict[str, Any], kind: str
+) -> None:
+    """A streamed chat completion cut after 5 events and resumed equals the uninterrupted one,
+    and what came after the cut carries ``kind`` (``tool_calls`` or ``content``)."""
+    cut = await cut_and_resume(tcp, "/v1/chat/completions", body, stop_after=5)
+    whole = _normalized(cut.whole, _chat_session(cut.whole), cut.session)
+    assert _normalized(cut.before + cut.after, cut.session, cut.session) == whole
+    assert len(cut.before) == 5 and cut.after  # it was cut inside the answer
+    assert any(kind in json.dumps(e.json) for e in cut.after if e.data != "[DONE]")
+
+
 @pytest.mark.parametrize("question", [ASK_TOOL, ASK_TEXT], ids=["call", "text"])
 async def test_a_cut_auto_chat_stream_resumes_exactly(engine, certs, question):
     async with running_server(engine, certs) as server, tcp_client(server, certs) as tcp:
@@ -152,12 +165,9 @@ async def test_a_cut_auto_chat_stream_resumes_exactly(engine, certs, question):
             "stream": True,
             **GREEDY,
         }
-        cut = await cut_and_resume(tcp, "/v1/chat/completions", body, stop_after=5)
-    whole = _normalized(cut.whole, _chat_session(cut.whole), cut.session)
-    assert _normalized(cut.before + cut.after, cut.session, cut.session) == whole
-    assert len(cut.before) == 5 and cut.after  # it was cut inside the answer
-    kind = "tool_calls" if question == ASK_TOOL else "content"
-    assert any(kind in json.dumps(e.json) for e in cut.after if e.data != "[DONE]")
+        await _cut_chat_resumes_exactly(
+            tcp, body, "tool_calls" if question == ASK_TOOL else "content"
+        )
 
 
 @pytest.mark.parametrize("question", [ASK_TOOL, ASK_TEXT], ids=["call", "text"])
