@@ -21,7 +21,7 @@ import llama_cpp
 from llama_cpp._internals import LlamaContext
 
 from ._api import Segment, SequenceRequest
-from .prefix_cache import Hit, PrefixCache, PrefixShelf, PrefixStats, cut, extend
+from .prefix_cache import EndLogits, Hit, PrefixCache, PrefixShelf, PrefixStats, cut, extend
 
 __all__ = ["KvCells", "SlotPlacement"]
 
@@ -157,10 +157,11 @@ class SlotPlacement:
         history: Sequence[int],
         n_past: int,
         plan: Sequence[Segment],
+        end: EndLogits | None = None,
     ) -> bool:
         """Leave a released sequence's cells (its first ``n_past`` positions: the prompt, then
-        the generated ``history``, computed as ``plan`` says) in its slot for later prompts;
-        False: not kept (the caller frees them)."""
+        the generated ``history``, computed as ``plan`` says) in its slot for later prompts,
+        with its prompt's last logits (``end``); False: not kept (the caller frees them)."""
         cache = self._cache
         if cache is None or n_past <= 0:
             return False
@@ -168,7 +169,13 @@ class SlotPlacement:
         computed = plan[-1].end if plan else 0
         # Generated tokens were decoded one at a time, after what the plan computed.
         kept = extend(plan, n_past, 1) if n_past > computed else cut(plan, n_past)
-        return cache.keep(slot, request.cache_scope, tokens, kept)
+        return cache.keep(slot, request.cache_scope, tokens, kept, end)
+
+    @property
+    def keeps_end_logits(self) -> bool:
+        """Whether an entry may keep its prompt's last logits (:class:`.prefix_cache.EndLogits`:
+        where cells are cut inside pieces, as a prompt found whole is computed again)."""
+        return self._cache is not None and self._cache.cuts_inside_pieces
 
     def idle(self, idle: bool) -> None:
         """The engine waits for work (True) or computes (False): the shelf is written only

@@ -16,7 +16,8 @@ prompt's segments, each fed from its start in steps of a fixed number of tokens.
 at a step boundary of their plan, or inside a piece where its first tokens, fed as a piece of
 their own, take the same way (``cuts_inside_pieces``), so a cut plan still says exactly how the
 cells that are left were made. A prompt found whole computes only its last position again (two
-past 256 positions: :func:`.pieces.tail`), for its logits.
+past 256 positions: :func:`.pieces.tail`), for its logits; or nothing, where the entry kept
+them (:class:`EndLogits`).
 
 Pure bookkeeping: the engine does the llama.cpp calls.
 """
@@ -36,6 +37,8 @@ from pathlib import Path
 
 import blake3
 import cbor2
+import numpy as np
+import numpy.typing as npt
 
 from ..files import write_atomically
 from ._api import Segment
@@ -43,12 +46,14 @@ from .pieces import TILE_TOKENS, keeps_way, tail
 
 __all__ = [
     "BLOCK_TOKENS",
+    "EndLogits",
     "Entry",
     "Hit",
     "PrefixCache",
     "PrefixShelf",
     "PrefixStats",
     "boundaries",
+    "computes_tail_alone",
     "cut",
     "extend",
     "piece_around",
@@ -124,6 +129,29 @@ def rest(segments: Sequence[Segment], after: int) -> tuple[Segment, ...]:
     return tuple(s for s in segments if s.end > after)
 
 
+def computes_tail_alone(segments: Sequence[Segment], n_prompt: int) -> bool:
+    """Whether ``segments`` compute a prompt's last :func:`.pieces.tail` positions as a piece of
+    their own: the way a prompt found whole computes them again (a cold prompt's plan does)."""
+    last = tail(n_prompt)
+    if n_prompt <= last:
+        return False
+    return cut(segments, n_prompt) == extend(cut(segments, n_prompt - last), n_prompt, last)
+
+
+@dataclass(frozen=True, slots=True, eq=False)
+class EndLogits:
+    """The logits of a prompt's last position, kept with its cells: the same prompt again
+    samples its first token from them and computes nothing.
+
+    Exact, not close: kept only where the prompt's plan computed its :func:`.pieces.tail` as a
+    piece of its own (:func:`computes_tail_alone`), which is how the prompt found whole would
+    compute it again, so they are that computation's numbers, and the plan on record (the
+    entry's, to the prompt's end) says how a replay gets them once more."""
+
+    n_prompt: int
+    logits: npt.NDArray[np.float32]
+
+
 @dataclass(eq=False, kw_only=True)
 class Entry:
     """Cells kept for positions ``0..len(tokens)-1``: resident in ``slot``, or in ``blob``."""
@@ -135,14 +163,20 @@ class Entry:
     slot: int | None = None
     blob: bytes | None = None
     used: int = 0
+    end: EndLogits | None = None
+    """The logits of the last position of the prompt ``tokens[:end.n_prompt]`` (in memory
+    only: a shelved entry goes without them)."""
 
 
 @dataclass(frozen=True, slots=True)
 class Hit:
     entry: Entry
     length: int
-    """Positions whose cells are reused, below the prompt's end: where the entry's cells may be
-    cut (see :meth:`PrefixCache.find`), and a step boundary of a replay's recorded plan."""
+    """Positions whose cells are reused, below the prompt's end (at it with :attr:`end`): where
+    the entry's cells may be cut (see :meth:`PrefixCache.find`), and a step boundary of a
+    replay's recorded plan."""
+    end: EndLogits | None = None
+    """The whole prompt is found, with its last position's logits: nothing is computed."""
 
 
 @dataclass(slots=True)
@@ -357,14 +391,27 @@ class PrefixCache:
     _blobs: list[Entry] = field(default_factory=list)  # least recently used first
     _clock: Iterator[int] = field(default_factory=itertools.count)
 
-    def keep(self, slot: int, scope: str, tokens: Sequence[int], plan: Sequence[Segment]) -> bool:
+    def keep(
+        self,
+        slot: int,
+        scope: str,
+        tokens: Sequence[int],
+        plan: Sequence[Segment],
+        end: EndLogits | None = None,
+    ) -> bool:
         """A released slot's cells (computed as ``plan`` says) stay for later prompts, fewer
-        than a block as a scrap (see :data:`BLOCK_TOKENS`); False: none (the caller frees
-        them)."""
+        than a block as a scrap (see :data:`BLOCK_TOKENS`), with ``end`` (its prompt's last
+        logits) where they are exact; False: none (the caller frees them)."""
         if slot in self._by_slot:
             self.drop(self._by_slot[slot])
         if not tokens:
             return False
+        if end is not None and not (
+            self.cuts_inside_pieces
+            and end.n_prompt <= len(tokens)
+            and computes_tail_alone(plan, end.n_prompt)
+        ):
+            end = None
         entry = Entry(
             scope=scope,
             tokens=tuple(tokens),
@@ -372,6 +419,7 @@ class PrefixCache:
             blocks=self._blocks(scope, tokens) if len(tokens) >= BLOCK_TOKENS else (),
             slot=slot,
             used=next(self._clock),
+            end=end,
         )
         self._by_slot[slot] = entry
         for block in entry.blocks:
@@ -385,9 +433,10 @@ class PrefixCache:
         """The entry whose cells serve most of ``prompt``, if any; ``plan``: a replay's recorded
         segments, which the reused cells must have been computed by too.
 
-        The last prompt position is always computed again, for its logits: a new prompt found
-        whole computes only its :func:`.pieces.tail` (one position, or two past 256); a replay
-        feeds its plan from one of the plan's boundaries."""
+        The last prompt position is computed again, for its logits: a new prompt found whole
+        computes only its :func:`.pieces.tail` (one position, or two past 256), or nothing
+        where the entry kept those logits (:attr:`Hit.end`); a replay feeds its plan from one
+        of the plan's boundaries."""
         limit = len(prompt) - 1
         if plan is None and self.cuts_inside_pieces:
             limit = len(prompt) - tail(len(prompt))
@@ -414,6 +463,12 @@ class PrefixCache:
                 length = self._usable(shelved, prompt, limit, plan, plan_boundaries)
                 if length >= BLOCK_TOKENS and (best is None or length > best.length):
                     best = Hit(shelved, length)
+        if best is not None and plan is None:
+            end = best.entry.end
+            n = len(prompt)
+            whole = end is not None and end.n_prompt == n and best.length == n - tail(n)
+            if whole and best.entry.tokens[best.length : n] == tuple(prompt[best.length :]):
+                return Hit(best.entry, n, end)
         return best
 
     def resident(self) -> list[Entry]:
@@ -445,14 +500,16 @@ class PrefixCache:
 
     def spill(self, entry: Entry, blob: bytes | None) -> None:
         """A resident entry's slot is needed: keep its cells as ``blob`` in memory while the
-        budget allows, the least recently used blobs going to the shelf (or away) first."""
+        budget allows (its :class:`EndLogits` counted with it), the least recently used blobs
+        going to the shelf (or away) first."""
         self.drop(entry)
         if blob is None or not entry.blocks:
             return  # a scrap is found in its slot only
-        if len(blob) > self.max_blob_bytes:
+        size = _held_bytes(blob, entry)
+        if size > self.max_blob_bytes:
             self._shelve(entry, blob)
             return
-        while self._blobs and self.stats.blob_bytes + len(blob) > self.max_blob_bytes:
+        while self._blobs and self.stats.blob_bytes + size > self.max_blob_bytes:
             oldest = self._blobs[0]
             self.drop(oldest)
             assert oldest.blob is not None
@@ -461,7 +518,7 @@ class PrefixCache:
         self._blobs.append(entry)
         for block in entry.blocks:
             self._by_block.setdefault(block, []).append(entry)
-        self.stats.blob_bytes += len(blob)
+        self.stats.blob_bytes += size
 
     def _shelve(self, entry: Entry, blob: bytes) -> None:
         if self.shelf is not None:
@@ -479,7 +536,7 @@ class PrefixCache:
             self.stats.resident_tokens -= len(entry.tokens)
         if entry.blob is not None and entry in self._blobs:
             self._blobs.remove(entry)
-            self.stats.blob_bytes -= len(entry.blob)
+            self.stats.blob_bytes -= _held_bytes(entry.blob, entry)
 
     def clear(self) -> None:
         for entry in [*self._by_slot.values(), *self._blobs]:
@@ -539,3 +596,8 @@ def _common_prefix(a: Sequence[int], b: Sequence[int], limit: int) -> int:
         if a[i] != b[i]:
             return i
     return n
+
+
+def _held_bytes(blob: bytes, entry: Entry) -> int:
+    """What an entry spilled as ``blob`` holds in memory."""
+    return len(blob) + (entry.end.logits.nbytes if entry.end is not None else 0)

@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 
 from ._api import PrefillPlan, ResumePath, Segment, SequenceRequest, TokenLogprobs, TokenSink
 from .pieces import cold_plan, merges
-from .prefix_cache import Hit, cut, extend, rest
+from .prefix_cache import EndLogits, Hit, cut, extend, rest
 from .sampling import SequenceSampler
 
 __all__ = ["BatchEntry", "LlamaSequence"]
@@ -56,6 +56,8 @@ class LlamaSequence:
     # A prompt scored (request.prompt_logprobs): its tokens' log-probabilities so far, until
     # they are reported with its first token.
     prompt_scores: list[TokenLogprobs] | None = None
+    # Its prompt's last logits, kept with its cells when it leaves (.prefix_cache.EndLogits).
+    end_logits: EndLogits | None = None
     release_admission: Callable[[LlamaSequence], None] | None = None
 
     @classmethod

@@ -6,13 +6,16 @@ import dataclasses
 import threading
 from pathlib import Path
 
+import numpy as np
 import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
 from quicsrv.engine import PrefillPlan, Segment, prefix_cache
+from quicsrv.engine.pieces import cold_plan
 from quicsrv.engine.prefix_cache import (
     BLOCK_TOKENS,
+    EndLogits,
     PrefixCache,
     PrefixShelf,
     boundaries,
@@ -377,6 +380,47 @@ def test_a_prompt_found_whole_reuses_all_but_the_positions_computed_again():
         hit = cache.find(f"s{slot}", tokens[:length])
         assert hit is not None and hit.length == reused, length
         assert cut(hit.entry.segments, reused)[-1].end == reused
+
+
+def test_a_prompt_found_whole_with_its_kept_logits_reuses_every_position():
+    tokens = list(range(2000, 2300))
+    for n in (100, 300):  # the tail: one position, two past 256
+        cache = _cache(max_blob_bytes=10**6)
+        end = EndLogits(n, np.arange(8, dtype=np.float32))
+        cold = cold_plan(n, 64, 504).segments
+        cache.keep(0, "", [*tokens[:n], 7, 8], extend(cold, n + 2, 1), end)
+        hit = cache.find("", tokens[:n])
+        assert hit is not None and hit.length == n and hit.end is end
+        # Another prompt, even one that the entry's cells serve whole, computes its tail.
+        for other in (tokens[: n - 1], [*tokens[: n - 1], 5], [*tokens[:n], 7]):
+            hit = cache.find("", other)
+            assert hit is not None and hit.end is None and hit.length < len(other)
+        # A replay follows its recorded plan, which computes the last position.
+        hit = cache.find("", tokens[:n], cold)
+        assert hit is not None and hit.end is None and hit.length < n
+        # Spilled as a blob, the logits go along and count with it.
+        cache.spill(cache.entry_in(0), b"x" * 100)  # type: ignore[arg-type]
+        assert cache.stats.blob_bytes == 100 + end.logits.nbytes
+        hit = cache.find("", tokens[:n])
+        assert hit is not None and hit.end is end
+        cache.take(hit.entry)
+        assert cache.stats.blob_bytes == 0
+
+
+def test_logits_are_kept_only_where_the_prompt_s_last_positions_were_computed_alone():
+    tokens = list(range(2000, 2100))
+    end = EndLogits(100, np.zeros(8, dtype=np.float32))
+    # Computed in one piece with the 35 before it: not what computing it again gives.
+    for plan in (plain(100), (Segment(100, 50),)):
+        cache = _cache()
+        cache.keep(0, "", tokens, plan, end)
+        hit = cache.find("", tokens)
+        assert hit is not None and hit.end is None and hit.length == 99
+    # Without flash attention's ways no cut inside a piece, nor a kept logit.
+    strict = PrefixCache(b"numerics", max_blob_bytes=0, cuts_inside_pieces=False)
+    strict.keep(0, "", tokens, cold_plan(100, 64, 504).segments, end)
+    entry = strict.entry_in(0)
+    assert entry is not None and entry.end is None
 
 
 def test_cells_are_cut_inside_a_piece_only_where_its_first_tokens_keep_their_way():

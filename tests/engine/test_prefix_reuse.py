@@ -206,36 +206,39 @@ def test_a_restarted_engine_finds_the_cells_the_last_one_shelved(
         engine.close()
 
 
-def test_a_prompt_found_whole_computes_only_its_last_positions_and_replays_exactly(
+def test_a_prompt_found_whole_computes_nothing_or_its_last_positions_and_replays_exactly(
     model_path, cpu_extra_buffers
 ):
     settings = engine_settings_for(model_path, n_seq_max=2, cpu_extra_buffers=cpu_extra_buffers)
     engine = LlamaEngine(settings)
     text = engine.tokenize(_NOTES * 5, add_special=True)
-    # (prompt length, positions computed again): the last one alone, row by row, as the cold
-    # plan computed it (pieces.cold_plan); past 256 the last two (one alone would be split
-    # over the cells); and a prompt of one tiled piece of 64, cut nowhere inside, that piece.
-    cases = ((100, 1), (300, 2), (64, 64))
+    seeded = SamplingParams(temperature=0.9, top_k=40, seed=7)
+    # (prompt length, sampling, positions computed again). A cold plan computes the last
+    # position alone, row by row (past 256 the last two: one alone would be split over the
+    # cells), as a prompt found whole computes it again (pieces.cold_plan): the entry keeps
+    # those logits and the same prompt again computes nothing, greedy or seeded. A prompt of
+    # one tiled piece of 64 (its last position not alone) computes that whole piece again.
+    cases = ((100, SamplingParams(), 0), (300, seeded, 0), (64, SamplingParams(), 64))
     replays = []
     try:
-        for length, again_computed in cases:
+        for length, sampling, again_computed in cases:
             prompt = text[:length]
             scope = f"case {length}"  # no case finds another's cells
-            first = _run(engine, _request(prompt, cache_scope=scope, max_tokens=12))
+            ask = _request(prompt, cache_scope=scope, max_tokens=12, sampling=sampling)
+            first = _run(engine, ask)
             prefilled = engine.prefix_stats.prefilled_tokens
-            again = _run(engine, _request(prompt, cache_scope=scope, max_tokens=12))
+            again = _run(engine, ask)
             (plan,) = again.plans
             assert plan.reused == length - again_computed
             assert engine.prefix_stats.prefilled_tokens - prefilled == again_computed
-            assert plan.length == length and plan.segments[-1].end == length
-            # Each position computed again is computed the way the cold run computed it (its
-            # last piece was row by row, or tiled again): the same answer, not only a close one.
+            # The plan on record is the cold run's: how a replay computes the same numbers.
+            assert plan.segments == first.plans[0].segments and plan.length == length
+            # Kept logits, or each position computed again the way the cold run computed it:
+            # the same answer, not only a close one.
             assert again.tokens == first.tokens
             # A replay by the plan, with the cells kept, continues exactly ...
             resume = ResumePoint(generated=tuple(again.tokens[:8]))
-            replay = _request(
-                prompt, resume=resume, prefill_plan=plan, cache_scope=scope, max_tokens=12
-            )
+            replay = dataclasses.replace(ask, resume=resume, prefill_plan=plan)
             warm = _run(engine, replay)
             assert warm.tokens == again.tokens[8:] and warm.plans[0].segments == plan.segments
             replays.append((replay, again.tokens[8:]))

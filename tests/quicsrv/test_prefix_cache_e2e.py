@@ -98,12 +98,12 @@ async def test_a_kill_9_mid_turn_2_of_a_conversation_that_hit_the_cache_changes_
     assert len(cut[0]) == MAX_TOKENS
 
 
-async def test_the_same_prompt_again_computes_one_position_and_a_kill_9_changes_nothing(
+async def test_the_same_prompt_again_computes_nothing_and_a_kill_9_changes_nothing(
     cache_engine, certs
 ):
-    # A retry, a "regenerate": the whole prompt is in the cache, so only its last position is
-    # computed again (its logits were not kept) -- and the plan on record says so, so that the
-    # replay after a kill -9 of the worker mid-answer is exact.
+    # A retry, a "regenerate": the whole prompt is in the cache with its last position's
+    # logits, so nothing is computed before the first token -- and the plan on record is the
+    # first run's, so that the replay after a kill -9 of the worker mid-answer is exact.
     engine = cache_engine
     prompt = FIRST.replace("bakery", "bookshop") + MORE
     async with running_server(engine, certs) as server:
@@ -114,10 +114,11 @@ async def test_the_same_prompt_again_computes_one_position_and_a_kill_9_changes_
             before = await scrape(c)
             again = await _turn(c, prompt)
             after = await scrape(c)
-            assert again[:2] == reference[:2]  # its last piece was row by row: as cold
-            assert again[2] is not None and again[2].cached_tokens == n_prompt - 1
+            assert again[:2] == reference[:2]  # the cold run's logits: its answer
+            assert again[2] is not None and again[2].cached_tokens == n_prompt
             metric = "quicsrv_prompt_tokens_total"
-            assert delta(before, after, metric, source="prefilled") == 1
+            assert delta(before, after, metric, source="prefilled") == 0
+            assert delta(before, after, metric, source="reused") == n_prompt
             restarts = engine.restarts
             cut = await _turn(c, prompt, kill_at=MAX_TOKENS // 3, engine=engine)
     assert engine.restarts == restarts + 1
