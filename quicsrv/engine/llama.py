@@ -406,6 +406,7 @@ class LlamaEngine(ModelFacts):
                 self._finish(sequence, FinishReason.CANCELLED)
             elif sequence.pause_requested or sequence.out_of_allowance:
                 self._pause(sequence)
+        from_kept = False
         while self._waiting and self._free_ids:
             sequence = self._waiting.popleft()
             # A scored prompt computes every position (reused cells have no logits).
@@ -431,7 +432,10 @@ class LlamaEngine(ModelFacts):
                 sequence.start_prompt(reused, hit, widest=self._widest)
                 if hit is not None and hit.end is not None and not sequence.pending_prompt:
                     self._start_from_end_logits(sequence, hit.end)
-        if self._active:
+                    from_kept = True
+        # A first token sampled from kept logits ends the step: it leaves now, not after the
+        # next decode (the next step comes at once).
+        if self._active and not from_kept:
             self._decode_step()
         return True
 
@@ -515,8 +519,7 @@ class LlamaEngine(ModelFacts):
     def _start_from_end_logits(self, sequence: LlamaSequence, end: EndLogits) -> None:
         """A prompt found whole with its last position's logits: its plan (the entry's, to the
         prompt's end) is reported and its first token sampled from them; nothing is computed,
-        and its first step decodes that token (measured: the same ~170-token prompt again,
-        TTFT 16 ms from 22, loadtest.bench.burst_ttft)."""
+        and its next step decodes that token."""
         sequence.end_logits = end
         plan = sequence.planned()
         self.prefix_stats.count(reused=plan.reused, n_prompt=plan.length)
