@@ -73,6 +73,8 @@ OUT_OF_SCOPE: dict[str, str] = {
 
 #: The suite's one error when a response is whole but ended at its token limit.
 _RAN_ON = 'Expected status "completed" but got "incomplete"'
+#: Its error when the model answered in text where a test expects a call.
+_NO_CALL = 'Expected output item of type "function_call" but none found'
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -84,7 +86,7 @@ class Verdict:
     status: str
     """The suite's: passed, failed or skipped."""
     kind: str
-    """in scope, out of scope, needs tool_choice auto, skipped by the suite."""
+    """in scope, out of scope, or skipped by the suite."""
     why: str
     errors: tuple[str, ...]
 
@@ -134,6 +136,11 @@ def judge(results: Sequence[dict[str, Any]]) -> list[Verdict]:
             why = (
                 "the answer ran on to max_output_tokens (256 when not given): the model's "
                 "length, the object itself is whole"
+            )
+        elif status == "failed" and errors and all(e == _NO_CALL for e in errors):
+            why = (
+                "the model answered in text: under tool_choice auto it decides whether to call "
+                "(how often it does, here and on llama-server: loadtest.bench.tool_choice)"
             )
         verdicts.append(
             Verdict(

@@ -30,6 +30,12 @@ def test_each_result_gets_its_verdict() -> None:
             {"id": "websocket-mode", "name": "W", "status": "failed", "errors": []},
             {"id": "responses-compact", "name": "C", "status": "failed", "errors": []},
             {"id": "tool-calling", "name": "T", "status": "failed", "errors": ["HTTP 400"]},
+            {
+                "id": "tool-calling-2",
+                "name": "T2",
+                "status": "failed",
+                "errors": ['Expected output item of type "function_call" but none found'],
+            },
             {"id": "file-search", "name": "F", "status": "skipped", "errors": ["optional"]},
             {
                 "id": "system-prompt",
@@ -47,12 +53,15 @@ def test_each_result_gets_its_verdict() -> None:
         "websocket-mode": "out of scope",
         "responses-compact": "out of scope",
         "tool-calling": "in scope",
+        "tool-calling-2": "in scope",
         "file-search": "skipped by the suite",
         "system-prompt": "in scope",
     }
     against = [v.id for v in verdicts if v.counts_against]
-    assert against == ["streaming-response", "tool-calling", "system-prompt"]
+    assert against == ["streaming-response", "tool-calling", "tool-calling-2", "system-prompt"]
     assert "ran on to max_output_tokens" in verdicts[-1].why
+    # A text answer where a call was expected: the model's choice under auto, and still a failure.
+    assert verdicts[5].why == "" and "answered in text" in verdicts[6].why
     table = render(verdicts, "# run")
     assert "| streaming-response | failed | in scope | x: bad |" in table
-    assert "In scope: 1 of 4 passed; 1 of 8 in all." in table
+    assert "In scope: 1 of 5 passed; 1 of 9 in all." in table
