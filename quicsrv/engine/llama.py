@@ -49,7 +49,7 @@ from ._api import (
 from .facts import ModelInfo
 from .pieces import ROWS_CELLS, RULES_VERSION, share_calls
 from .placement import KvCells, SlotPlacement
-from .prefix_cache import EndLogits, computes_tail_alone
+from .prefix_cache import EndLogits
 from .sampling import GrammarState, GrammarViolation, SequenceSampler, token_logprobs
 from .sequence import BatchEntry, LlamaSequence
 from .vocab import Vocabulary, file_digest
@@ -546,8 +546,7 @@ class LlamaEngine(ModelFacts):
                 continue
             row = self._logits(i)
             if position + 1 == len(prompt) and self._placement.keeps_end_logits:
-                if computes_tail_alone(sequence.plan, len(prompt)):
-                    sequence.end_logits = EndLogits(len(prompt), row.copy())
+                sequence.end_logits = EndLogits(len(prompt), row.copy())
             self._sample(sequence, row)
 
     def _admit_resumed(self, sequence: LlamaSequence) -> bool:

@@ -173,9 +173,9 @@ class SlotPlacement:
 
     @property
     def keeps_end_logits(self) -> bool:
-        """Whether an entry may keep its prompt's last logits (:class:`.prefix_cache.EndLogits`:
-        where cells are cut inside pieces, as a prompt found whole is computed again)."""
-        return self._cache is not None and self._cache.cuts_inside_pieces
+        """Whether entries keep their prompt's last logits (:class:`.prefix_cache.EndLogits`):
+        where there is a cache."""
+        return self._cache is not None
 
     def idle(self, idle: bool) -> None:
         """The engine waits for work (True) or computes (False): the shelf is written only

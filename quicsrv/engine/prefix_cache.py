@@ -53,7 +53,6 @@ __all__ = [
     "PrefixShelf",
     "PrefixStats",
     "boundaries",
-    "computes_tail_alone",
     "cut",
     "extend",
     "piece_around",
@@ -129,24 +128,14 @@ def rest(segments: Sequence[Segment], after: int) -> tuple[Segment, ...]:
     return tuple(s for s in segments if s.end > after)
 
 
-def computes_tail_alone(segments: Sequence[Segment], n_prompt: int) -> bool:
-    """Whether ``segments`` compute a prompt's last :func:`.pieces.tail` positions as a piece of
-    their own: the way a prompt found whole computes them again (a cold prompt's plan does)."""
-    last = tail(n_prompt)
-    if n_prompt <= last:
-        return False
-    return cut(segments, n_prompt) == extend(cut(segments, n_prompt - last), n_prompt, last)
-
-
 @dataclass(frozen=True, slots=True, eq=False)
 class EndLogits:
     """The logits of a prompt's last position, kept with its cells: the same prompt again
     samples its first token from them and computes nothing.
 
-    Exact, not close: kept only where the prompt's plan computed its :func:`.pieces.tail` as a
-    piece of its own (:func:`computes_tail_alone`), which is how the prompt found whole would
-    compute it again, so they are that computation's numbers, and the plan on record (the
-    entry's, to the prompt's end) says how a replay gets them once more."""
+    Exact, not close: they come from the computation the entry's plan describes, and the prompt
+    found whole records that plan (the entry's, to the prompt's end) as its own, so a replay
+    computes the same pieces and gets them once more."""
 
     n_prompt: int
     logits: npt.NDArray[np.float32]
@@ -401,17 +390,13 @@ class PrefixCache:
     ) -> bool:
         """A released slot's cells (computed as ``plan`` says) stay for later prompts, fewer
         than a block as a scrap (see :data:`BLOCK_TOKENS`), with ``end`` (its prompt's last
-        logits) where they are exact; False: none (the caller frees them)."""
+        logits); False: none (the caller frees them)."""
         if slot in self._by_slot:
             self.drop(self._by_slot[slot])
         if not tokens:
             return False
-        if end is not None and not (
-            self.cuts_inside_pieces
-            and end.n_prompt <= len(tokens)
-            and computes_tail_alone(plan, end.n_prompt)
-        ):
-            end = None
+        if end is not None and end.n_prompt > len(tokens):
+            end = None  # (never: a prompt's logits come once its cells are all there)
         entry = Entry(
             scope=scope,
             tokens=tuple(tokens),
@@ -449,6 +434,14 @@ class PrefixCache:
                 break
             candidates = deeper
         plan_boundaries = None if plan is None else set(boundaries(plan))
+        if plan is None:
+            # The whole prompt with its last logits: no hit reuses more (resident ones first).
+            whole = tuple(prompt)
+            found = [e for e in candidates if e.end is not None and e.end.n_prompt == len(whole)]
+            found = [e for e in found if e.tokens[: len(whole)] == whole]
+            if found:
+                entry = max(found, key=lambda e: (e.slot is not None, e.used))
+                return Hit(entry, len(whole), entry.end)
         for entry in candidates:
             length = self._usable(entry, prompt, limit, plan, plan_boundaries)
             if length >= BLOCK_TOKENS and (
@@ -463,12 +456,6 @@ class PrefixCache:
                 length = self._usable(shelved, prompt, limit, plan, plan_boundaries)
                 if length >= BLOCK_TOKENS and (best is None or length > best.length):
                     best = Hit(shelved, length)
-        if best is not None and plan is None:
-            end = best.entry.end
-            n = len(prompt)
-            whole = end is not None and end.n_prompt == n and best.length == n - tail(n)
-            if whole and best.entry.tokens[best.length : n] == tuple(prompt[best.length :]):
-                return Hit(best.entry, n, end)
         return best
 
     def resident(self) -> list[Entry]:

@@ -407,20 +407,17 @@ def test_a_prompt_found_whole_with_its_kept_logits_reuses_every_position():
         assert cache.stats.blob_bytes == 0
 
 
-def test_logits_are_kept_only_where_the_prompt_s_last_positions_were_computed_alone():
+def test_kept_logits_serve_the_whole_prompt_whatever_piece_computed_its_last_position():
+    # They are that computation's numbers, and the prompt found whole records its plan.
     tokens = list(range(2000, 2100))
     end = EndLogits(100, np.zeros(8, dtype=np.float32))
-    # Computed in one piece with the 35 before it: not what computing it again gives.
-    for plan in (plain(100), (Segment(100, 50),)):
-        cache = _cache()
-        cache.keep(0, "", tokens, plan, end)
-        hit = cache.find("", tokens)
-        assert hit is not None and hit.end is None and hit.length == 99
-    # Without flash attention's ways no cut inside a piece, nor a kept logit.
-    strict = PrefixCache(b"numerics", max_blob_bytes=0, cuts_inside_pieces=False)
-    strict.keep(0, "", tokens, cold_plan(100, 64, 504).segments, end)
-    entry = strict.entry_in(0)
-    assert entry is not None and entry.end is None
+    for plan in (plain(100), (Segment(100, 50),), ((Segment(64, 64), Segment(100, 36)))):
+        for cuts_inside_pieces in (True, False):
+            cache = PrefixCache(b"n", max_blob_bytes=0, cuts_inside_pieces=cuts_inside_pieces)
+            cache.keep(0, "", [*tokens, 1], extend(plan, 101, 1), end)
+            hit = cache.find("", tokens)
+            assert hit is not None and hit.end is end and hit.length == 100
+            assert cut(hit.entry.segments, 100) == cut(plan, 100)
 
 
 def test_cells_are_cut_inside_a_piece_only_where_its_first_tokens_keep_their_way():

@@ -93,6 +93,35 @@ def test_the_next_turn_reuses_the_kept_cells_and_replays_exactly_by_its_plan(
         engine.close()
 
 
+def test_the_same_turn_again_computes_nothing_and_replays_exactly_by_the_turn_s_plan(
+    model_path, cpu_extra_buffers
+):
+    # A "regenerate" of turn 2: its prompt ends in what turn 2 prefilled after the reused
+    # cells (not a cold prompt's lone tail), and its last logits come with the entry all the same.
+    settings = engine_settings_for(model_path, n_seq_max=2, cpu_extra_buffers=cpu_extra_buffers)
+    engine = LlamaEngine(settings)
+    try:
+        _, _, second = _conversation(engine)
+        turn = _run(engine, _request(second))
+        prefilled = engine.prefix_stats.prefilled_tokens
+        again = _run(engine, _request(second))
+        (plan,) = again.plans
+        assert plan.reused == len(second) and plan.segments == turn.plans[0].segments
+        assert engine.prefix_stats.prefilled_tokens == prefilled
+        assert again.tokens == turn.tokens
+        resume = ResumePoint(generated=tuple(again.tokens[:8]))
+    finally:
+        engine.close()
+
+    engine = LlamaEngine(settings)  # none of those cells, as after a worker's kill -9
+    try:
+        cold = _run(engine, _request(second, resume=resume, prefill_plan=plan))
+        assert cold.plans[0].reused == 0 and cold.plans[0].segments == plan.segments
+        assert cold.tokens == again.tokens[8:]
+    finally:
+        engine.close()
+
+
 def test_an_evicted_entry_becomes_a_blob_that_a_later_turn_restores(model_path, cpu_extra_buffers):
     settings = engine_settings_for(model_path, n_seq_max=1, cpu_extra_buffers=cpu_extra_buffers)
     engine = LlamaEngine(settings)
