@@ -74,6 +74,14 @@ def test_the_next_turn_reuses_the_kept_cells_and_replays_exactly_by_its_plan(
         other = _run(engine, _request(second, cache_scope="someone else"))
         assert other.plans[0].reused == 0
 
+        # The same turn again (a "regenerate"): its prompt ends in what turn 2 prefilled after
+        # the reused cells, and its last logits stayed with the entry: nothing is computed, the
+        # plan on record is turn 2's (the replays below follow it), the answer is the same.
+        prefilled = engine.prefix_stats.prefilled_tokens
+        again = _run(engine, _request(second))
+        assert again.plans[0].reused == len(second) and again.plans[0].segments == plan.segments
+        assert engine.prefix_stats.prefilled_tokens == prefilled and again.tokens == turn.tokens
+
         # A replay that follows the plan continues exactly, here with the cache warm ...
         resume = ResumePoint(generated=tuple(turn.tokens[:8]))
         warm = _run(engine, _request(second, resume=resume, prefill_plan=plan))
@@ -89,35 +97,6 @@ def test_the_next_turn_reuses_the_kept_cells_and_replays_exactly_by_its_plan(
         assert cold.plans[0].reused == 0 and cold.plans[0].segments == plan.segments
         assert cold.tokens == turn.tokens[8:]
         assert cold.paths == [ResumePath.REPLAY]
-    finally:
-        engine.close()
-
-
-def test_the_same_turn_again_computes_nothing_and_replays_exactly_by_the_turn_s_plan(
-    model_path, cpu_extra_buffers
-):
-    # A "regenerate" of turn 2: its prompt ends in what turn 2 prefilled after the reused
-    # cells (not a cold prompt's lone tail), and its last logits come with the entry all the same.
-    settings = engine_settings_for(model_path, n_seq_max=2, cpu_extra_buffers=cpu_extra_buffers)
-    engine = LlamaEngine(settings)
-    try:
-        _, _, second = _conversation(engine)
-        turn = _run(engine, _request(second))
-        prefilled = engine.prefix_stats.prefilled_tokens
-        again = _run(engine, _request(second))
-        (plan,) = again.plans
-        assert plan.reused == len(second) and plan.segments == turn.plans[0].segments
-        assert engine.prefix_stats.prefilled_tokens == prefilled
-        assert again.tokens == turn.tokens
-        resume = ResumePoint(generated=tuple(again.tokens[:8]))
-    finally:
-        engine.close()
-
-    engine = LlamaEngine(settings)  # none of those cells, as after a worker's kill -9
-    try:
-        cold = _run(engine, _request(second, resume=resume, prefill_plan=plan))
-        assert cold.plans[0].reused == 0 and cold.plans[0].segments == plan.segments
-        assert cold.tokens == again.tokens[8:]
     finally:
         engine.close()
 
