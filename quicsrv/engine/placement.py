@@ -110,16 +110,30 @@ class SlotPlacement:
     def slot_for(
         self, hit: Hit | None, free: Sequence[int], request: SequenceRequest | None = None
     ) -> tuple[int, Hit | None]:
-        """Of the ``free`` slots: the hit's; else the lowest that keeps nothing; else the slot
-        of the entry used longest ago (a scrap first), which becomes a blob (or is forgotten).
-        With the slot, for a new ``request`` without a hit: what its prompt reuses of the
-        cells that were in it (:meth:`.prefix_cache.PrefixCache.reusable`), already cut to
-        that length; None: it reuses nothing there (the slot holds no cells)."""
+        """Of the ``free`` slots: the hit's; else, for a new ``request`` without a hit, one whose
+        cells hold its whole prompt with its last logits (:meth:`.prefix_cache.PrefixCache.
+        kept_whole`); else the lowest that keeps nothing; else the slot of the entry used
+        longest ago (a scrap first), which becomes a blob (or is forgotten). With the slot, for
+        such a request: what its prompt reuses of the cells that were in it (the whole, or
+        :meth:`.prefix_cache.PrefixCache.reusable`), already cut to that length; None: it
+        reuses nothing there (the slot holds no cells)."""
         cache = self._cache
         if cache is None:
             return min(free), None
         if hit is not None and hit.entry.slot is not None:
             return hit.entry.slot, None
+        if hit is None and request is not None and request.resume is None:
+            # A prompt shorter than a block, found whole in the slot it left (no lookup finds
+            # a scrap), with its last logits: it computes nothing there.
+            whole = cache.kept_whole(free, request.cache_scope, request.prompt_tokens)
+            if whole is not None:
+                assert whole.entry.slot is not None
+                slot = whole.entry.slot
+                cache.take(whole.entry)
+                if self._cells.cut(slot, whole.length):
+                    return slot, whole
+                self._cells.clear(slot)
+                return slot, None
         empty = [slot for slot in free if cache.entry_in(slot) is None]
         if empty:
             return min(empty), None

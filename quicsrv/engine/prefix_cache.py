@@ -436,12 +436,10 @@ class PrefixCache:
         plan_boundaries = None if plan is None else set(boundaries(plan))
         if plan is None:
             # The whole prompt with its last logits: no hit reuses more (resident ones first).
-            whole = tuple(prompt)
-            found = [e for e in candidates if e.end is not None and e.end.n_prompt == len(whole)]
-            found = [e for e in found if e.tokens[: len(whole)] == whole]
+            found = [e for e in candidates if _serves_whole(e, prompt)]
             if found:
                 entry = max(found, key=lambda e: (e.slot is not None, e.used))
-                return Hit(entry, len(whole), entry.end)
+                return Hit(entry, len(prompt), entry.end)
         for entry in candidates:
             length = self._usable(entry, prompt, limit, plan, plan_boundaries)
             if length >= BLOCK_TOKENS and (
@@ -469,6 +467,16 @@ class PrefixCache:
         (they are worth the least)."""
         held = [self._by_slot[s] for s in slots if s in self._by_slot]
         return min(held, key=lambda e: (bool(e.blocks), e.used), default=None)
+
+    def kept_whole(self, slots: Sequence[int], scope: str, prompt: Sequence[int]) -> Hit | None:
+        """The entry resident in one of ``slots`` that holds all of ``prompt`` with its last
+        logits (the most recently used), as a hit: a scrap too, which no lookup finds."""
+        held = [self._by_slot[s] for s in slots if s in self._by_slot]
+        found = [e for e in held if e.scope == scope and _serves_whole(e, prompt)]
+        if not found:
+            return None
+        entry = max(found, key=lambda e: e.used)
+        return Hit(entry, len(prompt), entry.end)
 
     def reusable(self, entry: Entry, scope: str, prompt: Sequence[int]) -> int:
         """How many first positions of a new ``prompt`` the cells of ``entry``, leaving its
@@ -588,3 +596,10 @@ def _common_prefix(a: Sequence[int], b: Sequence[int], limit: int) -> int:
 def _held_bytes(blob: bytes, entry: Entry) -> int:
     """What an entry spilled as ``blob`` holds in memory."""
     return len(blob) + (entry.end.logits.nbytes if entry.end is not None else 0)
+
+
+def _serves_whole(entry: Entry, prompt: Sequence[int]) -> bool:
+    """Whether ``entry`` holds all of ``prompt``'s cells, and its last logits."""
+    end = entry.end
+    n = len(prompt)
+    return end is not None and end.n_prompt == n and entry.tokens[:n] == tuple(prompt)

@@ -446,6 +446,20 @@ def _found(cache: PrefixCache, prompt: list[int]) -> int:
     return 0 if hit is None else hit.length
 
 
+def test_a_short_prompt_is_found_whole_with_its_logits_in_a_free_slot_s_scrap():
+    cache = _cache()
+    prompt = list(range(20))
+    end = EndLogits(20, np.ones(4, dtype=np.float32))
+    cache.keep(2, "a", [*prompt, 5, 6], extend(plain(20), 22, 1), end)
+    cache.keep(3, "a", [*prompt, 5, 6], extend(plain(20), 22, 1))  # the same, without logits
+    hit = cache.kept_whole([0, 2, 3], "a", prompt)
+    assert hit is not None and hit.entry.slot == 2 and hit.length == 20 and hit.end is end
+    assert cache.kept_whole([0, 3], "a", prompt) is None  # its slot is not free
+    assert cache.kept_whole([2], "b", prompt) is None  # another key's
+    assert cache.kept_whole([2], "a", prompt[:-1]) is None  # another prompt
+    assert cache.find("a", prompt) is None  # never looked up
+
+
 def test_fewer_cells_than_a_block_stay_as_a_scrap_that_a_short_prompt_in_its_slot_reuses():
     cache = _cache()
     long = list(range(500, 500 + 2 * B))

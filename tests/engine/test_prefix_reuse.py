@@ -134,6 +134,11 @@ def test_a_short_prompt_reuses_what_it_shares_with_the_cells_left_in_its_slot(
         _run(engine, _request(first))
         turn = _run(engine, _request(second))
         assert turn.plans[0].reused == shared
+        # The same prompt again finds all of it in its slot, with its last logits (no lookup
+        # finds a scrap): nothing computed, the same plan and answer.
+        again = _run(engine, _request(second))
+        assert again.plans[0].reused == len(second) and again.tokens == turn.tokens
+        assert again.plans[0].segments == turn.plans[0].segments
         other = _run(engine, _request(first, cache_scope="someone else"))
         assert other.plans[0].reused == 0  # another API key's cells are never reused
     finally:
