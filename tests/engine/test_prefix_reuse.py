@@ -226,12 +226,10 @@ def test_a_prompt_found_whole_computes_nothing_or_its_last_positions_and_replays
     engine = LlamaEngine(settings)
     text = engine.tokenize(_NOTES * 5, add_special=True)
     seeded = SamplingParams(temperature=0.9, top_k=40, seed=7)
-    # (prompt length, sampling, positions computed again). A cold plan computes the last
-    # position alone, row by row (past 256 the last two: one alone would be split over the
-    # cells), as a prompt found whole computes it again (pieces.cold_plan): the entry keeps
-    # those logits and the same prompt again computes nothing, greedy or seeded. A prompt of
-    # one tiled piece of 64 (its last position not alone) computes that whole piece again.
-    cases = ((100, SamplingParams(), 0), (300, seeded, 0), (64, SamplingParams(), 64))
+    # (prompt length, sampling, positions computed again). The entry keeps the logits of the
+    # prompt's last position and the same prompt again computes nothing, greedy or seeded; a
+    # prompt of 64 (no block to look it up by) is found in the slot that holds it.
+    cases = ((100, SamplingParams(), 0), (300, seeded, 0), (64, SamplingParams(), 0))
     replays = []
     try:
         for length, sampling, again_computed in cases:
@@ -266,6 +264,37 @@ def test_a_prompt_found_whole_computes_nothing_or_its_last_positions_and_replays
             assert cold.plans[0].reused == 0
             assert cold.plans[0].segments == replay.prefill_plan.segments
             assert cold.tokens == rest
+    finally:
+        engine.close()
+
+
+def test_a_prompt_found_whole_on_the_shelf_computes_its_last_positions_again(
+    model_path, cpu_extra_buffers, tmp_path
+):
+    # The shelf keeps no logits: a prompt found whole there computes its last position again
+    # (two past 256, where one alone would be split over the cells), as its cold plan computed
+    # it (pieces.cold_plan): the same answer, not only a close one.
+    settings = engine_settings_for(
+        model_path, n_seq_max=2, prefix_cache_dir=tmp_path, cpu_extra_buffers=cpu_extra_buffers
+    )
+    engine = LlamaEngine(settings)
+    try:
+        text = engine.tokenize(_NOTES * 5, add_special=True)
+        # Lengths whose answer completes no block past the prompt's: the shelf names a file
+        # by its entry's last whole block, and finds it by the prompt's blocks.
+        asks = [_request(text[:n], cache_scope=f"{n}", max_tokens=12) for n in (129, 300)]
+        firsts = [_run(engine, ask) for ask in asks]
+    finally:
+        engine.close()  # both slots' cells go to the shelf
+    engine = LlamaEngine(settings)
+    try:
+        for ask, first, computed in zip(asks, firsts, (1, 2), strict=True):
+            prefilled = engine.prefix_stats.prefilled_tokens
+            again = _run(engine, ask)
+            assert again.plans[0].reused == len(ask.prompt_tokens) - computed
+            assert engine.prefix_stats.prefilled_tokens - prefilled == computed
+            assert again.plans[0].segments == first.plans[0].segments
+            assert again.tokens == first.tokens
     finally:
         engine.close()
 
