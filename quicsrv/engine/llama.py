@@ -66,6 +66,11 @@ __all__ = [
 
 log = logging.getLogger(__name__)
 
+SNAPSHOT_AFTER_S = 0.05
+"""How long the engine waits for work before it saves kept entries' cells: a client's next
+request (a retry, the next turn, an agent's next step) usually comes sooner, and finds the
+engine free (measured: the same prompt again took 18 ms where saves began at once, 8 without)."""
+
 
 def check_request(settings: EngineSettings, request: SequenceRequest) -> int:
     """Refuse what an engine with ``settings`` could never run; returns the prefill chunk."""
@@ -390,7 +395,7 @@ class LlamaEngine(ModelFacts):
         while idle or not self._inbox.empty():
             if idle:
                 self._placement.idle(True)
-                item = self._inbox.get()
+                item = self._next_while_idle()
                 self._placement.idle(False)
             else:
                 item = self._inbox.get_nowait()
@@ -438,6 +443,22 @@ class LlamaEngine(ModelFacts):
         if self._active and not from_kept:
             self._decode_step()
         return True
+
+    def _next_while_idle(self) -> LlamaSequence | None:
+        """The next submission. If none comes within :data:`SNAPSHOT_AFTER_S`, the kept
+        entries' cells are saved one at a time meanwhile
+        (:meth:`.placement.SlotPlacement.snapshot_one`): a prompt arriving then waits for one
+        save at most, where a burst that takes their slots would wait for all of them."""
+        try:
+            return self._inbox.get(timeout=SNAPSHOT_AFTER_S)
+        except queue.Empty:
+            pass
+        while True:
+            try:
+                return self._inbox.get_nowait()
+            except queue.Empty:
+                if not self._placement.snapshot_one():
+                    return self._inbox.get()
 
     @property
     def _widest(self) -> int:

@@ -35,9 +35,13 @@ class KvCells:
         self._ctx = context.ctx
         self._memory = llama_cpp.llama_get_memory(context.ctx)
 
+    def size(self, seq_id: int) -> int:
+        """The bytes of :meth:`save`'s blob (``llama_state_seq_get_size``)."""
+        return int(llama_cpp.llama_state_seq_get_size(self._ctx, seq_id))
+
     def save(self, seq_id: int) -> bytes | None:
         """The sequence's cells as a blob (``llama_state_seq_get_data``); None: it has none."""
-        size = llama_cpp.llama_state_seq_get_size(self._ctx, seq_id)
+        size = self.size(seq_id)
         buffer = (ctypes.c_uint8 * size)()
         written = llama_cpp.llama_state_seq_get_data(self._ctx, buffer, size, seq_id)
         return ctypes.string_at(buffer, written) if written else None
@@ -140,7 +144,9 @@ class SlotPlacement:
         victim = cache.least_used(free)
         assert victim is not None and victim.slot is not None
         slot = victim.slot
-        blob = self._cells.save(slot) if cache.max_blob_bytes > 0 and victim.blocks else None
+        blob = None
+        if cache.max_blob_bytes > 0 and victim.blocks:
+            blob = victim.snapshot if victim.snapshot is not None else self._cells.save(slot)
         cache.spill(victim, blob)
         reused = 0
         if hit is None and request is not None and request.resume is None:
@@ -191,6 +197,26 @@ class SlotPlacement:
         where there is a cache."""
         return self._cache is not None
 
+    def snapshot_one(self) -> bool:
+        """While the engine waits for work: save the cells of the kept entry next to leave its
+        slot (:meth:`.prefix_cache.PrefixCache.unsaved`) within the blob budget, so that a new
+        prompt given that slot copies nothing first. Measured before: a burst after long
+        generations saved one 12 MB entry per prompt ahead of its first step. False: none
+        saved (none left, or no room)."""
+        cache = self._cache
+        if cache is None or cache.max_blob_bytes <= 0:
+            return False
+        entry = cache.unsaved()
+        if entry is None or entry.slot is None:
+            return False
+        if not cache.has_room(self._cells.size(entry.slot)):
+            return False
+        blob = self._cells.save(entry.slot)
+        if blob is None:
+            return False
+        cache.add_snapshot(entry, blob)
+        return True
+
     def idle(self, idle: bool) -> None:
         """The engine waits for work (True) or computes (False): the shelf is written only
         while it waits (:class:`.prefix_cache.PrefixShelf`)."""
@@ -210,7 +236,7 @@ class SlotPlacement:
         self.idle(True)
         for entry in sorted(cache.resident(), key=lambda e: -e.used):
             assert entry.slot is not None
-            blob = self._cells.save(entry.slot)
+            blob = entry.snapshot if entry.snapshot is not None else self._cells.save(entry.slot)
             cache.drop(entry)
             if blob is not None:
                 cache.shelf.put(entry, blob, wait=True)

@@ -155,6 +155,10 @@ class Entry:
     end: EndLogits | None = None
     """The logits of the last position of the prompt ``tokens[:end.n_prompt]`` (in memory
     only: a shelved entry goes without them)."""
+    snapshot: bytes | None = None
+    """A resident entry's cells saved as a blob while the engine waited for work
+    (:meth:`.placement.SlotPlacement.snapshot_one`), so that leaving its slot copies nothing
+    then; counted in the blob budget."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -379,6 +383,7 @@ class PrefixCache:
     _by_slot: dict[int, Entry] = field(default_factory=dict)
     _blobs: list[Entry] = field(default_factory=list)  # least recently used first
     _clock: Iterator[int] = field(default_factory=itertools.count)
+    _snapshot_bytes: int = 0
 
     def keep(
         self,
@@ -493,6 +498,25 @@ class PrefixCache:
         """The entry's cells (or blob) go to a new sequence: it is no longer the cache's."""
         self.drop(entry)
 
+    def unsaved(self) -> Entry | None:
+        """The resident entry with blocks and no snapshot that was used longest ago: the next
+        to leave its slot (a scrap never becomes a blob)."""
+        held = [e for e in self._by_slot.values() if e.blocks and e.snapshot is None]
+        return min(held, key=lambda e: e.used, default=None)
+
+    def has_room(self, size: int) -> bool:
+        """Whether a snapshot of ``size`` bytes fits the blob budget once the older blobs went
+        to the shelf (or away); other snapshots are not pushed out."""
+        return 0 < size and self._snapshot_bytes + size <= self.max_blob_bytes
+
+    def add_snapshot(self, entry: Entry, blob: bytes) -> None:
+        """``entry``'s cells as ``blob`` (:meth:`has_room` said yes): the older blobs go to the
+        shelf to make room, as when an entry spills."""
+        self._make_room(len(blob))
+        entry.snapshot = blob
+        self.stats.blob_bytes += len(blob)
+        self._snapshot_bytes += len(blob)
+
     def spill(self, entry: Entry, blob: bytes | None) -> None:
         """A resident entry's slot is needed: keep its cells as ``blob`` in memory while the
         budget allows (its :class:`EndLogits` counted with it), the least recently used blobs
@@ -504,16 +528,19 @@ class PrefixCache:
         if size > self.max_blob_bytes:
             self._shelve(entry, blob)
             return
-        while self._blobs and self.stats.blob_bytes + size > self.max_blob_bytes:
-            oldest = self._blobs[0]
-            self.drop(oldest)
-            assert oldest.blob is not None
-            self._shelve(oldest, oldest.blob)
+        self._make_room(size)
         entry.slot, entry.blob = None, blob
         self._blobs.append(entry)
         for block in entry.blocks:
             self._by_block.setdefault(block, []).append(entry)
         self.stats.blob_bytes += size
+
+    def _make_room(self, size: int) -> None:
+        while self._blobs and self.stats.blob_bytes + size > self.max_blob_bytes:
+            oldest = self._blobs[0]
+            self.drop(oldest)
+            assert oldest.blob is not None
+            self._shelve(oldest, oldest.blob)
 
     def _shelve(self, entry: Entry, blob: bytes) -> None:
         if self.shelf is not None:
@@ -529,6 +556,10 @@ class PrefixCache:
         if entry.slot is not None and self._by_slot.get(entry.slot) is entry:
             del self._by_slot[entry.slot]
             self.stats.resident_tokens -= len(entry.tokens)
+        if entry.snapshot is not None:
+            self.stats.blob_bytes -= len(entry.snapshot)
+            self._snapshot_bytes -= len(entry.snapshot)
+            entry.snapshot = None
         if entry.blob is not None and entry in self._blobs:
             self._blobs.remove(entry)
             self.stats.blob_bytes -= _held_bytes(entry.blob, entry)
