@@ -37,10 +37,7 @@ from ._api import (
     EngineUnavailable,
     FinishReason,
     Grammar,
-    Overloaded,
     PausedState,
-    PrefillPlan,
-    PromptTooLong,
     ResumePath,
     SequenceRequest,
     StepListener,
@@ -50,6 +47,7 @@ from .facts import ModelInfo
 from .pieces import ROWS_CELLS, RULES_VERSION, share_calls
 from .placement import KvCells, SlotPlacement
 from .prefix_cache import EndLogits
+from .request_checks import check_admission, check_request
 from .sampling import GrammarState, GrammarViolation, SequenceSampler, token_logprobs
 from .sequence import BatchEntry, LlamaSequence
 from .vocab import Vocabulary, file_digest
@@ -59,8 +57,6 @@ __all__ = [
     "EngineSettings",
     "LlamaEngine",
     "ModelFacts",
-    "check_admission",
-    "check_request",
     "open_context",
 ]
 
@@ -70,52 +66,6 @@ SNAPSHOT_AFTER_S = 0.05
 """How long the engine waits for work before it saves kept entries' cells: a client's next
 request (a retry, the next turn, an agent's next step) usually comes sooner, and finds the
 engine free (measured: the same prompt again took 18 ms where saves began at once, 8 without)."""
-
-
-def check_request(settings: EngineSettings, request: SequenceRequest) -> int:
-    """Refuse what an engine with ``settings`` could never run; returns the prefill chunk."""
-    if not request.prompt_tokens:
-        raise PromptTooLong("the prompt is empty after tokenization")
-    chunk = request.prefill_chunk or settings.prefill_chunk
-    if not 0 < chunk <= settings.n_batch - settings.n_seq_max:
-        # A chunk must always fit beside every decoding sequence's token, so prompts are cut
-        # the same way whatever else is running: an exact replay depends on it.
-        raise EngineError(
-            f"prefill chunk {chunk} must be in 1..n_batch - n_seq_max "
-            f"({settings.n_batch - settings.n_seq_max})"
-        )
-    plan = request.prefill_plan
-    if plan is not None and not _plan_fits(plan, len(request.prompt_tokens), settings):
-        raise CannotReplay(
-            "this generation's prompt was computed in steps this server's prefill settings no "
-            "longer allow (n_batch - n_seq_max), so it cannot be continued exactly"
-        )
-    budget = len(request.prompt_tokens) + request.max_tokens
-    if budget > settings.context_per_sequence:
-        raise PromptTooLong(
-            f"prompt ({len(request.prompt_tokens)} tokens) + max_tokens "
-            f"({request.max_tokens}) exceeds the per-sequence context of "
-            f"{settings.context_per_sequence} tokens"
-        )
-    return chunk
-
-
-def _plan_fits(plan: PrefillPlan, n_prompt: int, settings: EngineSettings) -> bool:
-    start = 0
-    for segment in plan.segments:
-        if segment.end <= start or not 0 < segment.step <= settings.n_batch - settings.n_seq_max:
-            return False
-        start = segment.end
-    return start == n_prompt
-
-
-def check_admission(settings: EngineSettings, admitted: int) -> None:
-    """Refuse one more sequence past the slots and the queue, with a retry hint."""
-    limit = settings.n_seq_max + settings.max_queued
-    if admitted >= limit:
-        raise Overloaded(
-            f"{admitted} generations active or queued (limit {limit})", retry_after_s=1.0
-        )
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)

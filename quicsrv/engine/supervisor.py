@@ -87,11 +87,12 @@ from .ipc import (
     Submit,
     TokenGenerated,
 )
-from .llama import EngineSettings, ModelFacts, check_admission, check_request
+from .llama import EngineSettings, ModelFacts
 from .outbox import Outbox
 from .prefix_cache import PrefixStats
 from .process import WorkerEnd, WorkerProcess
 from .quarantine import Quarantine
+from .request_checks import check_admission, check_request
 from .restarts import Action, Breaker, RestartPolicy
 from .sampling import GrammarViolation, check_replay
 from .spool import Spool, take

@@ -343,7 +343,7 @@ def test_a_recorded_plan_this_engine_cannot_follow_is_refused_not_replayed_other
     model_path,
 ):
     from quicsrv.engine import CannotReplay, ResumePoint, SamplingParams, SequenceRequest
-    from quicsrv.engine.llama import check_request
+    from quicsrv.engine.request_checks import check_request
     from quicsrv.settings import engine_settings_for
 
     settings = engine_settings_for(model_path)  # steps of at most n_batch - n_seq_max (504)
