@@ -126,7 +126,7 @@ class ServerConfig:
     # the same tokens (a chat's next turn) reuses them and prefills only the rest
     # (engine/prefix_cache.py). Off for sliding-window models (Gemma 3).
     prefix_cache: bool = True
-    prefix_cache_max_bytes: int = 256 << 20  # evicted entries kept as blobs in the worker
+    prefix_cache_max_bytes: int = 256 << 20  # blobs in the worker: evicted and saved ahead
     # ...and past that on disk, under kv_shared_dir (shared by this node's processes) or
     # data_dir: a worker that replaces a dead one, or a restarted server, finds them there.
     prefix_cache_disk_bytes: int = 2 << 30

@@ -525,7 +525,8 @@ def _prefix_cache(stats: PrefixStats) -> Iterator[Metric]:
         ("resident_tokens", "Tokens whose cells are kept in released slots", stats.resident_tokens),
         (
             "blob_bytes",
-            "Bytes of evicted entries kept as blobs in the engine worker's memory",
+            "Bytes of blobs in the engine worker's memory: evicted entries, and kept ones saved "
+            "ahead of need",
             stats.blob_bytes,
         ),
         (
