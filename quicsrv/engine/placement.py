@@ -21,7 +21,16 @@ import llama_cpp
 from llama_cpp._internals import LlamaContext
 
 from ._api import Segment, SequenceRequest
-from .prefix_cache import EndLogits, Hit, PrefixCache, PrefixShelf, PrefixStats, cut, extend
+from .prefix_cache import (
+    EndLogits,
+    Entry,
+    Hit,
+    PrefixCache,
+    PrefixShelf,
+    PrefixStats,
+    cut,
+    extend,
+)
 
 __all__ = ["KvCells", "SlotPlacement"]
 
@@ -144,9 +153,7 @@ class SlotPlacement:
         victim = cache.least_used(free)
         assert victim is not None and victim.slot is not None
         slot = victim.slot
-        blob = None
-        if cache.max_blob_bytes > 0 and victim.blocks:
-            blob = victim.snapshot if victim.snapshot is not None else self._cells.save(slot)
+        blob = self._blob(victim) if cache.max_blob_bytes > 0 and victim.blocks else None
         cache.spill(victim, blob)
         reused = 0
         if hit is None and request is not None and request.resume is None:
@@ -190,6 +197,11 @@ class SlotPlacement:
         # Generated tokens were decoded one at a time, after what the plan computed.
         kept = extend(plan, n_past, 1) if n_past > computed else cut(plan, n_past)
         return cache.keep(slot, request.cache_scope, tokens, kept, end)
+
+    def _blob(self, entry: Entry) -> bytes | None:
+        """A resident entry's cells as a blob: the one saved ahead of need, else saved now."""
+        assert entry.slot is not None
+        return entry.snapshot if entry.snapshot is not None else self._cells.save(entry.slot)
 
     @property
     def keeps_end_logits(self) -> bool:
@@ -236,7 +248,7 @@ class SlotPlacement:
         self.idle(True)
         for entry in sorted(cache.resident(), key=lambda e: -e.used):
             assert entry.slot is not None
-            blob = entry.snapshot if entry.snapshot is not None else self._cells.save(entry.slot)
+            blob = self._blob(entry)
             cache.drop(entry)
             if blob is not None:
                 cache.shelf.put(entry, blob, wait=True)

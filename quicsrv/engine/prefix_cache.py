@@ -400,8 +400,6 @@ class PrefixCache:
             self.drop(self._by_slot[slot])
         if not tokens:
             return False
-        if end is not None and end.n_prompt > len(tokens):
-            end = None  # (never: a prompt's logits come once its cells are all there)
         entry = Entry(
             scope=scope,
             tokens=tuple(tokens),
@@ -440,11 +438,9 @@ class PrefixCache:
             candidates = deeper
         plan_boundaries = None if plan is None else set(boundaries(plan))
         if plan is None:
-            # The whole prompt with its last logits: no hit reuses more (resident ones first).
-            found = [e for e in candidates if _serves_whole(e, prompt)]
-            if found:
-                entry = max(found, key=lambda e: (e.slot is not None, e.used))
-                return Hit(entry, len(prompt), entry.end)
+            whole = _whole_hit(candidates, prompt)  # no hit reuses more
+            if whole is not None:
+                return whole
         for entry in candidates:
             length = self._usable(entry, prompt, limit, plan, plan_boundaries)
             if length >= BLOCK_TOKENS and (
@@ -477,11 +473,7 @@ class PrefixCache:
         """The entry resident in one of ``slots`` that holds all of ``prompt`` with its last
         logits (the most recently used), as a hit: a scrap too, which no lookup finds."""
         held = [self._by_slot[s] for s in slots if s in self._by_slot]
-        found = [e for e in held if e.scope == scope and _serves_whole(e, prompt)]
-        if not found:
-            return None
-        entry = max(found, key=lambda e: e.used)
-        return Hit(entry, len(prompt), entry.end)
+        return _whole_hit([e for e in held if e.scope == scope], prompt)
 
     def reusable(self, entry: Entry, scope: str, prompt: Sequence[int]) -> int:
         """How many first positions of a new ``prompt`` the cells of ``entry``, leaving its
@@ -629,8 +621,16 @@ def _held_bytes(blob: bytes, entry: Entry) -> int:
     return len(blob) + (entry.end.logits.nbytes if entry.end is not None else 0)
 
 
-def _serves_whole(entry: Entry, prompt: Sequence[int]) -> bool:
-    """Whether ``entry`` holds all of ``prompt``'s cells, and its last logits."""
-    end = entry.end
+def _whole_hit(entries: Sequence[Entry], prompt: Sequence[int]) -> Hit | None:
+    """Of ``entries``, the one that holds all of ``prompt``'s cells and its last logits (a
+    resident one first, then the most recently used), as a hit."""
     n = len(prompt)
-    return end is not None and end.n_prompt == n and entry.tokens[:n] == tuple(prompt)
+    found = [
+        e
+        for e in entries
+        if e.end is not None and e.end.n_prompt == n and e.tokens[:n] == tuple(prompt)
+    ]
+    if not found:
+        return None
+    entry = max(found, key=lambda e: (e.slot is not None, e.used))
+    return Hit(entry, n, entry.end)
