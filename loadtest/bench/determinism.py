@@ -361,6 +361,41 @@ def _cells(settings: EngineSettings) -> list[dict[str, object]]:
             [call([(3, 0, 150)])],
         ),
         lambda: case(
+            "a prompt's run of tiled pieces fed cut anywhere at 64 or more: 100 + 170 + 114",
+            True,
+            3,
+            [call([(3, p, p + 64)]) for p in range(0, 384, 64)],
+            [call([(3, 0, 100)]), call([(3, 100, 270)]), call([(3, 270, 384)])],
+        ),
+        lambda: case(
+            "tiled pieces of different lengths, 300 beside a neighbour's 64 (the longer)",
+            True,
+            3,
+            [call([(3, 0, 300)])],
+            [call([(3, 0, 300), (4, 0, 64)])],
+        ),
+        lambda: case(
+            "tiled pieces of different lengths, 300 beside a neighbour's 64 (the shorter)",
+            True,
+            4,
+            [call([(4, 0, 64)])],
+            [call([(3, 0, 300), (4, 0, 64)])],
+        ),
+        lambda: case(
+            "tiled pieces of different lengths, 130 beside a neighbour's 100 (30 left alone)",
+            False,
+            3,
+            [call([(3, 0, 130)])],
+            [call([(3, 0, 130), (4, 0, 100)])],
+        ),
+        lambda: case(
+            "a tiled piece beside a decoded token of an id not next to it",
+            True,
+            4,
+            [call([(4, 0, 200)])],
+            [call([(2, 0, 7)]), call(decoding + [(4, 0, 200)])],
+        ),
+        lambda: case(
             "a tiled piece cut below 64 tokens",
             False,
             3,
@@ -387,6 +422,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(prog="python -m loadtest.bench.determinism")
     parser.add_argument("--max-tokens", type=int, default=32)
     parser.add_argument("--no-cells", action="store_true", help="skip the byte comparisons")
+    parser.add_argument("--cells-only", action="store_true", help="only the byte comparisons")
     parser.add_argument("--out", type=Path, default=Path("loadtest/results/determinism.json"))
     args = parser.parse_args()
     model = default_model_path()
@@ -400,6 +436,10 @@ def main() -> None:
         for c in cells:
             print(f"| {c['case']} | {c['allowed']} | {c['cells_equal']} | {c['logits_equal']} |")
         print()
+    if args.cells_only:
+        args.out.parent.mkdir(parents=True, exist_ok=True)
+        args.out.write_text(json.dumps(report, indent=2))
+        return
     invariant = dataclasses.replace(base, batch_invariant=True)
     runs = [measure(base, args.max_tokens), measure(invariant, args.max_tokens)]
     report["engine"] = runs

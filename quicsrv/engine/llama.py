@@ -44,7 +44,7 @@ from ._api import (
     TokenSink,
 )
 from .facts import ModelInfo
-from .pieces import ROWS_CELLS, RULES_VERSION, share_calls
+from .pieces import ROWS_CELLS, RULES_VERSION, Shape, share_calls
 from .placement import KvCells, SlotPlacement
 from .prefix_cache import EndLogits
 from .request_checks import check_admission, check_request
@@ -160,6 +160,10 @@ class EngineObserver:
 
     def step_finished(self) -> None:
         """A step ended: every sink callback of that step has been made."""
+
+    def prompts_completed(self) -> None:
+        """Within a step, a call completed prompts and more calls follow: their first tokens
+        (every sink callback so far) may leave now rather than at the step's end."""
 
     def engine_failed(self, error: BaseException) -> None:
         """The worker thread stopped on an exception; every sequence got ``FAILED``."""
@@ -424,7 +428,7 @@ class LlamaEngine(ModelFacts):
         pieces = self._prompt_pieces(decoding=len(decoding))
         if self.settings.batch_invariant:
             # Each sequence in its own micro-batch: its logits cannot depend on its neighbours.
-            calls = [[entry] for entry in decoding] + [piece for piece, _ in pieces]
+            calls = [[entry] for entry in decoding] + pieces
         else:
             # The decoded tokens first (their streams wait for them), then the prompt pieces in
             # the calls they may share; within a call in id order (loadtest.bench.seqids).
@@ -432,53 +436,66 @@ class LlamaEngine(ModelFacts):
             # is a 1-token piece computed row by row beside anything (.pieces): it joins the
             # short prompt pieces' call, which saves a call's fixed cost (~11 ms here) a step.
             rows = self.settings.flash_attn and all(e[2] < ROWS_CELLS for e in decoding)
-            fed = [([entry], False) for entry in decoding] if rows else []
+            fed = [[entry] for entry in decoding] if rows else []
             calls = [decoding] if decoding and not rows else []
             fed += pieces
             shared = share_calls(
-                [(len(piece), piece[-1][2] + 1, piece) for piece, _ in fed],
+                [(Shape(p[0][0].seq_id, len(p), p[-1][2] + 1, p[-1][3]), p) for p in fed],
                 pack=self.settings.flash_attn,
-                alone={i for i, (_, alone) in enumerate(fed) if alone},
+                n_ubatch=self.settings.n_batch,
             )
             calls += [
                 sorted((e for piece in call for e in piece), key=lambda e: e[0].seq_id)
                 for call in shared
             ]
-        for call in calls:
-            self._decode(call)
+        for i, call in enumerate(calls):
+            if self._decode(call) and i + 1 < len(calls):
+                # A first token leaves now, not after the step's other calls: in a burst of
+                # long prompts each completes early in a step that then runs a second on.
+                self._observer.prompts_completed()
 
-    def _prompt_pieces(self, *, decoding: int) -> list[tuple[list[BatchEntry], bool]]:
-        """This step's prompt pieces, one per sequence with a prompt to feed, oldest first, as
-        many as fit in ``n_batch`` beside the ``decoding`` sequences' tokens (the oldest always
-        fits: a piece is at most ``n_batch - n_seq_max`` tokens), until they hold half the waiting
-        prompt tokens: a burst's first half gets its first tokens after a step half as long
-        (measured: 8 short prompts, TTFT p50 0.95x llama-server's, from 1.19x, where one step
-        for all eight made all eight wait for the slowest); a sequence's tiled pieces
-        merged while the budget lasts, so the oldest prompt of a burst is in first (as
-        llama-server fills its batch slot by slot), not all of them together at the end. A
+    def _prompt_pieces(self, *, decoding: int) -> list[list[BatchEntry]]:
+        """This step's prompt pieces, oldest sequence first, as many as fit in ``n_batch``
+        beside the ``decoding`` sequences' tokens (the oldest always fits: a piece is at most
+        ``n_batch - n_seq_max`` tokens), until they hold half the waiting prompt tokens: a
+        burst's first half gets its first tokens after a step half as long (measured: 8 short
+        prompts, TTFT p50 0.95x llama-server's, from 1.19x, where one step for all eight made
+        all eight wait for the slowest); a sequence's tiled pieces merged while the budget
+        lasts, so the oldest prompt of a burst is in first (as llama-server fills its batch
+        slot by slot), not all of them together at the end, and the step is filled to the
+        token (:func:`.pieces.tiled_take`). A prompt's second piece (its last, after its
+        merged tiled ones) goes in a call after the first's (:func:`.pieces.share_calls`). A
         prompt completed here reports its plan now, before its first token."""
         waiting = sorted((s for s in self._active if s.pending_prompt), key=lambda s: s.order)
-        budget = self.settings.n_batch - decoding
+        room = self.settings.n_batch
         crowded = decoding > 0 or len(waiting) > 1
         widest = self._widest
         # Tiled pieces merge only where the ways are flash attention's (.pieces), and never
         # under batch_invariant (a call a piece, as measured).
         merge = self.settings.flash_attn and not self.settings.batch_invariant
-        pieces: list[tuple[list[BatchEntry], bool]] = []
+        pieces: list[list[BatchEntry]] = []
         half = sum(len(s.pending_prompt) for s in waiting) / 2
         taken = 0
-        for sequence in waiting:
+        for i, sequence in enumerate(waiting):
             if taken >= half:
                 break
-            fed = sequence.feed_prompt(crowded=crowded, widest=widest, budget=budget, merge=merge)
+            # The oldest may fill a call (the decoded tokens have theirs, or the short pieces'):
+            # a prompt of n_batch tokens then completes in one step, as in llama-server, where
+            # it waited a step for want of a few tokens of room.
+            budget = room if i == 0 else room - decoding
+            fed = sequence.feed_prompt(
+                crowded=crowded,
+                widest=widest,
+                budget=budget,
+                merge=merge,
+                spare=i + 1 < len(waiting),
+            )
             if fed is None:
                 continue  # the next step; those after it may still fit this one
             mine, complete = fed
-            # A second piece (a prompt's last, after its merged tiled ones) has a call of its
-            # own, after the first's: a shared call might come before it.
-            pieces += [(piece, i > 0) for i, piece in enumerate(mine)]
+            pieces += mine
             fed_now = sum(len(piece) for piece in mine)
-            budget -= fed_now
+            room -= fed_now
             taken += fed_now
             if complete:
                 plan = sequence.planned()
@@ -497,7 +514,10 @@ class LlamaEngine(ModelFacts):
         sequence.sink.sequence_planned(plan)
         self._sample(sequence, end.logits.copy())  # a grammar's sampler may mask in place
 
-    def _decode(self, entries: list[BatchEntry]) -> None:
+    def _decode(self, entries: list[BatchEntry]) -> bool:
+        """One ``llama_decode`` call, and the sampling after it; whether a prompt completed
+        (its first token is out, or it finished)."""
+        completed = False
         for i, (sequence, token, position, logits) in enumerate(entries):
             self._add(i, token, position, sequence.seq_id, logits)
         self._batch.n_tokens = len(entries)
@@ -516,9 +536,12 @@ class LlamaEngine(ModelFacts):
                 scores.append(token_logprobs(self._logits(i), prompt[position + 1], top))
                 continue
             row = self._logits(i)
-            if position + 1 == len(prompt) and self._placement.keeps_end_logits:
-                sequence.end_logits = EndLogits(len(prompt), row.copy())
+            if position + 1 == len(prompt):
+                completed = True
+                if self._placement.keeps_end_logits:
+                    sequence.end_logits = EndLogits(len(prompt), row.copy())
             self._sample(sequence, row)
+        return completed
 
     def _admit_resumed(self, sequence: LlamaSequence) -> bool:
         """Give a resumed sequence its cells back from its blob; False: it computes them."""

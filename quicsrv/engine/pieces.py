@@ -17,19 +17,22 @@ Within a way, a token's numbers depend on its own sequence's cells only: which o
 share its micro-batch, where a piece is split into micro-batches, and how many rows the weight
 matmuls take change no bit (measured with this model and build, ``python -m
 loadtest.bench.determinism``: the KV cells and logits of every sequence compared byte for byte).
-So a piece is computed the same way whatever shares its call if each of its tokens always
-takes the way the piece takes alone, which these rules (:func:`call_key`) ensure:
+So a piece is computed the same way whatever shares its call if each of its tokens takes the
+way the piece takes alone. :func:`computed_alone` checks that for a call against a model of
+``split_equal``, and :func:`share_calls` puts a piece in the first call where it holds.
+What that allows, in short:
 
-- a piece of 64 tokens or more shares a call only with pieces of its own length: each sequence
-  then has all its tokens in one micro-batch (tiled, as alone);
-- a shorter piece that ends within the first 256 positions shares a call with any such piece:
-  however ``split_equal`` cuts it, every token is computed row by row;
-- another piece of 2 to 63 tokens shares a call with pieces of its own length (never a token
-  alone in a micro-batch), and a 1-token piece past position 256 goes alone (split over the
-  cells, as alone; the split follows the thread count, which a resume must keep).
+- pieces shorter than 64 tokens that end within the first 256 positions share any call:
+  however ``split_equal`` cuts them, every token is computed row by row;
+- tiled pieces share a call where every micro-batch holds 64 tokens or more of each: pieces of
+  one length, or of any lengths where no neighbour of the next id leaves a sequence a
+  remainder under 64 (``split_equal`` cuts all of a micro-batch's sequences at the shortest);
+- a 1-token piece past position 256 is split over the cells only alone in its micro-batch (the
+  split follows the thread count, which a resume must keep).
 
-Consecutive tiled pieces of one sequence may be fed as one (:func:`merges`): tiled, each token
-gets the numbers it gets in its own piece.
+Consecutive tiled pieces of one sequence may be fed as one (:func:`merges`), and a run of them
+may be fed cut anywhere that leaves every part 64 tokens or more (:func:`tiled_take`): tiled,
+each token gets the numbers it gets in its own piece, so the plan still names the pieces.
 
 The same rules tell where a kept piece may be cut (:func:`keeps_way`): its first tokens are
 computed again the same way by a shorter piece if the shorter piece takes the same way.
@@ -42,23 +45,25 @@ sequence alone, which takes one way by construction.
 
 from __future__ import annotations
 
-from collections.abc import Sequence, Set
+from collections.abc import Sequence
 from enum import Enum
-from typing import TypeVar
+from typing import NamedTuple, TypeVar
 
 from ._api import PrefillPlan, Segment
 
 __all__ = [
     "ROWS_CELLS",
     "RULES_VERSION",
+    "Shape",
     "TILE_TOKENS",
     "Way",
-    "call_key",
     "cold_plan",
+    "computed_alone",
     "keeps_way",
     "merges",
     "share_calls",
     "tail",
+    "tiled_take",
     "way",
 ]
 
@@ -82,22 +87,12 @@ class Way(Enum):
 
 def way(length: int, end: int) -> Way:
     """How the tokens of a piece of ``length`` tokens ending at position ``end`` (exclusive)
-    are computed under :func:`call_key`'s rules: the way the piece takes alone."""
+    are computed alone: one micro-batch, tiled from 64 tokens on."""
     if length >= TILE_TOKENS:
         return Way.TILED
     if length == 1 and end > ROWS_CELLS:
         return Way.SPLIT
     return Way.ROWS
-
-
-def call_key(length: int, end: int) -> tuple[str, int] | None:
-    """Which call a piece may share: pieces with equal keys go in one ``llama_decode`` (within
-    the step's budget); None: a call of its own."""
-    if length < TILE_TOKENS and end <= ROWS_CELLS:
-        return ("rows", 0)  # row by row, however split_equal cuts them
-    if length == 1:
-        return None  # split over the cells only alone
-    return ("length", length)  # one micro-batch per run of ids: the way it takes alone
 
 
 def keeps_way(length: int, end: int, kept: int) -> bool:
@@ -117,6 +112,24 @@ def merges(length: int) -> bool:
     loadtest.bench.determinism``), so the plan still names the pieces and a replay may feed
     them one a call. A row-by-row piece would turn tiled beside others: never merged."""
     return length >= TILE_TOKENS
+
+
+def tiled_take(run: int, budget: int, *, spare: bool) -> int | None:
+    """How many of the ``run`` tokens left of a run of tiled pieces (:func:`merges`) to feed in
+    a step with ``budget`` tokens free: as many as fit, leaving the run either nothing or a
+    tiled part (64 tokens or more), and leaving the step either full or room for a tiled piece
+    where ``spare`` (other prompts wait for this step's room). None: no tiled part fits.
+
+    Any such cut computes every token tiled, as the plan's pieces do (measured, ``python -m
+    loadtest.bench.determinism``: a run fed as 100 + 170 + 114 and as pieces of 64 give the same
+    cells and logits), so a step fills ``n_batch`` as llama-server's do, where whole pieces of 64
+    left up to 63 tokens of it (and up to 6 of a 518-token chunk) unused."""
+    take = min(run, budget)
+    if 0 < run - take < TILE_TOKENS:
+        take = run - TILE_TOKENS
+    if spare and take < run and 0 < budget - take < TILE_TOKENS <= budget - TILE_TOKENS:
+        take = budget - TILE_TOKENS
+    return take if take >= TILE_TOKENS else None
 
 
 def cold_plan(n_tokens: int, chunk: int, widest: int) -> PrefillPlan:
@@ -157,23 +170,75 @@ rules change how some piece is computed, so that cells kept under older ones are
 Version 1 was one piece a step, in the decoding sequences' call."""
 
 
-def share_calls(
-    pieces: Sequence[tuple[int, int, T]], *, pack: bool, alone: Set[int] = frozenset()
-) -> list[list[T]]:
-    """Group pieces, given as (length, end, what to carry), into ``llama_decode`` calls, in the
-    order of each call's first piece: pieces with the same :func:`call_key` share one where
-    ``pack`` (flash attention: the ways above are its kernel's); else one call a piece. The
-    pieces at the indices in ``alone`` get a call of their own, where they come (a piece that
-    must follow an earlier one of its sequence: a shared call might be computed before it)."""
+class Shape(NamedTuple):
+    """A piece as the call rules see it: positions ``end - length`` to ``end - 1`` of sequence
+    ``seq``; ``sampled``: its last position's logits are sampled (a stream waits for them)."""
+
+    seq: int
+    length: int
+    end: int
+    sampled: bool = False
+
+
+def computed_alone(call: Sequence[Shape], *, n_ubatch: int) -> bool:
+    """Whether every token of the pieces in one ``llama_decode`` call, one per sequence, sent
+    in id order, is computed the way its piece alone computes it (:func:`way`). llama.cpp's
+    ``llama_batch_allocr::split_equal`` (sequential, as with a KV stream per sequence) cuts
+    the call into micro-batches, each of the sequences of consecutive ids from the lowest
+    left, with the same count of tokens of each: the fewest any of them has left, at most
+    ``n_ubatch`` in all."""
+    pieces = {piece.seq: piece for piece in call}
+    left = {piece.seq: piece.length for piece in call}
+    while left:
+        chosen = [min(left)]
+        while chosen[-1] + 1 in left:
+            chosen.append(chosen[-1] + 1)
+        count = min(min(left[seq] for seq in chosen), max(1, n_ubatch // len(chosen)))
+        for seq in chosen:
+            piece = pieces[seq]
+            left[seq] -= count
+            cells = piece.end - left[seq]
+            if count >= TILE_TOKENS:
+                computed = Way.TILED
+            elif count == 1 and len(chosen) == 1 and cells > ROWS_CELLS:
+                computed = Way.SPLIT
+            else:
+                computed = Way.ROWS
+            if computed is not way(piece.length, piece.end):
+                return False
+            if not left[seq]:
+                del left[seq]
+    return True
+
+
+def share_calls(pieces: Sequence[tuple[Shape, T]], *, pack: bool, n_ubatch: int) -> list[list[T]]:
+    """Group pieces, given with what to carry, into ``llama_decode`` calls, in the order of each
+    call's first piece, where ``pack`` (flash attention: the ways above are its kernel's; else
+    one call a piece): each in the first call where every piece is still computed as alone
+    (:func:`computed_alone`), after the call of any earlier piece of its sequence (a prompt's
+    last piece after its merged tiled ones), and a tiled piece after every call that samples
+    (it costs milliseconds a token: a stream waiting for a token there, the oldest prompt of a
+    burst among them, would wait for it too)."""
     calls: list[list[T]] = []
-    shared: dict[tuple[str, int], list[T]] = {}
-    for i, (length, end, carried) in enumerate(pieces):
-        key = call_key(length, end) if pack and i not in alone else None
-        if key is None:
-            calls.append([carried])
-        elif key in shared:
-            shared[key].append(carried)
+    shapes: list[list[Shape]] = []
+    last: dict[int, int] = {}
+    sampling = -1  # the last call that samples
+    for shape, carried in pieces:
+        first = last[shape.seq] + 1 if shape.seq in last else 0
+        if shape.length >= TILE_TOKENS:
+            first = max(first, sampling + 1)
+        for i in range(first, len(calls) if pack else 0):
+            call = [*shapes[i], shape]
+            fits = sum(piece.length for piece in call) <= n_ubatch  # a step may hold more
+            if fits and computed_alone(call, n_ubatch=n_ubatch):
+                break
         else:
-            shared[key] = [carried]
-            calls.append(shared[key])
+            i = len(calls)
+            calls.append([])
+            shapes.append([])
+        calls[i].append(carried)
+        shapes[i].append(shape)
+        last[shape.seq] = i
+        if shape.sampled:
+            sampling = max(sampling, i)
     return calls

@@ -18,7 +18,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from ._api import PrefillPlan, ResumePath, Segment, SequenceRequest, TokenLogprobs, TokenSink
-from .pieces import cold_plan, merges
+from .pieces import cold_plan, merges, tail, tiled_take
 from .prefix_cache import EndLogits, Hit, cut, extend, rest
 from .sampling import SequenceSampler
 
@@ -49,6 +49,7 @@ class LlamaSequence:
     plan: tuple[Segment, ...] = ()
     fixed: bool = False
     segments: deque[Segment] = field(default_factory=deque)  # a fixed plan's part still to feed
+    run_end: int = 0  # where the run of tiled plan pieces being fed ends (.pieces.tiled_take)
     reused: int = 0  # leading positions whose cells came from the prefix cache
     pending_prompt: deque[int] = field(default_factory=deque)
     forced: deque[int] = field(default_factory=deque)  # replay: tokens to decode, not sample
@@ -156,33 +157,64 @@ class LlamaSequence:
         self.n_past = self.reused = reused
 
     def feed_prompt(
-        self, *, crowded: bool, widest: int, budget: int, merge: bool
+        self, *, crowded: bool, widest: int, budget: int, merge: bool, spare: bool
     ) -> tuple[list[list[BatchEntry]], bool] | None:
         """This step's pieces of its prompt, if the first fits in ``budget`` tokens (None: it
         waits for the next step), and whether they complete the prompt (report :meth:`planned`
         now). ``crowded``: other sequences decode or prefill in this step; ``widest``: the
         most prompt tokens a step takes beside a token of every slot. ``merge``: while the
         budget lasts, the next steps' pieces too, as one piece, where each is tiled
-        (:func:`.pieces.merges`): a burst's oldest prompt is then in first, as alone; and when
-        what is left is the prompt's last piece (a cold prompt's tail), that too, as a second
-        piece, for a call of its own after the first's."""
-        step, room = self._prefill_step(crowded=crowded, widest=widest)
-        if room > budget:
-            return None
+        (:func:`.pieces.merges`): a burst's oldest prompt is then in first, as alone; a fixed
+        plan's run of tiled pieces is fed as far as the budget goes, cut anywhere that leaves
+        tiled parts (:func:`.pieces.tiled_take`; ``spare``: other prompts wait for this
+        step's room); and when what is left is the prompt's last piece (a cold prompt's
+        tail), that too, as a second piece, for a call of its own after the first's."""
         fed_from = self.n_past
-        piece = self._take(step, room)
-        pieces = [piece]
-        if merge and merges(room):
+        run = self._tiled_run() if merge and self.fixed else 0
+        if run:
+            take = tiled_take(run, budget, spare=spare)
+            if take is None:
+                return None
+            piece = self._take(0, take)
+        else:
+            step, room = self._prefill_step(crowded=crowded, widest=widest)
+            if room > budget and not self._is_tail(room):
+                return None
+            piece = self._take(step, room)
+            if not (merge and merges(room)):
+                return [piece], fed_from < len(self.request.prompt_tokens) <= self.n_past
             while self.pending_prompt:
                 step, room = self._prefill_step(crowded=crowded, widest=widest)
-                if len(piece) + room > budget:
-                    break
-                if not merges(room):
-                    if room == len(self.pending_prompt):
-                        pieces.append(self._take(step, room))
+                if len(piece) + room > budget or not merges(room):
                     break
                 piece += self._take(step, room)
+        pieces = [piece]
+        if self.pending_prompt and self.n_past >= self.run_end:
+            step, room = self._prefill_step(crowded=crowded, widest=widest)
+            last = room == len(self.pending_prompt) and not merges(room)
+            if last and (len(piece) + room <= budget or self._is_tail(room)):
+                pieces.append(self._take(step, room))
         return pieces, fed_from < len(self.request.prompt_tokens) <= self.n_past
+
+    def _is_tail(self, room: int) -> bool:
+        """Whether the next ``room`` prompt tokens are its last one or two (a cold prompt's
+        :func:`.pieces.tail`): they go past the step's budget, in a call of their own, so that
+        the prompt completes in this step, not a step later, for a call's ~15 ms."""
+        return room == len(self.pending_prompt) <= tail(len(self.request.prompt_tokens))
+
+    def _tiled_run(self) -> int:
+        """How many prompt tokens are left of the run of tiled pieces (:func:`.pieces.merges`)
+        that a fixed plan feeds next (0: its next piece is not tiled): from the pieces as
+        :meth:`_prefill_step` gives them, or where a run cut by the budget goes on."""
+        if self.n_past >= self.run_end:
+            end = self.n_past
+            for segment in self.segments:
+                while end < segment.end and merges(min(segment.step, segment.end - end)):
+                    end += min(segment.step, segment.end - end)
+                if end < segment.end:
+                    break
+            self.run_end = end
+        return self.run_end - self.n_past
 
     def _take(self, step: int, room: int) -> list[BatchEntry]:
         """The next ``room`` prompt tokens, fed in a step of ``step`` (as the plan says)."""
@@ -199,7 +231,7 @@ class LlamaSequence:
                 self.reprefill = False
                 self.sink.sequence_resumed(ResumePath.REPREFILL)
         if self.fixed:
-            if self.n_past >= self.segments[0].end:
+            while self.segments and self.n_past >= self.segments[0].end:
                 self.segments.popleft()
         else:
             self.plan = extend(self.plan, self.n_past, step)

@@ -329,6 +329,10 @@ class _Observer(EngineObserver):
     def step_finished(self) -> None:
         self._worker.step_finished()
 
+    def prompts_completed(self) -> None:
+        # What came out so far goes as a step of its own: first tokens are sent at once.
+        self._worker.step_finished()
+
     def engine_failed(self, error: BaseException) -> None:
         # The engine logged the traceback. Exit without reporting the sequences' FAILED ends:
         # the supervisor restarts the worker and they continue by exact replay.

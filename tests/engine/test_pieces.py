@@ -10,11 +10,13 @@ from hypothesis import strategies as st
 from quicsrv.engine.pieces import (
     ROWS_CELLS,
     TILE_TOKENS,
+    Shape,
     Way,
-    call_key,
+    computed_alone,
     keeps_way,
     share_calls,
     tail,
+    tiled_take,
     way,
 )
 
@@ -78,7 +80,9 @@ def steps(draw: st.DrawFn) -> list[Piece]:
 @given(steps())
 def test_every_token_of_a_shared_call_is_computed_as_its_piece_alone(pieces):
     calls = share_calls(
-        [(length, end, (seq, length, end)) for seq, length, end in pieces], pack=True
+        [(Shape(seq, length, end), (seq, length, end)) for seq, length, end in pieces],
+        pack=True,
+        n_ubatch=512,
     )
     assert sorted(p for call in calls for p in call) == sorted(pieces)
     for call in calls:
@@ -97,16 +101,84 @@ def test_the_rules_that_sharing_would_break():
     assert _ways([(3, 64, 64)])[(3, 0)] is Way.TILED
     assert _ways([(3, 1, 300), (4, 1, 300)])[(3, 299)] is Way.ROWS
     assert _ways([(3, 1, 300)])[(3, 299)] is Way.SPLIT
-    assert call_key(64, 64) == call_key(64, 500) != call_key(63, 64)
-    assert call_key(1, ROWS_CELLS + 1) is None and call_key(1, ROWS_CELLS) == call_key(40, 200)
+    # A neighbour of the next id with fewer tokens leaves a tiled piece a row-by-row remainder.
+    assert _ways([(3, 130, 130), (4, 100, 100)])[(3, 129)] is Way.ROWS
+    assert not computed_alone([Shape(3, 130, 130), Shape(4, 100, 100)], n_ubatch=512)
+
+
+@given(st.lists(st.tuples(st.integers(1, 300), st.integers(0, 400)), min_size=1, max_size=8))
+def test_computed_alone_agrees_with_the_model_of_split_equal(shapes):
+    call = [(seq, length, length + start) for seq, (length, start) in enumerate(shapes)]
+    if sum(length for _, length, _ in call) > 512:
+        return
+    computed = _ways(call)
+    same = all(
+        computed[(seq, p)] is way(length, end)
+        for seq, length, end in call
+        for p in range(end - length, end)
+    )
+    assert computed_alone([Shape(*piece) for piece in call], n_ubatch=512) == same
+
+
+def _shared(*pieces: tuple[int, int, int, bool]) -> list[list[int]]:
+    """Which of ``pieces`` (sequence, length, end, sampled) share calls: their indices."""
+    shapes = [(Shape(*piece), i) for i, piece in enumerate(pieces)]
+    return share_calls(shapes, pack=True, n_ubatch=512)
+
+
+def test_tiled_pieces_of_different_lengths_share_a_call_where_split_equal_keeps_them_tiled():
+    # A burst of long prompts: the oldest's merged chunks beside the next one's first 64.
+    assert _shared((0, 448, 448, False), (1, 64, 64, False)) == [[0, 1]]
+    # Ids 2 and 4 are never in one micro-batch: any lengths.
+    assert _shared((2, 130, 600, False), (4, 100, 100, False)) == [[0, 1]]
+    assert _shared((3, 130, 130, False), (4, 100, 100, False)) == [[0], [1]]
+
+
+def test_a_tiled_piece_never_goes_ahead_of_a_sampled_token():
+    # The oldest prompt's last chunk and its tail (sampled: its first token), then the next
+    # prompts' chunks: they follow the tail, sharing a call of their own.
+    assert _shared(
+        (0, 82, 530, False), (0, 2, 532, True), (1, 364, 428, False), (2, 64, 64, False)
+    ) == [[0], [1], [2, 3]]
+    # Decoded tokens within 256 cells share the short pieces' call, never a tiled one's.
+    assert _shared((0, 1, 100, True), (2, 9, 9, False), (4, 300, 300, True)) == [[0, 1], [2]]
+    # A short piece may join a tiled one's call, sampled or not (a call of its own would come
+    # after it all the same).
+    assert _shared((0, 300, 300, False), (2, 9, 9, True), (4, 9, 9, False)) == [[0, 1, 2]]
+
+
+@given(st.integers(1, 2000), st.integers(0, 512), st.booleans())
+def test_a_tiled_run_is_cut_into_tiled_parts_as_far_as_the_budget_goes(run, budget, spare):
+    take = tiled_take(run, budget, spare=spare)
+    tiled = [
+        t
+        for t in range(TILE_TOKENS, min(run, budget) + 1)
+        if run - t == 0 or run - t >= TILE_TOKENS
+    ]
+    if take is None:
+        assert not tiled
+        return
+    assert take in tiled
+    roomy = [t for t in tiled if t == run or budget - t == 0 or budget - t >= TILE_TOKENS]
+    # The most that leaves the step full or with room for another prompt's tiled piece.
+    assert take == (max(roomy) if spare and roomy else max(tiled))
+
+
+def test_a_long_burst_fills_the_step():
+    # 8 prompts of 520 tokens (a cold plan's run of 518 tiled tokens, then 2): the oldest
+    # leaves the next a tiled piece's room, the next takes it.
+    assert tiled_take(518, 512, spare=True) == 448
+    assert tiled_take(518, 64, spare=True) == 64
+    assert tiled_take(518, 512, spare=False) == 454
+    assert tiled_take(454, 440, spare=True) == 376
+    assert tiled_take(70, 512, spare=True) == 70
 
 
 def test_without_packing_every_piece_has_a_call_of_its_own_in_order():
     pieces = [(3, 10, 10), (1, 10, 10), (2, 64, 64)]
-    calls = share_calls([(n, e, s) for s, n, e in pieces], pack=False)
-    assert calls == [[3], [1], [2]]
-    shared = share_calls([(n, e, s) for s, n, e in pieces], pack=True)
-    assert shared == [[3, 1], [2]]
+    shapes = [(Shape(*piece), piece[0]) for piece in pieces]
+    assert share_calls(shapes, pack=False, n_ubatch=512) == [[3], [1], [2]]
+    assert share_calls(shapes, pack=True, n_ubatch=512) == [[3, 1], [2]]
 
 
 @given(st.integers(1, 300), st.integers(0, 400), st.data())
@@ -128,9 +200,12 @@ def test_a_prompt_found_whole_computes_its_last_positions_row_by_row():
 
 
 def test_a_piece_that_must_follow_an_earlier_one_of_its_sequence_gets_a_call_after_it():
-    # A prompt's merged tiled chunks, then its last position in the same step: shared, the
-    # last position would join the row-by-row call made before its chunks' call.
-    pieces = [(10, 10, "a"), (128, 128, "b chunks"), (1, 129, "b last"), (9, 9, "c")]
-    assert share_calls(pieces, pack=True) == [["a", "b last", "c"], ["b chunks"]]
-    alone = share_calls(pieces, pack=True, alone={2})
-    assert alone == [["a", "c"], ["b chunks"], ["b last"]]
+    # A prompt's merged tiled chunks, then its last position in the same step: the last
+    # position may not join the row-by-row call made before its chunks' call.
+    assert _shared(
+        (0, 10, 10, False), (1, 128, 128, False), (1, 1, 129, True), (2, 9, 9, False)
+    ) == [
+        [0, 3],
+        [1],
+        [2],
+    ]
