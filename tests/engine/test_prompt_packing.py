@@ -56,12 +56,18 @@ class Counting(EngineObserver):
         self.gate = threading.Event()
         self.gate.set()
         self.waiting = threading.Event()
+        self.log: list[str] = []  # "decode", "completed", "step", and the sinks' "first"
 
     def decode_started(self) -> None:
         self.decodes += 1
+        self.log.append("decode")
+
+    def prompts_completed(self) -> None:
+        self.log.append("completed")
 
     def step_finished(self) -> None:
         self.steps += 1
+        self.log.append("step")
         if not self.gate.is_set():
             self.waiting.set()
             self.gate.wait()
@@ -74,6 +80,8 @@ class FirstToken(RecordingSink):
         super().__init__()
         self.observer = observer
         self.first: tuple[int, int] | None = None
+        self.first_out = threading.Event()
+        self.logged = 0  # where its first token is in the observer's log
         self.paused_state: PausedState | None = None
 
     def token_generated(
@@ -81,6 +89,9 @@ class FirstToken(RecordingSink):
     ) -> None:
         if self.first is None:
             self.first = (self.observer.decodes, self.observer.steps)
+            self.logged = len(self.observer.log)
+            self.observer.log.append("first")
+            self.first_out.set()
         super().token_generated(index, token_id, piece, logprobs)
 
     def sequence_paused(self, state: PausedState) -> None:
@@ -164,6 +175,57 @@ def test_a_burst_is_prefilled_in_fewer_calls_than_prompts_and_each_equals_its_so
     assert len(calls) == len(texts)
     assert calls == [1] * len(SHORT) + [3, 6]
     assert in_step == [0] * (len(texts) - 1) + [1]
+
+
+def _of_length(engine: LlamaEngine, n_tokens: int, seed: int) -> SequenceRequest:
+    """A prompt of exactly ``n_tokens`` tokens (LONG's, repeated)."""
+    tokens = engine.tokenize(" ".join(LONG * 4), add_special=True)
+    return dataclasses.replace(
+        _request(engine, "", seed), prompt_tokens=tuple(tokens[seed : seed + n_tokens])
+    )
+
+
+def test_a_prompt_of_n_batch_tokens_beside_a_decoding_one_completes_in_one_step(packing):
+    # The oldest waiting prompt may fill a call of n_batch tokens (the decoded token has its
+    # own) and its tail goes past the budget: one step, not two, as in llama-server.
+    engine, observer = packing
+    n_batch = engine.settings.n_batch
+    prompt = _of_length(engine, n_batch, 1)
+    solo = _alone(engine, observer, prompt).tokens
+    decoding = FirstToken(observer)
+    request = dataclasses.replace(_request(engine, SHORT[0], None), max_tokens=500)
+    handle = engine.submit(request, decoding)
+    assert decoding.first_out.wait(60)
+    observer.waiting.clear()
+    observer.gate.clear()
+    assert observer.waiting.wait(60)  # the engine waits between two steps
+    sink = FirstToken(observer)
+    engine.submit(prompt, sink)
+    steps = observer.steps
+    observer.gate.set()
+    assert sink.done.wait(120)
+    # Its prompt's cells are its solo run's; past 256 cells a decoded token's numbers follow
+    # its neighbours (README, "Determinism and batch composition"): the first token.
+    assert sink.tokens[0] == solo[0]
+    assert sink.first is not None and sink.first[1] == steps  # in the first step
+    assert not decoding.done.is_set()  # it decoded beside it all along
+    handle.cancel()
+    assert decoding.done.wait(60)
+
+
+def test_a_first_token_leaves_after_its_call_not_after_the_step(packing):
+    # Two prompts of 600 tokens: the oldest completes early in step two (its last chunk and
+    # its tail), and the step then runs on with the next one's chunks. Its first token is
+    # reported before those calls, not after them.
+    engine, observer = packing
+    prompts = [_of_length(engine, 600, seed) for seed in (2, 3)]
+    solo = [_alone(engine, observer, p).tokens for p in prompts]
+    sinks, _, _ = _burst(engine, observer, prompts)
+    # As above: the first tokens.
+    assert [s.tokens[0] for s in sinks] == [tokens[0] for tokens in solo]
+    log = observer.log[sinks[0].logged :]
+    assert log[:3] == ["first", "completed", "decode"]  # the next call comes after the report
+    assert log.index("step") > 2
 
 
 def test_a_sequence_prefilled_in_a_burst_resumes_exactly_by_replay_and_by_kv_restore(packing):
