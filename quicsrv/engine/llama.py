@@ -2,11 +2,11 @@
 
 A single worker thread owns the llama.cpp context. Each step it decodes the next token of every
 decoding sequence in one call, then a piece of the prompt of as many pending sequences as fit
-beside them in ``n_batch`` tokens, oldest first, until the step holds half the waiting prompt
-tokens, in as few calls as :mod:`.pieces` allows without changing any sequence's numbers,
-and samples each sequence whose logits came out. New sequences join at the next step;
-finished or cancelled ones release their KV cells at once.
-The event loop never touches llama.cpp.
+in ``n_batch`` tokens, oldest first, until the step holds half the waiting prompt tokens, in as
+few calls as :mod:`.pieces` allows without changing any sequence's numbers, and samples each
+sequence whose logits came out, after its call: a first token is sent then, not at the step's
+end. New sequences join at the next step; finished or cancelled ones release their KV cells at
+once. The event loop never touches llama.cpp.
 """
 
 from __future__ import annotations
@@ -455,17 +455,18 @@ class LlamaEngine(ModelFacts):
                 self._observer.prompts_completed()
 
     def _prompt_pieces(self, *, decoding: int) -> list[list[BatchEntry]]:
-        """This step's prompt pieces, oldest sequence first, as many as fit in ``n_batch``
-        beside the ``decoding`` sequences' tokens (the oldest always fits: a piece is at most
-        ``n_batch - n_seq_max`` tokens), until they hold half the waiting prompt tokens: a
-        burst's first half gets its first tokens after a step half as long (measured: 8 short
-        prompts, TTFT p50 0.95x llama-server's, from 1.19x, where one step for all eight made
-        all eight wait for the slowest); a sequence's tiled pieces merged while the budget
-        lasts, so the oldest prompt of a burst is in first (as llama-server fills its batch
-        slot by slot), not all of them together at the end, and the step is filled to the
-        token (:func:`.pieces.tiled_take`). A prompt's second piece (its last, after its
-        merged tiled ones) goes in a call after the first's (:func:`.pieces.share_calls`). A
-        prompt completed here reports its plan now, before its first token."""
+        """This step's prompt pieces, oldest sequence first: the oldest's up to ``n_batch``
+        tokens (the decoded tokens have a call of their own, or the short pieces'), so that a
+        prompt of ``n_batch`` tokens completes in one step, as in llama-server; then as many
+        of the others' as fit in what is left beside the ``decoding`` sequences' tokens, until
+        they hold half the waiting prompt tokens: a burst's first half gets its first tokens
+        after a step half as long (measured: 8 short prompts, TTFT p50 0.95x llama-server's,
+        from 1.19x, where one step for all eight made all eight wait for the slowest). A
+        sequence's tiled pieces are merged while the budget lasts, so the oldest prompt of a
+        burst is in first (as llama-server fills its batch slot by slot), not all of them
+        together at the end, and the step is filled to the token (:func:`.pieces.tiled_take`);
+        a cold prompt's tail may go past the budget (``LlamaSequence.feed_prompt``). A prompt
+        completed here reports its plan now, before its first token."""
         waiting = sorted((s for s in self._active if s.pending_prompt), key=lambda s: s.order)
         room = self.settings.n_batch
         crowded = decoding > 0 or len(waiting) > 1
