@@ -123,7 +123,7 @@ def tiled_take(run: int, budget: int, *, spare: bool) -> int | None:
     Any such cut computes every token tiled, as the plan's pieces do (measured, ``python -m
     loadtest.bench.determinism``: a run fed as 100 + 170 + 114 and as pieces of 64 give the same
     cells and logits), so a step fills ``n_batch`` as llama-server's do, where whole pieces of 64
-    left up to 63 tokens of it (and up to 6 of a 518-token chunk) unused."""
+    left up to 63 of its tokens unused."""
     take = min(run, budget)
     if 0 < run - take < TILE_TOKENS:
         take = run - TILE_TOKENS
