@@ -175,21 +175,21 @@ class LlamaSequence:
             take = tiled_take(run, budget, spare=spare)
             if take is None:
                 return None
-            piece = self._take(0, take)
+            piece = self._take(take, take)
+            tiled = True
         else:
             step, room = self._prefill_step(crowded=crowded, widest=widest)
             if room > budget and not self._is_tail(room):
                 return None
             piece = self._take(step, room)
-            if not (merge and merges(room)):
-                return [piece], fed_from < len(self.request.prompt_tokens) <= self.n_past
-            while self.pending_prompt:
+            tiled = merge and merges(room)
+            while tiled and self.pending_prompt:
                 step, room = self._prefill_step(crowded=crowded, widest=widest)
                 if len(piece) + room > budget or not merges(room):
                     break
                 piece += self._take(step, room)
         pieces = [piece]
-        if self.pending_prompt and self.n_past >= self.run_end:
+        if tiled and self.pending_prompt and self.n_past >= self.run_end:
             step, room = self._prefill_step(crowded=crowded, widest=widest)
             last = room == len(self.pending_prompt) and not merges(room)
             if last and (len(piece) + room <= budget or self._is_tail(room)):
@@ -207,13 +207,13 @@ class LlamaSequence:
         that a fixed plan feeds next (0: its next piece is not tiled): from the pieces as
         :meth:`_prefill_step` gives them, or where a run cut by the budget goes on."""
         if self.n_past >= self.run_end:
-            end = self.n_past
+            self.run_end = self.n_past
             for segment in self.segments:
-                while end < segment.end and merges(min(segment.step, segment.end - end)):
-                    end += min(segment.step, segment.end - end)
-                if end < segment.end:
-                    break
-            self.run_end = end
+                while self.run_end < segment.end:
+                    length = min(segment.step, segment.end - self.run_end)
+                    if not merges(length):
+                        return self.run_end - self.n_past
+                    self.run_end += length
         return self.run_end - self.n_past
 
     def _take(self, step: int, room: int) -> list[BatchEntry]:
