@@ -412,6 +412,26 @@ def _cells(settings: EngineSettings) -> list[dict[str, object]]:
             cut=100,
         ),
     ]
+
+    def common_start() -> dict[str, object]:
+        # A slot's cells of another prompt that starts with the same 24 tokens (a chat
+        # template's system prompt), cut to those 24, then the rest of the run fed tiled.
+        ref_logits, ref_cells = compute([call([(3, 0, 300)])], 3)
+        raw.clear()
+        other = [*prompts[3][:24], *prompts[5][24:300]]
+        raw.decode([(3, other[p], p) for p in range(300)])
+        raw.cells.cut(3, 24)
+        logits = {k: v for k, v in raw.decode(call([(3, 24, 300)])).items() if k[0] == 3}
+        same = [k for k in logits if logits[k] == ref_logits[k]]
+        return {
+            "case": "a tiled run fed from position 24 on, after 24 cells of another prompt's "
+            "tiled piece (a slot's common start)",
+            "allowed": True,
+            "cells_equal": (raw.cells.save(3) or b"") == ref_cells,
+            "logits_equal": f"{len(same)}/{len(logits)}",
+        }
+
+    cases.append(common_start)
     try:
         return [run() for run in cases]
     finally:

@@ -375,8 +375,10 @@ class LlamaEngine(ModelFacts):
                 hit = self._placement.find(
                     sequence.request, sequence.plan if sequence.fixed else None
                 )
+            new = not (sequence.fixed or scored)
+            tiled = sequence.tiled_reuse(self._widest) if new and self._merges else 0
             sequence.seq_id, in_place = self._placement.slot_for(
-                hit, self._free_ids, None if sequence.fixed or scored else sequence.request
+                hit, self._free_ids, sequence.request if new else None, tiled=tiled
             )
             self._free_ids.remove(sequence.seq_id)
             # Batches in id order: with llama.cpp's per-sequence KV streams a batch whose ids
@@ -413,6 +415,12 @@ class LlamaEngine(ModelFacts):
             except queue.Empty:
                 if not self._placement.snapshot_one():
                     return self._inbox.get()
+
+    @property
+    def _merges(self) -> bool:
+        """Whether tiled pieces merge, and are cut anywhere: only where the ways are flash
+        attention's (.pieces), and never under batch_invariant (a call a piece, as measured)."""
+        return self.settings.flash_attn and not self.settings.batch_invariant
 
     @property
     def _widest(self) -> int:
@@ -471,9 +479,6 @@ class LlamaEngine(ModelFacts):
         room = self.settings.n_batch
         crowded = decoding > 0 or len(waiting) > 1
         widest = self._widest
-        # Tiled pieces merge only where the ways are flash attention's (.pieces), and never
-        # under batch_invariant (a call a piece, as measured).
-        merge = self.settings.flash_attn and not self.settings.batch_invariant
         pieces: list[list[BatchEntry]] = []
         half = sum(len(s.pending_prompt) for s in waiting) / 2
         taken = 0
@@ -488,7 +493,7 @@ class LlamaEngine(ModelFacts):
                 crowded=crowded,
                 widest=widest,
                 budget=budget,
-                merge=merge,
+                merge=self._merges,
                 spare=i + 1 < len(waiting),
             )
             if fed is None:

@@ -35,7 +35,9 @@ may be fed cut anywhere that leaves every part 64 tokens or more (:func:`tiled_t
 each token gets the numbers it gets in its own piece, so the plan still names the pieces.
 
 The same rules tell where a kept piece may be cut (:func:`keeps_way`): its first tokens are
-computed again the same way by a shorter piece if the shorter piece takes the same way.
+computed again the same way by a shorter piece if the shorter piece takes the same way. And a
+prompt may start from cells another prompt computed tiled, where its own cold plan is tiled
+there and feeds 64 tokens or more after them (:func:`tiled_head`): it gets its cold cells.
 
 A decoding sequence's token is not a piece: decoded tokens share one call, each sequence's way
 depending on its neighbours' ids once it holds more than 256 cells (row by row beside a
@@ -63,6 +65,7 @@ __all__ = [
     "merges",
     "share_calls",
     "tail",
+    "tiled_head",
     "tiled_take",
     "way",
 ]
@@ -130,6 +133,21 @@ def tiled_take(run: int, budget: int, *, spare: bool) -> int | None:
     if spare and take < run and 0 < budget - take < TILE_TOKENS <= budget - TILE_TOKENS:
         take = budget - TILE_TOKENS
     return take if take >= TILE_TOKENS else None
+
+
+def tiled_head(segments: Sequence[Segment]) -> int:
+    """Where the leading run of tiled pieces (64 tokens or more) of a plan ends: 0 where its
+    first piece is row by row."""
+    start = 0
+    for segment in segments:
+        at = start
+        while at < segment.end:
+            length = min(segment.step, segment.end - at)
+            if length < TILE_TOKENS:
+                return at
+            at += length
+        start = segment.end
+    return start
 
 
 def cold_plan(n_tokens: int, chunk: int, widest: int) -> PrefillPlan:

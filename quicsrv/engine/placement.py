@@ -21,6 +21,7 @@ import llama_cpp
 from llama_cpp._internals import LlamaContext
 
 from ._api import Segment, SequenceRequest
+from .pieces import TILE_TOKENS
 from .prefix_cache import (
     EndLogits,
     Entry,
@@ -121,15 +122,21 @@ class SlotPlacement:
         return cache.find(request.cache_scope, request.prompt_tokens, recorded)
 
     def slot_for(
-        self, hit: Hit | None, free: Sequence[int], request: SequenceRequest | None = None
+        self,
+        hit: Hit | None,
+        free: Sequence[int],
+        request: SequenceRequest | None = None,
+        *,
+        tiled: int = 0,
     ) -> tuple[int, Hit | None]:
         """Of the ``free`` slots: the hit's; else, for a new ``request`` without a hit, one whose
         cells hold its whole prompt with its last logits (:meth:`.prefix_cache.PrefixCache.
         kept_whole`); else the lowest that keeps nothing; else the slot of the entry used
         longest ago (a scrap first), which becomes a blob (or is forgotten). With the slot, for
         such a request: what its prompt reuses of the cells that were in it (the whole, or
-        :meth:`.prefix_cache.PrefixCache.reusable`), already cut to that length; None: it
-        reuses nothing there (the slot holds no cells)."""
+        :meth:`.prefix_cache.PrefixCache.reusable`, which takes ``tiled``: how many first
+        positions its cold plan may take from cells computed tiled), already cut to that
+        length; None: it reuses nothing there (the slot holds no cells)."""
         cache = self._cache
         if cache is None:
             return min(free), None
@@ -155,11 +162,13 @@ class SlotPlacement:
         slot = victim.slot
         blob = self._blob(victim) if cache.max_blob_bytes > 0 and victim.blocks else None
         cache.spill(victim, blob)
-        reused = 0
+        reused, cold = 0, False
         if hit is None and request is not None and request.resume is None:
-            reused = cache.reusable(victim, request.cache_scope, request.prompt_tokens)
+            prompt = request.prompt_tokens
+            reused = cache.reusable(victim, request.cache_scope, prompt, tiled)
+            cold = len(prompt) >= TILE_TOKENS
         if reused and self._cells.cut(slot, reused):
-            return slot, Hit(victim, reused)
+            return slot, Hit(victim, reused, cold=cold)
         self._cells.clear(slot)
         return slot, None
 

@@ -42,7 +42,7 @@ import numpy.typing as npt
 
 from ..files import write_atomically
 from ._api import Segment
-from .pieces import TILE_TOKENS, keeps_way, tail
+from .pieces import TILE_TOKENS, keeps_way, tail, tiled_head
 
 __all__ = [
     "BLOCK_TOKENS",
@@ -170,6 +170,9 @@ class Hit:
     replay's recorded plan."""
     end: EndLogits | None = None
     """The whole prompt is found, with its last position's logits: nothing is computed."""
+    cold: bool = False
+    """The reused cells are the ones the prompt's cold plan computes, tiled, and the positions
+    after them are fed tiled (:meth:`PrefixCache.reusable`): the prompt keeps its cold plan."""
 
 
 @dataclass(slots=True)
@@ -475,14 +478,24 @@ class PrefixCache:
         held = [self._by_slot[s] for s in slots if s in self._by_slot]
         return _whole_hit([e for e in held if e.scope == scope], prompt)
 
-    def reusable(self, entry: Entry, scope: str, prompt: Sequence[int]) -> int:
+    def reusable(self, entry: Entry, scope: str, prompt: Sequence[int], tiled: int = 0) -> int:
         """How many first positions of a new ``prompt`` the cells of ``entry``, leaving its
         slot to ``prompt``'s sequence, serve: any number (a block is not needed, the cells are
-        where they are used), for a prompt shorter than a tiled piece only. Such a prompt is
-        computed row by row from wherever it starts (:mod:`.pieces`), so it gets the cells
-        and the answer it gets cold, as llama-server's slots reuse their common prefix."""
-        if entry.scope != scope or len(prompt) >= TILE_TOKENS:
+        where they are used), so that the prompt gets the cells and the answer it gets cold, as
+        llama-server's slots reuse their common prefix (a chat template's system prompt, say).
+
+        A prompt shorter than a tiled piece is computed row by row from wherever it starts
+        (:mod:`.pieces`). A longer one, whose cold plan computes its first ``tiled`` positions
+        and the 64 or more after them tiled, takes up to ``tiled`` positions that ``entry``
+        computed tiled too (:func:`.pieces.tiled_head`): a tiled token's numbers do not depend
+        on where its piece starts, so the rest fed tiled from there gets its cold cells (the
+        caller feeds it so, and records the cold plan)."""
+        if entry.scope != scope:
             return 0
+        if len(prompt) >= TILE_TOKENS:
+            if not self.cuts_inside_pieces:
+                return 0
+            return _common_prefix(entry.tokens, prompt, min(tiled, tiled_head(entry.segments)))
         limit = len(prompt) - (tail(len(prompt)) if self.cuts_inside_pieces else 1)
         return self._usable(entry, prompt, limit, None, None)
 

@@ -18,7 +18,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from ._api import PrefillPlan, ResumePath, Segment, SequenceRequest, TokenLogprobs, TokenSink
-from .pieces import cold_plan, merges, tail, tiled_take
+from .pieces import TILE_TOKENS, cold_plan, merges, tail, tiled_head, tiled_take
 from .prefix_cache import EndLogits, Hit, cut, extend, rest
 from .sampling import SequenceSampler
 
@@ -137,17 +137,31 @@ class LlamaSequence:
         busy_rebuilding = self.pending_prompt or self.forced
         return not busy_rebuilding and self.generated >= self.allowed
 
+    def tiled_reuse(self, widest: int) -> int:
+        """How many first positions of its prompt may come from cells another prompt computed
+        tiled (:meth:`.prefix_cache.PrefixCache.reusable`): all but the last 64 of the run of
+        tiled pieces its cold plan starts with, which are then fed tiled from there."""
+        cold = cold_plan(len(self.request.prompt_tokens), self.chunk, widest)
+        return max(0, tiled_head(cold.segments) - TILE_TOKENS)
+
     def start_prompt(self, reused: int, hit: Hit | None, *, widest: int) -> None:
         """Its slot holds the first ``reused`` positions' cells, taken from ``hit``: set out
         how the rest is fed, a fixed plan's segments or steps chosen as it goes (``widest``:
         the most prompt tokens a step takes beside a token of every slot)."""
-        if not self.fixed and not reused:
+        cold = hit is not None and hit.cold
+        if not self.fixed and (not reused or cold):
             # A cold prompt is cut the same way whatever runs beside it, so that the same
             # request gives the same output under any load: in chunks of ``prefill_chunk``.
             n_prompt = len(self.request.prompt_tokens)
             self.plan = cold_plan(n_prompt, self.chunk, widest).segments
             self.fixed = True
-        if self.fixed:
+        if cold:
+            # The cold plan's tiled run goes on from the reused cells as one piece, which
+            # feed_prompt cuts where it likes into parts of 64 or more: each of its tokens
+            # gets the cells its own piece of the plan gives it.
+            head = tiled_head(self.plan)
+            self.segments = deque((Segment(head, head - reused), *rest(self.plan, head)))
+        elif self.fixed:
             self.segments = deque(rest(self.plan, reused))
         else:
             assert hit is not None

@@ -7,15 +7,18 @@ from __future__ import annotations
 from hypothesis import given
 from hypothesis import strategies as st
 
+from quicsrv.engine import Segment
 from quicsrv.engine.pieces import (
     ROWS_CELLS,
     TILE_TOKENS,
     Shape,
     Way,
+    cold_plan,
     computed_alone,
     keeps_way,
     share_calls,
     tail,
+    tiled_head,
     tiled_take,
     way,
 )
@@ -197,6 +200,16 @@ def test_a_prompt_found_whole_computes_its_last_positions_row_by_row():
     assert tail(ROWS_CELLS) == 1 and tail(ROWS_CELLS + 1) == 2
     for n in (70, ROWS_CELLS, 300, 2000):
         assert set(_ways([(3, tail(n), n)]).values()) == {Way.ROWS}
+
+
+def test_the_tiled_head_of_a_plan_ends_at_its_first_row_by_row_piece():
+    # A cold prompt's chunks are tiled up to its tail; a plain plan's last chunk may not be.
+    assert tiled_head(cold_plan(300, 64, 504).segments) == 298
+    assert tiled_head(cold_plan(92, 64, 504).segments) == 91
+    assert tiled_head((Segment(200, 64),)) == 192  # the last 8 tokens come row by row
+    assert tiled_head((Segment(128, 64), Segment(140, 1), Segment(300, 64))) == 128
+    assert tiled_head((Segment(40, 40), Segment(300, 64))) == 0
+    assert tiled_head(()) == 0
 
 
 def test_a_piece_that_must_follow_an_earlier_one_of_its_sequence_gets_a_call_after_it():

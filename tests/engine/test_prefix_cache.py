@@ -479,3 +479,33 @@ def test_fewer_cells_than_a_block_stay_as_a_scrap_that_a_short_prompt_in_its_slo
     cache.spill(scrap, b"cells")
     assert cache.entry_in(0) is None and cache.stats.blob_bytes == 0
     assert cache.stats.resident_tokens == len(long)
+
+
+def test_a_long_prompt_reuses_the_start_its_slot_s_cells_computed_tiled():
+    """Fewer positions than a block, found in the slot given to the prompt (as a chat
+    template's system prompt is): as many as the entry computed tiled and the prompt's cold
+    plan allows (``tiled``: it feeds 64 tiled tokens or more after them)."""
+    cache = _cache()
+    system = list(range(900, 920))
+    kept = [*system, *range(1000, 1000 + 3 * B)]
+    answered = extend(cold_plan(len(kept), B, 504).segments, len(kept) + 2, 1)
+    cache.keep(0, "a", [*kept, 5, 6], answered)
+    entry = cache.entry_in(0)
+    assert entry is not None
+    prompt = [*system, *range(2000, 2000 + 2 * B)]
+    assert cache.reusable(entry, "a", prompt, tiled=100) == len(system)
+    assert cache.reusable(entry, "a", prompt, tiled=12) == 12
+    assert cache.reusable(entry, "a", prompt) == 0  # its cold plan has no tiled start
+    assert cache.reusable(entry, "b", prompt, tiled=100) == 0  # another key's cells
+    # Cells computed row by row (pieces of 16), or tiled only from position 10, serve none.
+    cache.keep(1, "a", kept, (Segment(len(kept), 16),))
+    rows = cache.entry_in(1)
+    assert rows is not None and cache.reusable(rows, "a", prompt, tiled=100) == 0
+    cache.keep(1, "a", kept, (Segment(10, 10), Segment(len(kept), 64)))
+    late = cache.entry_in(1)
+    assert late is not None and cache.reusable(late, "a", prompt, tiled=100) == 0
+    # Without flash attention the ways of .pieces are not the kernel's: nothing is taken.
+    other = PrefixCache(b"numerics", max_blob_bytes=1000, cuts_inside_pieces=False)
+    other.keep(0, "a", kept, cold_plan(len(kept), B, 504).segments)
+    kept_there = other.entry_in(0)
+    assert kept_there is not None and other.reusable(kept_there, "a", prompt, tiled=100) == 0

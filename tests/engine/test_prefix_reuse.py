@@ -156,6 +156,68 @@ def test_a_short_prompt_reuses_what_it_shares_with_the_cells_left_in_its_slot(
         engine.close()
 
 
+class _LogprobsSink(RecordingSink):
+    """Every token's log-probabilities too: equal floats mean equal logits, bit for bit."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.logprobs: list[object] = []
+
+    def token_generated(
+        self, index: int, token_id: int, piece: bytes, logprobs: object = None
+    ) -> None:
+        super().token_generated(index, token_id, piece, logprobs)
+        self.logprobs.append(logprobs)
+
+
+def _scored(engine: LlamaEngine, request: SequenceRequest) -> _LogprobsSink:
+    turn = _LogprobsSink()
+    engine.submit(dataclasses.replace(request, logprobs=5), turn)
+    assert turn.done.wait(300)
+    assert turn.reason is FinishReason.LENGTH
+    return turn
+
+
+def test_a_long_prompt_reuses_the_tiled_start_it_shares_with_its_slot_s_cells_and_stays_cold(
+    model_path, cpu_extra_buffers
+):
+    """As llama-server's slots do with a chat template's system prompt: a long prompt given a
+    slot whose cells share its first tokens (fewer than a block) computes only the rest, fed
+    tiled from there, and gets its cold cells, logits and plan."""
+    settings = engine_settings_for(model_path, n_seq_max=1, cpu_extra_buffers=cpu_extra_buffers)
+    system = "You are the bakery's assistant. Answer in one short sentence.\n"
+    engine = LlamaEngine(settings)
+    try:
+        first = engine.tokenize(system + _NOTES, add_special=True)
+        second = engine.tokenize(system + _NOTES.replace("bakery", "mill"), add_special=True)
+        shared = next(i for i, (a, b) in enumerate(zip(first, second, strict=False)) if a != b)
+        assert 0 < shared < 64 and len(second) >= shared + 64 + 1  # no block hit
+        widest = settings.n_batch - settings.n_seq_max
+        cold = cut(cold_plan(len(second), settings.prefill_chunk, widest).segments, len(second))
+        _run(engine, _request(first))
+        turn = _scored(engine, _request(second))
+        (plan,) = turn.plans
+        assert plan.reused == shared and plan.segments == cold
+        assert engine.prefix_stats.reused_tokens == shared
+        # Another API key's prompt finds nothing of it.
+        _run(engine, _request(first))
+        other = _run(engine, _request(second, cache_scope="someone else"))
+        assert other.plans[0].reused == 0
+    finally:
+        engine.close()
+    engine = LlamaEngine(dataclasses.replace(settings, prefix_cache=False))
+    try:
+        alone = _scored(engine, _request(second))
+        assert alone.plans[0].reused == 0 and alone.plans[0].segments == cold
+        assert alone.tokens == turn.tokens and alone.logprobs == turn.logprobs
+        # Its plan, the cold one, is replayed exactly without the cells it started from.
+        resume = ResumePoint(generated=tuple(turn.tokens[:8]))
+        replay = _run(engine, _request(second, resume=resume, prefill_plan=plan))
+        assert replay.tokens == turn.tokens[8:]
+    finally:
+        engine.close()
+
+
 def test_the_cache_switched_off_reuses_nothing(model_path, cpu_extra_buffers):
     settings = engine_settings_for(
         model_path, n_seq_max=1, prefix_cache=False, cpu_extra_buffers=cpu_extra_buffers
