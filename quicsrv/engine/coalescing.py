@@ -5,14 +5,24 @@ sends a datagram that wakes the client: on two cores those wake-ups are taken fr
 own threads, and at one stream they were most of what the server and the client cost per token
 (measured: ``python -m loadtest.bench.cpu``, README "Token coalescing"). So tokens may wait up
 to ``window_s`` in the worker to share one message, one datagram and one client wake-up with the
-next ones. What someone waits on never waits: a sequence's first token (time to first token, and
-a resume's first token), a finish, a pause, a resume. The window bounds the wait: steps are sent
-once the oldest held token would be older than the window by the end of the next step.
+next ones. What someone waits on never waits: a sequence's first tokens up to the first that
+shows text (time to first token, and a resume's first token), a finish, a pause, a resume. The
+window bounds the wait: steps are sent once the oldest held token would be older than the window
+by the end of the next step.
+
+"Shows text" as the server's text stream decodes it (UTF-8, ``errors="replace"``): a first token
+with no text of its own (an end-of-generation token under ``ignore_eos``, a special token, the
+first bytes of a character) is no first token to its reader, who sees the next one. Held, that
+next one waited the window (measured: 2 of the 8 prompts of ``loadtest.bench.burst_ttft``'s
+burst start with ``<|im_end|>``, no text under ``ignore_eos``, then ``\n``; their first text
+reached the client ~100 ms after their first token had reached the server).
 
 Pure: the worker's engine thread feeds it steps and sends what it returns.
 """
 
 from __future__ import annotations
+
+import codecs
 
 from .ipc import Event, SequenceFinished, SequencePaused, Step, TokenGenerated
 
@@ -32,7 +42,9 @@ class StepCoalescer:
         self._oldest_at: float | None = None  # when the oldest held event was produced
         self._last_step_at: float | None = None
         self._last_sent_at = float("-inf")
-        self._streaming: set[int] = set()  # sequences whose first token has left
+        self._streaming: set[int] = set()  # sequences whose first text has left
+        # Sequences whose tokens so far show no text: what of it is decoded (n_seq_max at most).
+        self._textless: dict[int, codecs.IncrementalDecoder] = {}
 
     @property
     def holding(self) -> bool:
@@ -78,10 +90,23 @@ class StepCoalescer:
         for event in events:
             if isinstance(event, TokenGenerated):
                 if event.key not in self._streaming:
-                    self._streaming.add(event.key)
                     urgent = True
+                    if self._shows_text(event.key, event.piece):
+                        self._streaming.add(event.key)
             else:
                 urgent = True
                 if isinstance(event, SequenceFinished | SequencePaused):
                     self._streaming.discard(event.key)
+                    self._textless.pop(event.key, None)
         return urgent
+
+    def _shows_text(self, key: int, piece: bytes) -> bool:
+        """Whether ``piece`` completes the first text of sequence ``key``'s tokens so far."""
+        decoder = self._textless.get(key)
+        if decoder is None:
+            decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")
+        if decoder.decode(piece):
+            self._textless.pop(key, None)
+            return True
+        self._textless[key] = decoder
+        return False

@@ -61,6 +61,34 @@ def test_a_first_token_leaves_at_once_and_later_ones_wait_at_most_the_window():
     assert sent_tokens([*batches, rest]) == [(1, i) for i in range(12)]
 
 
+def test_tokens_leave_at_once_until_one_shows_text():
+    # An end-of-generation token under ignore_eos (no text), then the first two bytes of "“"
+    # (no text yet): the reader has seen nothing, so none of them waits.
+    pieces = [b"", b"\xe2\x80", b"\x9c", b" said", b" she"]
+    coalescer = StepCoalescer(WINDOW_S)
+    due = [
+        coalescer.step_finished(step(i * 0.001, TokenGenerated(1, i, 100 + i, piece, None)))
+        for i, piece in enumerate(pieces)
+    ]
+    assert [d is not None for d in due] == [True, True, True, False, False]
+    assert sent_tokens([d for d in due if d]) == [(1, 0), (1, 1), (1, 2)]
+
+
+def test_a_token_with_text_after_the_first_waits_as_before():
+    coalescer = StepCoalescer(WINDOW_S)
+    assert coalescer.step_finished(step(0.000, TokenGenerated(1, 0, 10, b"\n", None)))
+    assert coalescer.step_finished(step(0.001, TokenGenerated(1, 1, 11, b"", None))) is None
+
+
+def test_an_end_forgets_a_sequence_that_showed_no_text():
+    coalescer = StepCoalescer(WINDOW_S)
+    assert coalescer.step_finished(step(0.000, TokenGenerated(1, 0, 2, b"\xf0", None)))
+    coalescer.step_finished(step(0.001, SequencePaused(1, (2,), None)))
+    # Its resume decodes afresh: a lone continuation byte shows as a replacement character.
+    assert coalescer.step_finished(step(0.002, TokenGenerated(1, 1, 3, b"\x9f", None)))
+    assert coalescer.step_finished(step(0.003, TokenGenerated(1, 2, 4, b"x", None))) is None
+
+
 def test_ends_pauses_and_resumes_leave_at_once_with_everything_held_before_them():
     for end in (
         SequenceFinished(1, FinishReason.LENGTH, 4),
