@@ -1,7 +1,9 @@
 """Time to first token where users arrive together or repeat themselves (issue 40): a burst of
 simultaneous short prompts, a burst of simultaneous long ones (``--long-words``: 410 words,
-about 512 tokens each), and the same prompt again (a retry, a "regenerate": the whole prompt is
-in the server's cache), each a streamed ``/v1/completions`` over TCP (httpx, a
+about 512 tokens each), a prompt whose first token shows no text (``blank``: with the default
+model, greedy, an end of turn and then a newline; its reader's first token is the second), and
+the same prompt again (a retry, a "regenerate": the whole prompt is in the server's cache), each
+a streamed ``/v1/completions`` over TCP (httpx, a
 connection per stream), greedy, end-of-generation ignored.
 
 The servers (this tree's quicsrv; another checkout's with ``--tree``; llama.cpp's llama-server
@@ -42,11 +44,13 @@ from quicsrv.settings import probe_cpu_extra_buffers
 
 __all__ = ["main"]
 
-WORKLOADS = ("burst", "long", "cold", "again")
+WORKLOADS = ("burst", "long", "blank", "cold", "again")
 
 MODEL_NAME = "bench"
 LONG_TEXT = " ".join(PROMPTS) + " " + " ".join(PROMPTS[:8])
 """The repeated prompt's body: about 170 tokens, a short system prompt's worth."""
+BLANK_FIRST = PROMPTS[1]
+"""A prompt whose first token shows no text (the default model, greedy, after a round tag)."""
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -115,6 +119,8 @@ async def _round(
         ]
         ttfts = await asyncio.gather(*(_first_token_s(http, p, args.max_tokens) for p in long))
         samples += [Sample(server=endpoint.name, round=r, workload="long", ttft_s=t) for t in ttfts]
+    ttft = await _first_token_s(http, f"Alone {r}. {BLANK_FIRST}", args.max_tokens)
+    samples.append(Sample(server=endpoint.name, round=r, workload="blank", ttft_s=ttft))
     prompt = f"Round {r}. {LONG_TEXT}"
     for workload in ("cold", "again"):
         ttft = await _first_token_s(http, prompt, args.max_tokens)
@@ -197,13 +203,14 @@ def _table(samples: list[Sample], args: argparse.Namespace) -> str:
     servers = list(dict.fromkeys(s.server for s in samples))
     lines = [
         f"{args.streams} simultaneous short prompts (burst), {args.streams} simultaneous "
-        f"prompts of {args.long_words} words (long), and a ~170-token prompt sent "
-        f"(cold) then sent again (again); {args.max_tokens} tokens each, {args.rounds} rounds, "
+        f"prompts of {args.long_words} words (long), a prompt whose first token shows no text "
+        f"(blank), and a ~170-token prompt sent (cold) then sent again (again); "
+        f"{args.max_tokens} tokens each, {args.rounds} rounds, "
         f"servers taking turns, n_threads={args.threads}; TTFT at the client, ms",
         "",
-        "| server | burst p50 | burst p90 | burst max | long p50 | long p90 | cold p50 "
-        "| again p50 |",
-        "|---|---:|---:|---:|---:|---:|---:|---:|",
+        "| server | burst p50 | burst p90 | burst max | long p50 | long p90 | blank p50 "
+        "| cold p50 | again p50 |",
+        "|---|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
     for server in servers:
 
@@ -213,12 +220,13 @@ def _table(samples: list[Sample], args: argparse.Namespace) -> str:
             )
 
         burst, long, cold, again = of("burst"), of("long"), of("cold"), of("again")
+        blank50 = percentile(of("blank"), 50) or 0.0
         p50, p90 = percentile(burst, 50) or 0.0, percentile(burst, 90) or 0.0
         long50, long90 = percentile(long, 50) or 0.0, percentile(long, 90) or 0.0
         cold50, again50 = percentile(cold, 50) or 0.0, percentile(again, 50) or 0.0
         lines.append(
             f"| {server} | {p50:.0f} | {p90:.0f} | {burst[-1]:.0f} | {long50:.0f} | "
-            f"{long90:.0f} | {cold50:.0f} | {again50:.0f} |"
+            f"{long90:.0f} | {blank50:.0f} | {cold50:.0f} | {again50:.0f} |"
         )
     return "\n".join(lines) + "\n"
 
