@@ -73,6 +73,18 @@ class StepCoalescer:
             return [step]
         return None
 
+    def call_finished(self, step: Step) -> list[Step] | None:
+        """Take what one call of a step reported, more calls of the step to come: everything
+        held and ``step``, if anything in it must not wait; else held for the step's end (which
+        alone times the window, as a whole step)."""
+        if step.events:
+            self._held.append(step)
+            if self._oldest_at is None:
+                self._oldest_at = step.finished_at
+        if self._urgent(step.events) or (self._window_s <= 0 and step.events):
+            return self.flush(step.finished_at)
+        return None
+
     def send_now(self, step: Step) -> list[Step]:
         """Everything held and ``step`` (events from another thread that must not wait)."""
         self._urgent(step.events)

@@ -161,9 +161,10 @@ class EngineObserver:
     def step_finished(self) -> None:
         """A step ended: every sink callback of that step has been made."""
 
-    def prompts_completed(self) -> None:
-        """Within a step, a call completed prompts and more calls follow: their first tokens
-        (every sink callback so far) may leave now rather than at the step's end."""
+    def tokens_sampled(self) -> None:
+        """Within a step, a call sampled tokens and more calls follow: what the sinks were told
+        so far may leave now rather than at the step's end (first tokens, and the first text
+        of a sequence whose first token showed none, decoded before a long prompt's call)."""
 
     def engine_failed(self, error: BaseException) -> None:
         """The worker thread stopped on an exception; every sequence got ``FAILED``."""
@@ -460,7 +461,7 @@ class LlamaEngine(ModelFacts):
             if self._decode(call) and i + 1 < len(calls):
                 # A first token leaves now, not after the step's other calls: in a burst of
                 # long prompts each completes early in a step that then runs a second on.
-                self._observer.prompts_completed()
+                self._observer.tokens_sampled()
 
     def _prompt_pieces(self, *, decoding: int) -> list[list[BatchEntry]]:
         """This step's prompt pieces, oldest sequence first: the oldest's up to ``n_batch``
@@ -521,9 +522,8 @@ class LlamaEngine(ModelFacts):
         self._sample(sequence, end.logits.copy())  # a grammar's sampler may mask in place
 
     def _decode(self, entries: list[BatchEntry]) -> bool:
-        """One ``llama_decode`` call, and the sampling after it; whether a prompt completed
-        (its first token is out, or it finished)."""
-        completed = False
+        """One ``llama_decode`` call, and the sampling after it; whether it sampled a token."""
+        sampled = False
         for i, (sequence, token, position, logits) in enumerate(entries):
             self._add(i, token, position, sequence.seq_id, logits)
         self._batch.n_tokens = len(entries)
@@ -542,12 +542,11 @@ class LlamaEngine(ModelFacts):
                 scores.append(token_logprobs(self._logits(i), prompt[position + 1], top))
                 continue
             row = self._logits(i)
-            if position + 1 == len(prompt):
-                completed = True
-                if self._placement.keeps_end_logits:
-                    sequence.end_logits = EndLogits(len(prompt), row.copy())
+            if position + 1 == len(prompt) and self._placement.keeps_end_logits:
+                sequence.end_logits = EndLogits(len(prompt), row.copy())
             self._sample(sequence, row)
-        return completed
+            sampled = True
+        return sampled
 
     def _admit_resumed(self, sequence: LlamaSequence) -> bool:
         """Give a resumed sequence its cells back from its blob; False: it computes them."""

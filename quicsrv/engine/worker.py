@@ -242,6 +242,16 @@ class _Worker:
             if due:
                 self._send_locked(due)
 
+    def call_finished(self) -> None:
+        """What a call reported before the step's next calls: sent now if it must not wait
+        (:meth:`.coalescing.StepCoalescer.call_finished`)."""
+        if not self._reporting:
+            return
+        with self._send_lock:
+            due = self._coalescer.call_finished(Step(self._take_events(), time.monotonic()))
+            if due:
+                self._send_locked(due)
+
     def planned(self, key: int, plan: PrefillPlan) -> None:
         self._report(SequencePlanned(key, plan))
         self.held(key)
@@ -329,9 +339,8 @@ class _Observer(EngineObserver):
     def step_finished(self) -> None:
         self._worker.step_finished()
 
-    def prompts_completed(self) -> None:
-        # What came out so far goes as a step of its own: first tokens are sent at once.
-        self._worker.step_finished()
+    def tokens_sampled(self) -> None:
+        self._worker.call_finished()
 
     def engine_failed(self, error: BaseException) -> None:
         # The engine logged the traceback. Exit without reporting the sequences' FAILED ends:

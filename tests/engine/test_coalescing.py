@@ -89,6 +89,27 @@ def test_an_end_forgets_a_sequence_that_showed_no_text():
     assert coalescer.step_finished(step(0.003, TokenGenerated(1, 2, 4, b"x", None))) is None
 
 
+def test_a_call_within_a_step_sends_only_what_must_not_wait():
+    # A step's decode call before a long prompt's call: a first text leaves after it...
+    coalescer = StepCoalescer(WINDOW_S)
+    assert coalescer.step_finished(step(0.000, TokenGenerated(1, 0, 2, b"", None)))
+    assert coalescer.step_finished(step(0.001, token(2, 0)))
+    due = coalescer.call_finished(step(0.002, TokenGenerated(1, 1, 3, b"\n", None), token(2, 1)))
+    assert due is not None and sent_tokens([due]) == [(1, 1), (2, 1)]
+    # ...streaming tokens wait for the step's end, which times the window as a whole step.
+    assert coalescer.call_finished(step(0.003, token(1, 2), token(2, 2))) is None
+    assert coalescer.holding
+    assert coalescer.step_finished(step(0.004)) is None
+    assert sent_tokens([coalescer.flush(0.005)]) == [(1, 2), (2, 2)]
+
+
+def test_a_call_within_a_step_is_sent_at_once_without_a_window():
+    coalescer = StepCoalescer(0.0)
+    assert coalescer.call_finished(step(0.000, token(1, 0)))
+    assert coalescer.call_finished(step(0.001, token(1, 1)))
+    assert coalescer.call_finished(step(0.002)) is None  # nothing to send
+
+
 def test_ends_pauses_and_resumes_leave_at_once_with_everything_held_before_them():
     for end in (
         SequenceFinished(1, FinishReason.LENGTH, 4),

@@ -56,14 +56,14 @@ class Counting(EngineObserver):
         self.gate = threading.Event()
         self.gate.set()
         self.waiting = threading.Event()
-        self.log: list[str] = []  # "decode", "completed", "step", and the sinks' "first"
+        self.log: list[str] = []  # "decode", "sampled", "step", and the sinks' "first"
 
     def decode_started(self) -> None:
         self.decodes += 1
         self.log.append("decode")
 
-    def prompts_completed(self) -> None:
-        self.log.append("completed")
+    def tokens_sampled(self) -> None:
+        self.log.append("sampled")
 
     def step_finished(self) -> None:
         self.steps += 1
@@ -224,8 +224,41 @@ def test_a_first_token_leaves_after_its_call_not_after_the_step(packing):
     # As above: the first tokens.
     assert [s.tokens[0] for s in sinks] == [tokens[0] for tokens in solo]
     log = observer.log[sinks[0].logged :]
-    assert log[:3] == ["first", "completed", "decode"]  # the next call comes after the report
+    assert log[:3] == ["first", "sampled", "decode"]  # the next call comes after the report
     assert log.index("step") > 2
+
+
+class LoggedTokens(FirstToken):
+    """Also puts each of its tokens in the observer's log."""
+
+    def token_generated(
+        self, index: int, token_id: int, piece: bytes, logprobs: object = None
+    ) -> None:
+        super().token_generated(index, token_id, piece, logprobs)
+        self.observer.log.append("token")
+
+
+def test_decoded_tokens_are_reported_before_a_prompts_call_in_the_same_step(packing):
+    # Past 256 cells a decoded token has a call of its own, before the prompt's: what it
+    # sampled is handed on then (a first text may leave), not after the prompt's call.
+    engine, observer = packing
+    decoding = LoggedTokens(observer)
+    request = dataclasses.replace(_of_length(engine, 300, 4), max_tokens=500)
+    handle = engine.submit(request, decoding)
+    assert decoding.first_out.wait(60)
+    observer.waiting.clear()
+    observer.gate.clear()
+    assert observer.waiting.wait(60)  # the engine waits between two steps
+    sink = FirstToken(observer)
+    engine.submit(_of_length(engine, 200, 5), sink)
+    start = len(observer.log)
+    observer.gate.set()
+    assert sink.done.wait(120)
+    log = observer.log[start:]
+    step = log[: log.index("step")]
+    assert step[:4] == ["decode", "token", "sampled", "decode"]
+    handle.cancel()
+    assert decoding.done.wait(60)
 
 
 def test_a_sequence_prefilled_in_a_burst_resumes_exactly_by_replay_and_by_kv_restore(packing):
