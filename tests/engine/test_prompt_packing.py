@@ -16,6 +16,7 @@ from quicsrv.engine import (
     ResumePath,
     ResumePoint,
     SamplingParams,
+    SequenceHandle,
     SequenceRequest,
 )
 from quicsrv.engine.llama import EngineObserver, LlamaEngine
@@ -177,6 +178,19 @@ def test_a_burst_is_prefilled_in_fewer_calls_than_prompts_and_each_equals_its_so
     assert in_step == [0] * (len(texts) - 1) + [1]
 
 
+def _decoding_and_held(
+    engine: LlamaEngine, observer: Counting, request: SequenceRequest, sink: FirstToken
+) -> SequenceHandle:
+    """``request`` decoding (up to 500 tokens) into ``sink``, and the engine thread held
+    between two steps (``observer.gate.set()`` lets it go on)."""
+    handle = engine.submit(dataclasses.replace(request, max_tokens=500), sink)
+    assert sink.first_out.wait(60)
+    observer.waiting.clear()
+    observer.gate.clear()
+    assert observer.waiting.wait(60)  # the engine waits between two steps
+    return handle
+
+
 def _of_length(engine: LlamaEngine, n_tokens: int, seed: int) -> SequenceRequest:
     """A prompt of exactly ``n_tokens`` tokens (LONG's, repeated)."""
     tokens = engine.tokenize(" ".join(LONG * 4), add_special=True)
@@ -193,12 +207,7 @@ def test_a_prompt_of_n_batch_tokens_beside_a_decoding_one_completes_in_one_step(
     prompt = _of_length(engine, n_batch, 1)
     solo = _alone(engine, observer, prompt).tokens
     decoding = FirstToken(observer)
-    request = dataclasses.replace(_request(engine, SHORT[0], None), max_tokens=500)
-    handle = engine.submit(request, decoding)
-    assert decoding.first_out.wait(60)
-    observer.waiting.clear()
-    observer.gate.clear()
-    assert observer.waiting.wait(60)  # the engine waits between two steps
+    handle = _decoding_and_held(engine, observer, _request(engine, SHORT[0], None), decoding)
     sink = FirstToken(observer)
     engine.submit(prompt, sink)
     steps = observer.steps
@@ -243,12 +252,7 @@ def test_decoded_tokens_are_reported_before_a_prompts_call_in_the_same_step(pack
     # sampled is handed on then (a first text may leave), not after the prompt's call.
     engine, observer = packing
     decoding = LoggedTokens(observer)
-    request = dataclasses.replace(_of_length(engine, 300, 4), max_tokens=500)
-    handle = engine.submit(request, decoding)
-    assert decoding.first_out.wait(60)
-    observer.waiting.clear()
-    observer.gate.clear()
-    assert observer.waiting.wait(60)  # the engine waits between two steps
+    handle = _decoding_and_held(engine, observer, _of_length(engine, 300, 4), decoding)
     sink = FirstToken(observer)
     engine.submit(_of_length(engine, 200, 5), sink)
     start = len(observer.log)
