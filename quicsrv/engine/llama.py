@@ -163,8 +163,8 @@ class EngineObserver:
 
     def tokens_sampled(self) -> None:
         """Within a step, a call sampled tokens and more calls follow: what the sinks were told
-        so far may leave now rather than at the step's end (first tokens, and the first text
-        of a sequence whose first token showed none, decoded before a long prompt's call)."""
+        so far may leave now rather than after a long prompt's call (first tokens, a first
+        text, an end: the server frees the slot for the next request that much sooner)."""
 
     def engine_failed(self, error: BaseException) -> None:
         """The worker thread stopped on an exception; every sequence got ``FAILED``."""
@@ -459,8 +459,9 @@ class LlamaEngine(ModelFacts):
             ]
         for i, call in enumerate(calls):
             if self._decode(call) and i + 1 < len(calls):
-                # A first token leaves now, not after the step's other calls: in a burst of
-                # long prompts each completes early in a step that then runs a second on.
+                # A first token or an end leaves now, not after the step's other calls: in a
+                # burst of long prompts each completes early in a step that then runs a second
+                # on; at c=32 an end waited for a new prompt's call (~1 s), its slot with it.
                 self._observer.tokens_sampled()
 
     def _prompt_pieces(self, *, decoding: int) -> list[list[BatchEntry]]:

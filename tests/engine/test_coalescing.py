@@ -103,6 +103,17 @@ def test_a_call_within_a_step_sends_only_what_must_not_wait():
     assert sent_tokens([coalescer.flush(0.005)]) == [(1, 2), (2, 2)]
 
 
+def test_an_end_within_a_step_leaves_with_what_was_held_before_it():
+    # A sequence's last token and end come out of the decode call, a prompt's call follows:
+    # the server frees its slot now, not after that call.
+    coalescer = StepCoalescer(WINDOW_S)
+    coalescer.step_finished(step(0.000, token(1, 0)))
+    assert coalescer.step_finished(step(0.001, token(1, 1))) is None
+    end = SequenceFinished(1, FinishReason.LENGTH, 3)
+    due = coalescer.call_finished(step(0.002, token(1, 2), end))
+    assert due is not None and [e for s in due for e in s.events] == [token(1, 1), token(1, 2), end]
+
+
 def test_a_call_within_a_step_is_sent_at_once_without_a_window():
     coalescer = StepCoalescer(0.0)
     assert coalescer.call_finished(step(0.000, token(1, 0)))
