@@ -8,7 +8,9 @@ to ``window_s`` in the worker to share one message, one datagram and one client 
 next ones. What someone waits on never waits: a sequence's first tokens up to the first that
 shows text (time to first token, and a resume's first token), a finish, a pause, a resume. The
 window bounds the wait: steps are sent once the oldest held token would be older than the window
-by the end of the next step.
+by the end of the next step. What must not wait does not wait for the rest of its step either: a
+call's events go out before the step's next calls (a new prompt's, up to a second here) where
+they hold any (:meth:`StepCoalescer.call_finished`).
 
 "Shows text" as the server's text stream decodes it (UTF-8, ``errors="replace"``): a first token
 with no text of its own (an end-of-generation token under ``ignore_eos``, a special token, the
