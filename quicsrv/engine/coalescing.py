@@ -57,10 +57,7 @@ class StepCoalescer:
         now = step.finished_at
         step_s = 0.0 if self._last_step_at is None else now - self._last_step_at
         self._last_step_at = now
-        if step.events:
-            self._held.append(step)
-            if self._oldest_at is None:
-                self._oldest_at = now
+        self._hold(step)
         urgent = self._urgent(step.events)
         if self._window_s <= 0 or urgent:
             return self.flush(now) or [step]
@@ -79,10 +76,7 @@ class StepCoalescer:
         """Take what one call of a step reported, more calls of the step to come: everything
         held and ``step``, if anything in it must not wait; else held for the step's end (which
         alone times the window, as a whole step)."""
-        if step.events:
-            self._held.append(step)
-            if self._oldest_at is None:
-                self._oldest_at = step.finished_at
+        self._hold(step)
         if self._urgent(step.events) or (self._window_s <= 0 and step.events):
             return self.flush(step.finished_at)
         return None
@@ -98,6 +92,12 @@ class StepCoalescer:
         self._oldest_at = None
         self._last_sent_at = now
         return held
+
+    def _hold(self, step: Step) -> None:
+        if step.events:
+            self._held.append(step)
+            if self._oldest_at is None:
+                self._oldest_at = step.finished_at
 
     def _urgent(self, events: tuple[Event, ...]) -> bool:
         urgent = False

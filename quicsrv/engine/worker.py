@@ -37,6 +37,7 @@ import os
 import signal
 import threading
 import time
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from multiprocessing.connection import Connection
@@ -234,21 +235,19 @@ class _Worker:
             self._events.append(event)
 
     def step_finished(self) -> None:
-        if not self._reporting:
-            return
-        with self._send_lock:
-            step = Step(self._take_events(), time.monotonic())
-            due = self._coalescer.step_finished(step)
-            if due:
-                self._send_locked(due)
+        self._hand_on(self._coalescer.step_finished)
 
     def call_finished(self) -> None:
         """What a call reported before the step's next calls: sent now if it must not wait
         (:meth:`.coalescing.StepCoalescer.call_finished`)."""
+        self._hand_on(self._coalescer.call_finished)
+
+    def _hand_on(self, coalesce: Callable[[Step], list[Step] | None]) -> None:
+        """What was reported so far, as a step, to the coalescer; sent if it says so."""
         if not self._reporting:
             return
         with self._send_lock:
-            due = self._coalescer.call_finished(Step(self._take_events(), time.monotonic()))
+            due = coalesce(Step(self._take_events(), time.monotonic()))
             if due:
                 self._send_locked(due)
 
