@@ -12,20 +12,18 @@ by the end of the next step. What must not wait does not wait for the rest of it
 call's events go out before the step's next calls (a new prompt's, up to a second here) where
 they hold any (:meth:`StepCoalescer.call_finished`).
 
-"Shows text" as the server's text stream decodes it (UTF-8, ``errors="replace"``): a first token
-with no text of its own (an end-of-generation token under ``ignore_eos``, a special token, the
-first bytes of a character) is no first token to its reader, who sees the next one. Held, that
-next one waited the window (measured: 2 of the 8 prompts of ``loadtest.bench.burst_ttft``'s
-burst start with ``<|im_end|>``, no text under ``ignore_eos``, then ``\n``; their first text
-reached the client ~100 ms after their first token had reached the server).
+"Shows text" as :mod:`.first_text` says: a first token with no text of its own is no first token
+to its reader, who sees the next one. Held, that next one waited the window (measured: 2 of the
+8 prompts of ``loadtest.bench.burst_ttft``'s burst start with ``<|im_end|>``, no text under
+``ignore_eos``, then ``\n``; their first text reached the client ~100 ms after their first
+token had reached the server).
 
 Pure: the worker's engine thread feeds it steps and sends what it returns.
 """
 
 from __future__ import annotations
 
-import codecs
-
+from .first_text import FirstText
 from .ipc import Event, SequenceFinished, SequencePaused, Step, TokenGenerated
 
 __all__ = ["HEARTBEAT_S", "StepCoalescer"]
@@ -45,8 +43,8 @@ class StepCoalescer:
         self._last_step_at: float | None = None
         self._last_sent_at = float("-inf")
         self._streaming: set[int] = set()  # sequences whose first text has left
-        # Sequences whose tokens so far show no text: what of it is decoded (n_seq_max at most).
-        self._textless: dict[int, codecs.IncrementalDecoder] = {}
+        # Sequences whose tokens so far show no text (n_seq_max at most).
+        self._textless: dict[int, FirstText] = {}
 
     @property
     def holding(self) -> bool:
@@ -116,11 +114,8 @@ class StepCoalescer:
 
     def _shows_text(self, key: int, piece: bytes) -> bool:
         """Whether ``piece`` completes the first text of sequence ``key``'s tokens so far."""
-        decoder = self._textless.get(key)
-        if decoder is None:
-            decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")
-        if decoder.decode(piece):
-            self._textless.pop(key, None)
+        first = self._textless.pop(key, None) or FirstText()
+        if first.feed(piece):
             return True
-        self._textless[key] = decoder
+        self._textless[key] = first
         return False

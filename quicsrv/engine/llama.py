@@ -443,8 +443,10 @@ class LlamaEngine(ModelFacts):
             # the calls they may share; within a call in id order (loadtest.bench.seqids).
             # While every decoding sequence holds at most ROWS_CELLS cells, each decoded token
             # is a 1-token piece computed row by row beside anything (.pieces): it joins the
-            # short prompt pieces' call, which saves a call's fixed cost (~11 ms here) a step.
-            rows = self.settings.flash_attn and all(e[2] < ROWS_CELLS for e in decoding)
+            # short prompt pieces' call (~11 ms less a step), unless a reader awaits its text.
+            rows = self.settings.flash_attn and all(
+                e[2] < ROWS_CELLS and e[0].first_text.shown for e in decoding
+            )
             fed = [[entry] for entry in decoding] if rows else []
             calls = [decoding] if decoding and not rows else []
             fed += pieces
@@ -525,9 +527,11 @@ class LlamaEngine(ModelFacts):
     def _decode(self, entries: list[BatchEntry]) -> bool:
         """One ``llama_decode`` call, and the sampling after it; whether it sampled a token."""
         sampled = False
+        batch = self._batch
         for i, (sequence, token, position, logits) in enumerate(entries):
-            self._add(i, token, position, sequence.seq_id, logits)
-        self._batch.n_tokens = len(entries)
+            batch.token[i], batch.pos[i], batch.logits[i] = token, position, logits
+            batch.n_seq_id[i], batch.seq_id[i][0] = 1, sequence.seq_id
+        batch.n_tokens = len(entries)
         self._observer.decode_started()
         status = llama_cpp.llama_decode(self._context.ctx, self._batch)
         self._observer.decode_finished()
@@ -594,14 +598,6 @@ class LlamaEngine(ModelFacts):
         self._release(sequence)
         sequence.sink.sequence_paused(PausedState(generated=generated, kv_state=kv))
 
-    def _add(self, i: int, token: int, pos: int, seq_id: int, logits: bool) -> None:
-        batch = self._batch
-        batch.token[i] = token
-        batch.pos[i] = pos
-        batch.n_seq_id[i] = 1
-        batch.seq_id[i][0] = seq_id
-        batch.logits[i] = logits
-
     def _logits(self, position: int) -> npt.NDArray[np.float32]:
         """The logits row of batch entry ``position``, as a view (no copy) of llama.cpp's."""
         address = ctypes.cast(
@@ -657,6 +653,7 @@ class LlamaEngine(ModelFacts):
             self._finish(sequence, FinishReason.EOS)
             return
         piece = b"" if is_eog else self.vocabulary.piece(token)
+        sequence.first_text.feed(piece)
         sequence.sink.token_generated(index, token, piece, logprobs)
         if sequence.generated >= sequence.request.max_tokens:
             self._finish(sequence, FinishReason.LENGTH)

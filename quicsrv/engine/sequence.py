@@ -18,6 +18,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from ._api import PrefillPlan, ResumePath, Segment, SequenceRequest, TokenLogprobs, TokenSink
+from .first_text import FirstText
 from .pieces import TILE_TOKENS, cold_plan, merges, tail, tiled_head, tiled_take
 from .prefix_cache import EndLogits, Hit, cut, extend, rest
 from .sampling import SequenceSampler
@@ -54,6 +55,8 @@ class LlamaSequence:
     pending_prompt: deque[int] = field(default_factory=deque)
     forced: deque[int] = field(default_factory=deque)  # replay: tokens to decode, not sample
     history: list[int] = field(default_factory=list)  # every generated token, in order
+    # Whether its reader has seen text yet (a resume's reader has had its tokens).
+    first_text: FirstText = field(default_factory=FirstText)
     # A prompt scored (request.prompt_logprobs): its tokens' log-probabilities so far, until
     # they are reported with its first token.
     prompt_scores: list[TokenLogprobs] | None = None
@@ -91,6 +94,7 @@ class LlamaSequence:
             chunk=chunk,
             order=order,
             prompt_scores=[] if request.prompt_logprobs else None,
+            first_text=FirstText(shown=resume is not None and bool(resume.generated)),
         )
         if resume is not None and resume.kv_state is None and resume.generated:
             if resume.inexact_reprefill:

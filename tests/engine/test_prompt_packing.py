@@ -265,6 +265,30 @@ def test_decoded_tokens_are_reported_before_a_prompts_call_in_the_same_step(pack
     assert decoding.done.wait(60)
 
 
+def test_a_reader_without_text_gets_its_next_token_before_a_prompts_call(packing):
+    # Greedy under ignore_eos this prompt's first token is an end of turn, which shows its
+    # reader no text: its next token is decoded in a call of its own and handed on before the
+    # new prompt's call (short decoded tokens share that call otherwise).
+    engine, observer = packing
+    decoding = LoggedTokens(observer)
+    observer.waiting.clear()
+    observer.gate.clear()  # held after the step that samples its first token
+    request = dataclasses.replace(_request(engine, SHORT[1], None), max_tokens=500)
+    handle = engine.submit(request, decoding)
+    assert observer.waiting.wait(60)
+    assert decoding.pieces == [b""]
+    sink = FirstToken(observer)
+    engine.submit(_request(engine, SHORT[3], None), sink)
+    start = len(observer.log)
+    observer.gate.set()
+    assert sink.done.wait(120)
+    log = observer.log[start:]
+    assert log[: log.index("step")] == ["decode", "token", "sampled", "decode", "first"]
+    assert decoding.pieces[1]  # the text it waited for
+    handle.cancel()
+    assert decoding.done.wait(60)
+
+
 def test_a_sequence_prefilled_in_a_burst_resumes_exactly_by_replay_and_by_kv_restore(packing):
     engine, observer = packing
     texts = [*SHORT[:3], *LONG]
