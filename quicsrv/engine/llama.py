@@ -533,7 +533,7 @@ class LlamaEngine(ModelFacts):
             batch.n_seq_id[i], batch.seq_id[i][0] = 1, sequence.seq_id
         batch.n_tokens = len(entries)
         self._observer.decode_started()
-        status = llama_cpp.llama_decode(self._context.ctx, self._batch)
+        status = llama_cpp.llama_decode(self._context.ctx, batch)
         self._observer.decode_finished()
         if status != 0:
             raise RuntimeError(f"llama_decode failed with status {status}")

@@ -265,17 +265,28 @@ def test_decoded_tokens_are_reported_before_a_prompts_call_in_the_same_step(pack
     assert decoding.done.wait(60)
 
 
+class HeldAfterFirst(LoggedTokens):
+    """Holds the engine thread at the end of the step that samples its first token (cleared
+    on that thread, within the step: no earlier step can be the one held)."""
+
+    def token_generated(
+        self, index: int, token_id: int, piece: bytes, logprobs: object = None
+    ) -> None:
+        if not self.tokens:
+            self.observer.gate.clear()
+        super().token_generated(index, token_id, piece, logprobs)
+
+
 def test_a_reader_without_text_gets_its_next_token_before_a_prompts_call(packing):
     # Greedy under ignore_eos this prompt's first token is an end of turn, which shows its
     # reader no text: its next token is decoded in a call of its own and handed on before the
     # new prompt's call (short decoded tokens share that call otherwise).
     engine, observer = packing
-    decoding = LoggedTokens(observer)
-    observer.waiting.clear()
-    observer.gate.clear()  # held after the step that samples its first token
+    decoding = HeldAfterFirst(observer)
+    observer.waiting.clear()  # an earlier test's hold
     request = dataclasses.replace(_request(engine, SHORT[1], None), max_tokens=500)
     handle = engine.submit(request, decoding)
-    assert observer.waiting.wait(60)
+    assert observer.waiting.wait(60)  # the engine waits after the step of its first token
     assert decoding.pieces == [b""]
     sink = FirstToken(observer)
     engine.submit(_request(engine, SHORT[3], None), sink)
