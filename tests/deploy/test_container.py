@@ -207,9 +207,11 @@ async def test_compose_a_stream_started_on_one_node_continues_on_the_other(
                     break
         position = generation.position
         assert position is not None
-        # Node a stops (SIGTERM: its sessions are handed over to Redis); node b goes on.
-        await asyncio.to_thread(podman, "stop", "-t", "30", _compose_container(tag, "quicsrv-a"))
+        # The reader goes first, so node a pauses the generation (its 28 tokens left would
+        # otherwise race the stop, and a generation finished before it needs no engine on b);
+        # then node a stops (SIGTERM: its sessions are handed over to Redis); node b goes on.
         await on_a.close()
+        await asyncio.to_thread(podman, "stop", "-t", "30", _compose_container(tag, "quicsrv-a"))
         async with Client("127.0.0.1", b_port, ca=certs.ca_cert) as on_b:
             resumed = on_b.resume_from(position)
             async for event in resumed:
