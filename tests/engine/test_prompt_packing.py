@@ -178,17 +178,38 @@ def test_a_burst_is_prefilled_in_fewer_calls_than_prompts_and_each_equals_its_so
     assert in_step == [0] * (len(texts) - 1) + [1]
 
 
+class LoggedTokens(FirstToken):
+    """Also puts each of its tokens in the observer's log."""
+
+    def token_generated(
+        self, index: int, token_id: int, piece: bytes, logprobs: object = None
+    ) -> None:
+        super().token_generated(index, token_id, piece, logprobs)
+        self.observer.log.append("token")
+
+
+class HeldAfterFirst(LoggedTokens):
+    """Holds the engine thread at the end of the step that samples its first token (cleared
+    on that thread, within the step: no earlier step can be the one held)."""
+
+    def token_generated(
+        self, index: int, token_id: int, piece: bytes, logprobs: object = None
+    ) -> None:
+        if not self.tokens:
+            self.observer.gate.clear()
+        super().token_generated(index, token_id, piece, logprobs)
+
+
 def _decoding_and_held(
-    engine: LlamaEngine, observer: Counting, request: SequenceRequest, sink: FirstToken
-) -> SequenceHandle:
-    """``request`` decoding (up to 500 tokens) into ``sink``, and the engine thread held
-    between two steps (``observer.gate.set()`` lets it go on)."""
+    engine: LlamaEngine, observer: Counting, request: SequenceRequest
+) -> tuple[SequenceHandle, HeldAfterFirst]:
+    """``request`` decoding (up to 500 tokens), and the engine thread held at the end of the
+    step of its first token (``observer.gate.set()`` lets it go on)."""
+    sink = HeldAfterFirst(observer)
+    observer.waiting.clear()  # an earlier test's hold
     handle = engine.submit(dataclasses.replace(request, max_tokens=500), sink)
-    assert sink.first_out.wait(60)
-    observer.waiting.clear()
-    observer.gate.clear()
-    assert observer.waiting.wait(60)  # the engine waits between two steps
-    return handle
+    assert observer.waiting.wait(60)
+    return handle, sink
 
 
 def _of_length(engine: LlamaEngine, n_tokens: int, seed: int) -> SequenceRequest:
@@ -206,8 +227,7 @@ def test_a_prompt_of_n_batch_tokens_beside_a_decoding_one_completes_in_one_step(
     n_batch = engine.settings.n_batch
     prompt = _of_length(engine, n_batch, 1)
     solo = _alone(engine, observer, prompt).tokens
-    decoding = FirstToken(observer)
-    handle = _decoding_and_held(engine, observer, _request(engine, SHORT[0], None), decoding)
+    handle, decoding = _decoding_and_held(engine, observer, _request(engine, SHORT[0], None))
     sink = FirstToken(observer)
     engine.submit(prompt, sink)
     steps = observer.steps
@@ -237,22 +257,11 @@ def test_a_first_token_leaves_after_its_call_not_after_the_step(packing):
     assert log.index("step") > 2
 
 
-class LoggedTokens(FirstToken):
-    """Also puts each of its tokens in the observer's log."""
-
-    def token_generated(
-        self, index: int, token_id: int, piece: bytes, logprobs: object = None
-    ) -> None:
-        super().token_generated(index, token_id, piece, logprobs)
-        self.observer.log.append("token")
-
-
 def test_decoded_tokens_are_reported_before_a_prompts_call_in_the_same_step(packing):
     # Past 256 cells a decoded token has a call of its own, before the prompt's: what it
     # sampled is handed on then (a first text may leave), not after the prompt's call.
     engine, observer = packing
-    decoding = LoggedTokens(observer)
-    handle = _decoding_and_held(engine, observer, _of_length(engine, 300, 4), decoding)
+    handle, decoding = _decoding_and_held(engine, observer, _of_length(engine, 300, 4))
     sink = FirstToken(observer)
     engine.submit(_of_length(engine, 200, 5), sink)
     start = len(observer.log)
@@ -265,28 +274,12 @@ def test_decoded_tokens_are_reported_before_a_prompts_call_in_the_same_step(pack
     assert decoding.done.wait(60)
 
 
-class HeldAfterFirst(LoggedTokens):
-    """Holds the engine thread at the end of the step that samples its first token (cleared
-    on that thread, within the step: no earlier step can be the one held)."""
-
-    def token_generated(
-        self, index: int, token_id: int, piece: bytes, logprobs: object = None
-    ) -> None:
-        if not self.tokens:
-            self.observer.gate.clear()
-        super().token_generated(index, token_id, piece, logprobs)
-
-
 def test_a_reader_without_text_gets_its_next_token_before_a_prompts_call(packing):
     # Greedy under ignore_eos this prompt's first token is an end of turn, which shows its
     # reader no text: its next token is decoded in a call of its own and handed on before the
     # new prompt's call (short decoded tokens share that call otherwise).
     engine, observer = packing
-    decoding = HeldAfterFirst(observer)
-    observer.waiting.clear()  # an earlier test's hold
-    request = dataclasses.replace(_request(engine, SHORT[1], None), max_tokens=500)
-    handle = engine.submit(request, decoding)
-    assert observer.waiting.wait(60)  # the engine waits after the step of its first token
+    handle, decoding = _decoding_and_held(engine, observer, _request(engine, SHORT[1], None))
     assert decoding.pieces == [b""]
     sink = FirstToken(observer)
     engine.submit(_request(engine, SHORT[3], None), sink)
