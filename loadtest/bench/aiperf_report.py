@@ -9,8 +9,9 @@ workload.
 
 from __future__ import annotations
 
+import json
 import statistics
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -22,6 +23,7 @@ __all__ = [
     "cpu_shares",
     "ratio_rows",
     "read_export",
+    "read_records",
     "render",
 ]
 
@@ -41,6 +43,10 @@ class Cell:
     """Requests in all (every turn of a conversation is one)."""
     turns: int = 1
     """Turns per conversation: above 1 each turn resends the history with the answers."""
+    rate: float = 0.0
+    """Requests a second arriving on their own (Poisson, from the run's seed: the same times
+    for both servers), whatever is in flight: an open loop, where no request waits for another
+    to end before it is sent. 0: a closed loop of ``concurrency``."""
 
     @property
     def conversations(self) -> int:
@@ -72,6 +78,11 @@ class Measured:
     """Mean output tokens per request."""
     duration_s: float
     """The benchmark's duration."""
+    first_token_at_s: float | None = None
+    """When requests got their first token, mean seconds after the run's first request was
+    sent (:func:`read_records`): how soon the server served the run, whatever sent when."""
+    end_at_s: float | None = None
+    """When requests ended, the same way."""
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -188,8 +199,34 @@ def read_export(export: Mapping[str, Any]) -> Measured:
     )
 
 
+def read_records(lines: Iterable[str]) -> tuple[float, float] | None:
+    """(first tokens at, ends at) from ``profile_export.jsonl``, a request a line: the mean
+    over successful requests of their first token's and their end's time, in seconds after
+    the run's first request was sent (None: no successful request).
+
+    A closed loop (AIPerf's concurrency) sends a request when an earlier one ends, and its TTFT
+    starts there: a server that ends a request sooner has its next request sent sooner, and at
+    a queue's length (c=32, 8 slots) that request waits longer for the same turn. Measured from
+    the run's start, the same requests' first tokens and ends say which server served them
+    sooner."""
+    records = [json.loads(line) for line in lines if line.strip()]
+    if not records:
+        return None
+    start = min(r["metadata"]["request_start_ns"] for r in records)
+    ok = [r for r in records if not r.get("error") and "time_to_first_token" in r["metrics"]]
+    if not ok:
+        return None
+    firsts = [
+        (r["metadata"]["request_start_ns"] - start) / 1e9
+        + r["metrics"]["time_to_first_token"]["value"] / 1e3
+        for r in ok
+    ]
+    ends = [(r["metadata"]["request_end_ns"] - start) / 1e9 for r in ok]
+    return statistics.fmean(firsts), statistics.fmean(ends)
+
+
 def _median(results: Sequence[RunResult], field: str) -> float:
-    return statistics.median(getattr(r.measured, field) for r in results)
+    return float(statistics.median(getattr(r.measured, field) for r in results))
 
 
 #: The comparisons: (label, field, higher is better).
@@ -199,6 +236,8 @@ _RATIOS = (
     ("ITL p50", "itl_p50_ms", False),
     ("output tok/s", "output_tokens_per_s", True),
     ("req/s", "requests_per_s", True),
+    ("first tokens at", "first_token_at_s", False),
+    ("ends at", "end_at_s", False),
 )
 
 
@@ -211,7 +250,8 @@ def ratio_rows(results: Sequence[RunResult], cells: Sequence[str]) -> list[list[
         theirs = [r for r in results if r.cell == cell and r.server == LLAMA_SERVER]
         row = [cell]
         for _, field, _ in _RATIOS:
-            if ours and theirs and _median(theirs, field) > 0:
+            known = all(getattr(r.measured, field) is not None for r in [*ours, *theirs])
+            if ours and theirs and known and _median(theirs, field) > 0:
                 row.append(f"{_median(ours, field) / _median(theirs, field):.2f}")
             else:
                 row.append("–")
@@ -241,6 +281,8 @@ def _run_row(result: RunResult) -> list[str]:
         f"{m.requests_per_s:.3f}",
         f"{prompt} / {m.output_tokens:.0f}",
         f"{m.duration_s:.0f}",
+        "–" if m.first_token_at_s is None else f"{m.first_token_at_s:.1f}",
+        "–" if m.end_at_s is None else f"{m.end_at_s:.1f}",
         f"{result.others_cpu_share:.0%}",
         f"{result.aiperf_cpu_share:.0%}",
         f"{result.loadavg_1m:.1f}",
@@ -263,6 +305,8 @@ def render(results: Sequence[RunResult], cells: Sequence[str], *, heading: str) 
         "req/s",
         "prompt / output tokens",
         "s",
+        "first tokens at s",
+        "ends at s",
         "others' CPU",
         "AIPerf CPU",
         "load avg",
@@ -273,7 +317,9 @@ def render(results: Sequence[RunResult], cells: Sequence[str], *, heading: str) 
             heading,
             _table(header, [_run_row(r) for r in runs], right_from=2),
             "quicsrv ÷ llama-server (medians; latency below 1.00 and rate above 1.00: "
-            "quicsrv better):",
+            "quicsrv better). First tokens at, ends at: the requests' mean times from the "
+            "run's start (a closed loop sends a request when another ends, so a TTFT starts "
+            "wherever the server ended the one before):",
             _table(ratio_header, ratio_rows(results, cells), right_from=1),
         ]
     )

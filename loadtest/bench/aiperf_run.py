@@ -37,9 +37,10 @@ import subprocess
 import sys
 import time
 from collections.abc import AsyncIterator, Callable, Mapping, Sequence
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from datetime import UTC, datetime
 from pathlib import Path
+from typing import Any
 
 from loadtest.bench.aiperf_report import (
     LLAMA_SERVER,
@@ -50,6 +51,7 @@ from loadtest.bench.aiperf_report import (
     RunResult,
     cpu_shares,
     read_export,
+    read_records,
     render,
 )
 from loadtest.bench.llama_server import llama_server, llama_server_argv
@@ -101,12 +103,19 @@ def workloads(
     multi_turn_conversations: int,
     multi_turn_turns: int,
     multi_turn_concurrency: int,
+    rates: Sequence[float] = (),
+    rate_requests: int = 48,
 ) -> list[Cell]:
     """The workloads of a run: one per concurrency (``max(min_requests, requests_per_slot *
-    concurrency)`` requests), then the multi-turn one unless it has no conversations."""
+    concurrency)`` requests), one per open-loop rate (``rate_requests`` requests, none held
+    back: at most all in flight), then the multi-turn one unless it has no conversations."""
     cells = [
         Cell(name=f"c={c}", concurrency=c, requests=max(min_requests, requests_per_slot * c))
         for c in concurrencies
+    ]
+    cells += [
+        Cell(name=f"{rate:g}/s", concurrency=rate_requests, requests=rate_requests, rate=rate)
+        for rate in rates
     ]
     if multi_turn_conversations > 0 and multi_turn_turns > 1:
         cells.append(
@@ -134,6 +143,7 @@ def aiperf_argv(
     artifact_dir: Path,
     request_timeout_s: float,
     pace_rps: float = 200.0,
+    connection_reuse: str = "never",
 ) -> list[str]:
     """``aiperf profile`` for one workload against one server.
 
@@ -148,7 +158,16 @@ def aiperf_argv(
     for the entire run (seen at 30-50% of this 2-core machine, taken from the servers). A
     request rate beside the concurrency makes it sleep between tries instead: at 200 requests/s
     (constant arrivals) it looks at most every 5 ms, so a freed slot waits 2.5 ms on average and
-    a burst of 32 is sent within 160 ms. 0: AIPerf's spinning default.
+    a burst of 32 is sent within 160 ms. 0: AIPerf's spinning default. An open-loop workload
+    (:attr:`Cell.rate`) is sent at its own rate instead, Poisson, its cap all its requests.
+
+    ``connection_reuse`` (AIPerf's ``--connection-reuse-strategy``): ``never``, a connection a
+    request, by default. With AIPerf's pooled default, llama-server (cpp-httplib: an idle
+    kept-alive connection is closed after 5 s) failed 1-4 of 64 requests a c=32 run, each a
+    pooled connection it had begun to close as AIPerf wrote to it (``ServerDisconnectedError``,
+    "Cannot write to closing transport"). A failed request is work the server never does, so
+    the rest of its queue moved up: its TTFT gained what its errors lost. On loopback a new
+    connection costs well under a millisecond against TTFTs of seconds.
     """
     argv = [
         str(executable),
@@ -176,11 +195,9 @@ def aiperf_argv(
         "--use-server-token-count",
         "--concurrency",
         str(cell.concurrency),
-        *(
-            ["--request-rate", f"{pace_rps:g}", "--arrival-pattern", "constant"]
-            if pace_rps > 0
-            else []
-        ),
+        *_arrivals(cell, pace_rps),
+        "--connection-reuse-strategy",
+        connection_reuse,
         "--request-count",
         str(cell.requests),
         "--conversation-num",
@@ -210,6 +227,14 @@ def aiperf_argv(
             "0",
         ]
     return argv
+
+
+def _arrivals(cell: Cell, pace_rps: float) -> list[str]:
+    if cell.rate > 0:
+        return ["--request-rate", f"{cell.rate:g}", "--arrival-pattern", "poisson"]
+    if pace_rps > 0:
+        return ["--request-rate", f"{pace_rps:g}", "--arrival-pattern", "constant"]
+    return []
 
 
 def _aiperf_env(extra: Mapping[str, str]) -> dict[str, str]:
@@ -428,6 +453,7 @@ async def _measure(
                         artifact_dir=run_dir,
                         request_timeout_s=args.request_timeout_s,
                         pace_rps=args.pace_rps,
+                        connection_reuse=args.connection_reuse,
                     )
                     samples = await _run_aiperf(
                         argv, target, out / f"{run_dir.name}.log", args.run_timeout_s
@@ -438,7 +464,7 @@ async def _measure(
                         server=target.name,
                         cell=cell.name,
                         repeat=r,
-                        measured=read_export(export),
+                        measured=_measured(export, run_dir / "profile_export.jsonl"),
                         others_cpu_share=others,
                         aiperf_cpu_share=aiperf_cpu,
                         loadavg_1m=os.getloadavg()[0],
@@ -447,6 +473,7 @@ async def _measure(
                     print(
                         f"  TTFT p50 {m.ttft_p50_ms:.0f} ms, p90 {m.ttft_p90_ms:.0f} ms, "
                         f"ITL p50 {m.itl_p50_ms:.1f} ms, {m.output_tokens_per_s:.1f} tok/s, "
+                        f"first tokens at {_seconds(m.first_token_at_s)}, "
                         f"{m.requests_ok} ok, {m.errors} failed, others' CPU {others:.0%}, "
                         f"AIPerf {aiperf_cpu:.0%}",
                         flush=True,
@@ -454,6 +481,29 @@ async def _measure(
                     results.append(result)
                     save(results)
     return results
+
+
+def _measured(export: Mapping[str, Any], records: Path) -> Measured:
+    """AIPerf's summary, with when the requests were served from its per-request records."""
+    measured = read_export(export)
+    if not records.exists():
+        return measured
+    with records.open() as lines:
+        served = read_records(lines)
+    if served is None:
+        return measured
+    return replace(measured, first_token_at_s=served[0], end_at_s=served[1])
+
+
+def _rates(text: str) -> list[float]:
+    values = [float(part) for part in text.split(",") if part.strip()]
+    if not values or min(values) <= 0:
+        raise argparse.ArgumentTypeError("a comma-separated list of positive rates")
+    return values
+
+
+def _seconds(value: float | None) -> str:
+    return "–" if value is None else f"{value:.1f} s"
 
 
 def _concurrencies(text: str) -> list[int]:
@@ -470,6 +520,14 @@ def _parser() -> argparse.ArgumentParser:
     )
     add = parser.add_argument
     add("--concurrency", type=_concurrencies, default=[1, 8, 32], metavar="1,8,32")
+    add(
+        "--rates",
+        type=_rates,
+        default=[],
+        metavar="0.4,0.5",
+        help="open-loop workloads: requests/s arriving on their own (Poisson, seeded)",
+    )
+    add("--rate-requests", type=int, default=48, help="requests of each open-loop workload")
     add("--requests-per-slot", type=int, default=2, help="requests = this × concurrency ...")
     add("--min-requests", type=int, default=8, help="... but at least this many")
     add("--input-tokens", type=int, default=256, help="synthetic prompt (user message) tokens")
@@ -499,6 +557,13 @@ def _parser() -> argparse.ArgumentParser:
         help="AIPerf sends at most this many requests/s (constant) under the concurrency cap; "
         "0: its busy-polling burst mode",
     )
+    add(
+        "--connection-reuse",
+        choices=("never", "pooled", "sticky-user-sessions"),
+        default="never",
+        help="AIPerf's --connection-reuse-strategy (pooled: AIPerf's default, on which "
+        "llama-server drops a request or two a run)",
+    )
     add("--request-timeout-s", type=float, default=900.0)
     add("--run-timeout-s", type=float, default=3600.0, help="one AIPerf invocation at most")
     add("--quiet-below", type=float, default=0.15)
@@ -515,7 +580,8 @@ def _heading(meta: Mapping[str, object]) -> str:
         f"the end. Streamed `/v1/{meta['endpoint_path']}`, {meta['input_tokens']}-token "
         f"synthetic prompts, {meta['output_tokens']}-token answers; both servers "
         f"{meta['parallel']} slots of {meta['ctx']} tokens, {meta['threads']} threads, flash "
-        f"attention {'on' if meta['flash_attn'] else 'off'}. {meta.get('quicsrv', '')}; "
+        f"attention {'on' if meta['flash_attn'] else 'off'}; AIPerf's connections "
+        f"{meta.get('connection_reuse', 'pooled')}. {meta.get('quicsrv', '')}; "
         f"{meta['llama_server_note']}"
     )
 
@@ -567,6 +633,8 @@ def main(argv: list[str] | None = None) -> int:
         multi_turn_conversations=args.multi_turn_conversations,
         multi_turn_turns=args.multi_turn_turns,
         multi_turn_concurrency=args.multi_turn_concurrency,
+        rates=args.rates,
+        rate_requests=args.rate_requests,
     )
     tokenizer = ensure_tokenizer(model, aiperf_home())
     stamp = datetime.now(UTC).strftime("%Y%m%d-%H%M%S")
@@ -589,6 +657,7 @@ def main(argv: list[str] | None = None) -> int:
             "ctx": settings.context_per_sequence,
             "threads": settings.n_threads,
             "flash_attn": settings.flash_attn,
+            "connection_reuse": args.connection_reuse,
             "llama_server_note": note,
             "quicsrv": f"quicsrv from {args.tree}" if args.tree else "quicsrv from this checkout",
         }

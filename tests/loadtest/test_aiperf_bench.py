@@ -19,6 +19,7 @@ from loadtest.bench.aiperf_report import (
     cpu_shares,
     ratio_rows,
     read_export,
+    read_records,
     render,
 )
 from loadtest.bench.aiperf_run import aiperf_argv, main, workloads
@@ -168,6 +169,8 @@ def test_aiperf_argv_asks_for_the_workload() -> None:
     # Paced under the concurrency cap, so that AIPerf's timing service sleeps instead of spinning.
     assert _flag(argv, "--request-rate") == "200"
     assert _flag(argv, "--arrival-pattern") == "constant"
+    # A connection a request: no pooled connection that the server is closing is written to.
+    assert _flag(argv, "--connection-reuse-strategy") == "never"
 
 
 def test_aiperf_argv_without_pacing_is_aiperfs_burst_mode() -> None:
@@ -188,6 +191,15 @@ def test_aiperf_argv_without_pacing_is_aiperfs_burst_mode() -> None:
     )
     assert "--request-rate" not in argv and "--arrival-pattern" not in argv
     assert _flag(argv, "--endpoint-type") == "completions"
+
+
+def test_an_open_loop_workload_arrives_at_its_rate_whatever_is_in_flight() -> None:
+    cells = workloads([8], requests_per_slot=2, min_requests=8, **_no_multi_turn(), rates=[0.45])
+    assert cells[-1] == Cell(name="0.45/s", concurrency=48, requests=48, rate=0.45)
+    argv = _argv(cells[-1])
+    assert _flag(argv, "--request-rate") == "0.45"
+    assert _flag(argv, "--arrival-pattern") == "poisson"
+    assert _flag(argv, "--concurrency") == _flag(argv, "--request-count") == "48"
 
 
 def test_aiperf_argv_multi_turn() -> None:
@@ -266,7 +278,9 @@ def test_cpu_shares_keep_the_profiling_window_only() -> None:
     assert all(math.isnan(x) for x in cpu_shares(samples[:1], 0.0, 1.0, cpus=2))
 
 
-def _result(server: str, cell: str, ttft: float, rate: float) -> RunResult:
+def _result(
+    server: str, cell: str, ttft: float, rate: float, served: tuple[float, float] | None = None
+) -> RunResult:
     measured = Measured(
         requests_ok=8,
         errors=0,
@@ -278,6 +292,8 @@ def _result(server: str, cell: str, ttft: float, rate: float) -> RunResult:
         prompt_tokens=286.0,
         output_tokens=128.0,
         duration_s=10.0,
+        first_token_at_s=None if served is None else served[0],
+        end_at_s=None if served is None else served[1],
     )
     return RunResult(
         server=server,
@@ -292,18 +308,49 @@ def _result(server: str, cell: str, ttft: float, rate: float) -> RunResult:
 
 def test_ratios_are_quicsrv_over_llama_server_per_workload() -> None:
     results = [
-        _result("quicsrv", "c=1", 100.0, 60.0),
-        _result("llama-server", "c=1", 50.0, 80.0),
+        _result("quicsrv", "c=1", 100.0, 60.0, (30.0, 45.0)),
+        _result("llama-server", "c=1", 50.0, 80.0, (40.0, 50.0)),
         _result("quicsrv", "c=8", 400.0, 90.0),
+        _result("llama-server", "c=8", 400.0, 90.0, (10.0, 20.0)),
     ]
     assert ratio_rows(results, ["c=1", "c=8"]) == [
-        ["c=1", "2.00", "2.00", "1.00", "0.75", "0.75"],
-        ["c=8", "–", "–", "–", "–", "–"],
+        ["c=1", "2.00", "2.00", "1.00", "0.75", "0.75", "0.75", "0.90"],
+        # A run saved before the records were read has no times: no ratio for them.
+        ["c=8", "1.00", "1.00", "1.00", "1.00", "1.00", "–", "–"],
     ]
     text = render(results, ["c=1", "c=8"], heading="heading line")
     assert text.startswith("heading line")
     assert "| c=1 | llama-server | 1 | 8 | 50 | 100 | 20.0 | 80.0 |" in text
-    assert "| c=1 | 2.00 | 2.00 | 1.00 | 0.75 | 0.75 |" in text
+    assert "| 10 | 40.0 | 50.0 |" in text and "| 10 | – | – |" in text
+    assert "| c=1 | 2.00 | 2.00 | 1.00 | 0.75 | 0.75 | 0.75 | 0.90 |" in text
+
+
+def _record(start_s: float, ttft_ms: float | None, end_s: float) -> str:
+    metrics = {} if ttft_ms is None else {"time_to_first_token": {"value": ttft_ms, "unit": "ms"}}
+    return json.dumps(
+        {
+            "metadata": {
+                "request_start_ns": int(start_s * 1e9),
+                "request_end_ns": int(end_s * 1e9),
+            },
+            "metrics": metrics,
+            **({"error": {"type": "ServerDisconnectedError"}} if ttft_ms is None else {}),
+        }
+    )
+
+
+def test_read_records_times_first_tokens_and_ends_from_the_runs_first_send() -> None:
+    # The run starts with a failed request at 100 s: it counts for the start only.
+    lines = [
+        _record(100.0, None, 100.01),
+        _record(100.5, 1500.0, 104.0),  # first token at 2.0 s, end at 4.0 s
+        _record(103.0, 3000.0, 110.0),  # first token at 6.0 s, end at 10.0 s
+        "",
+    ]
+    first_tokens_at, ends_at = read_records(lines) or (0.0, 0.0)
+    assert first_tokens_at == pytest.approx(4.0) and ends_at == pytest.approx(7.0)
+    assert read_records([_record(1.0, None, 1.1)]) is None
+    assert read_records([]) is None
 
 
 def test_report_only_rerenders_a_saved_run(tmp_path: Path, capsys: pytest.CaptureFixture[str]):
