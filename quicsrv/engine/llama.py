@@ -1,12 +1,12 @@
 """The llama.cpp engine: one context, many sequences, a few ``llama_decode`` calls per step.
 
-A single worker thread owns the llama.cpp context. Each step it decodes the next token of every
-decoding sequence in one call, then a piece of the prompt of as many pending sequences as fit
-in ``n_batch`` tokens, oldest first, until the step holds half the waiting prompt tokens, in as
-few calls as :mod:`.pieces` allows without changing any sequence's numbers, and samples each
-sequence whose logits came out, after its call: a first token is sent then, not at the step's
-end. New sequences join at the next step; finished or cancelled ones release their KV cells at
-once. The event loop never touches llama.cpp.
+A single worker thread owns the llama.cpp context. Each step it feeds a piece of the prompt of
+as many pending sequences as fit in ``n_batch`` tokens, oldest first, until the step holds half
+the waiting prompt tokens, in as few calls as :mod:`.pieces` allows without changing any
+sequence's numbers, then the next token of every decoding sequence, and samples each sequence
+whose logits came out, after its call: a first token is sent then, not at the step's end. New
+sequences join at the next step; finished or cancelled ones release their KV cells at once.
+The event loop never touches llama.cpp.
 """
 
 from __future__ import annotations
@@ -44,6 +44,7 @@ from ._api import (
     TokenSink,
 )
 from .facts import ModelInfo
+from .observer import EngineObserver
 from .pieces import ROWS_CELLS, RULES_VERSION, Shape, share_calls
 from .placement import KvCells, SlotPlacement
 from .prefix_cache import EndLogits
@@ -66,6 +67,12 @@ SNAPSHOT_AFTER_S = 0.05
 """How long the engine waits for work before it saves kept entries' cells: a client's next
 request (a retry, the next turn, an agent's next step) usually comes sooner, and finds the
 engine free (measured: the same prompt again took 18 ms where saves began at once, 9 without)."""
+
+
+HANDOVER_S = 0.025
+"""How long the engine waits, when an end or a pause freed an id and no prompt is pending, for
+the request the server hands it from its queue within milliseconds: else that one missed the
+next step and waited behind the prompt after it (~1 s at c=32), its slot idle."""
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -148,28 +155,6 @@ def open_context(settings: EngineSettings) -> tuple[LlamaModel, LlamaContext]:
     return model, LlamaContext(model=model, params=params, verbose=False)
 
 
-class EngineObserver:
-    """Hooks around the worker thread's steps (the engine worker process meters and reports
-    through them); every method is called on the engine thread and does nothing here."""
-
-    def decode_started(self) -> None:
-        """``llama_decode`` is about to run."""
-
-    def decode_finished(self) -> None:
-        """``llama_decode`` returned."""
-
-    def step_finished(self) -> None:
-        """A step ended: every sink callback of that step has been made."""
-
-    def tokens_sampled(self) -> None:
-        """Within a step, a call sampled tokens and more calls follow: what the sinks were told
-        so far may leave now rather than after a long prompt's call (first tokens, a first
-        text, an end: the server frees the slot for the next request that much sooner)."""
-
-    def engine_failed(self, error: BaseException) -> None:
-        """The worker thread stopped on an exception; every sequence got ``FAILED``."""
-
-
 class ModelFacts:
     """The part of the Engine protocol answered from the settings and the vocabulary alone,
     shared by the in-process engine and the worker-process one."""
@@ -237,6 +222,7 @@ class LlamaEngine(ModelFacts):
         self._waiting: deque[LlamaSequence] = deque()
         self._active: list[LlamaSequence] = []
         self._free_ids = list(range(settings.n_seq_max - 1, -1, -1))
+        self._freed = False  # an id was freed in the last step (HANDOVER_S)
         self._placement = SlotPlacement.open(
             self._cells,
             enabled=settings.prefix_cache,
@@ -347,13 +333,22 @@ class LlamaEngine(ModelFacts):
 
     def _step(self) -> bool:
         idle = not self._active and not self._waiting
-        while idle or not self._inbox.empty():
+        handover = self._freed and not self._waiting
+        handover = handover and not any(s.pending_prompt for s in self._active)
+        self._freed = False
+        while idle or handover or not self._inbox.empty():
             if idle:
                 self._placement.idle(True)
                 item = self._next_while_idle()
                 self._placement.idle(False)
+            elif handover and self._inbox.empty():
+                try:
+                    item = self._inbox.get(timeout=HANDOVER_S)
+                except queue.Empty:
+                    break
             else:
                 item = self._inbox.get_nowait()
+            handover = False
             if item is None:
                 for sequence in [*self._active, *self._waiting]:
                     self._finish(sequence, FinishReason.SHUTDOWN)
@@ -439,46 +434,42 @@ class LlamaEngine(ModelFacts):
             # Each sequence in its own micro-batch: its logits cannot depend on its neighbours.
             calls = [[entry] for entry in decoding] + pieces
         else:
-            # The decoded tokens first (their streams wait for them), then the prompt pieces in
-            # the calls they may share; within a call in id order (loadtest.bench.seqids).
-            # While every decoding sequence holds at most ROWS_CELLS cells, each decoded token
-            # is a 1-token piece computed row by row beside anything (.pieces): it joins the
-            # short prompt pieces' call (~11 ms less a step), unless a reader awaits its text.
-            rows = self.settings.flash_attn and all(
-                e[2] < ROWS_CELLS and e[0].first_text.shown for e in decoding
-            )
+            # Prompt pieces share calls (in id order, loadtest.bench.seqids); a decoded token
+            # within ROWS_CELLS cells is a row-by-row piece too (.pieces), else the decoded
+            # tokens' call comes after the prompts' (as in llama-server's batch): an answer due
+            # to end ends after the new prompt, and a client's next request (an agent's loop)
+            # finds it done, not ahead of it (loadtest/README.md, "a closed loop's TTFT").
+            # First while a reader awaits its first text, though: its next token may be it.
+            awaiting_text = not all(e[0].first_text.shown for e in decoding)
+            rows = self.settings.flash_attn and not awaiting_text
+            rows = rows and all(e[2] < ROWS_CELLS for e in decoding)
             fed = [[entry] for entry in decoding] if rows else []
-            calls = [decoding] if decoding and not rows else []
-            fed += pieces
             shared = share_calls(
-                [(Shape(p[0][0].seq_id, len(p), p[-1][2] + 1, p[-1][3]), p) for p in fed],
+                [(Shape(p[0][0].seq_id, len(p), p[-1][2] + 1, p[-1][3]), p) for p in fed + pieces],
                 pack=self.settings.flash_attn,
                 n_ubatch=self.settings.n_batch,
             )
-            calls += [
+            calls = [
                 sorted((e for piece in call for e in piece), key=lambda e: e[0].seq_id)
                 for call in shared
             ]
+            if decoding and not rows:
+                calls.insert(0 if awaiting_text else len(calls), decoding)
         for i, call in enumerate(calls):
             if self._decode(call) and i + 1 < len(calls):
-                # A first token or an end leaves now, not after the step's other calls: in a
-                # burst of long prompts each completes early in a step that then runs a second
-                # on; at c=32 an end waited for a new prompt's call (~1 s), its slot with it.
+                # A first token leaves now, not after the step's other calls: in a burst of
+                # long prompts each completes early in a step that then runs a second on.
                 self._observer.tokens_sampled()
 
     def _prompt_pieces(self, *, decoding: int) -> list[list[BatchEntry]]:
         """This step's prompt pieces, oldest sequence first: the oldest's up to ``n_batch``
-        tokens (the decoded tokens have a call of their own, or the short pieces'), so that a
-        prompt of ``n_batch`` tokens completes in one step, as in llama-server; then as many
-        of the others' as fit in what is left beside the ``decoding`` sequences' tokens, until
-        they hold half the waiting prompt tokens: a burst's first half gets its first tokens
-        after a step half as long (measured: 8 short prompts, TTFT p50 0.95x llama-server's,
-        from 1.19x, where one step for all eight made all eight wait for the slowest). A
-        sequence's tiled pieces are merged while the budget lasts, so the oldest prompt of a
-        burst is in first (as llama-server fills its batch slot by slot), not all of them
-        together at the end, and the step is filled to the token (:func:`.pieces.tiled_take`);
-        a cold prompt's tail may go past the budget (``LlamaSequence.feed_prompt``). A prompt
-        completed here reports its plan now, before its first token."""
+        tokens (a prompt of ``n_batch`` completes in one step, as in llama-server), then the
+        others' that fit beside the ``decoding`` sequences' tokens, until they hold half the
+        waiting prompt tokens (a burst's first half gets its first tokens after a step half as
+        long: 8 short prompts' TTFT p50 went from 1.19x llama-server's to 0.95x). A sequence's
+        tiled pieces merge while the budget lasts, the step filled to the token
+        (:func:`.pieces.tiled_take`); a cold prompt's tail may go past the budget
+        (``LlamaSequence.feed_prompt``). A prompt completed here reports its plan now."""
         waiting = sorted((s for s in self._active if s.pending_prompt), key=lambda s: s.order)
         room = self.settings.n_batch
         crowded = decoding > 0 or len(waiting) > 1
@@ -680,6 +671,7 @@ class LlamaEngine(ModelFacts):
             if not kept:
                 self._cells.clear(sequence.seq_id)
             self._free_ids.append(sequence.seq_id)
+            self._freed = True
         elif sequence in self._waiting:
             self._waiting.remove(sequence)
         else:

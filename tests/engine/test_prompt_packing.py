@@ -257,19 +257,21 @@ def test_a_first_token_leaves_after_its_call_not_after_the_step(packing):
     assert log.index("step") > 2
 
 
-def test_decoded_tokens_are_reported_before_a_prompts_call_in_the_same_step(packing):
-    # Past 256 cells a decoded token has a call of its own, before the prompt's: what it
-    # sampled is handed on then (a first text may leave), not after the prompt's call.
+def test_decoded_tokens_past_256_cells_come_after_a_prompts_calls_in_the_same_step(packing):
+    # Past 256 cells a decoded token has a call of its own, after the prompt's (as
+    # llama-server's batch hands everything out after its prompt): the new prompt's first
+    # token leaves after its own two calls (its tiled chunk, then its last position), and
+    # the decoded token after that.
     engine, observer = packing
     handle, decoding = _decoding_and_held(engine, observer, _of_length(engine, 300, 4))
+    assert decoding.pieces[0]  # its reader has text: nothing puts its next token first
     sink = FirstToken(observer)
     engine.submit(_of_length(engine, 200, 5), sink)
     start = len(observer.log)
     observer.gate.set()
     assert sink.done.wait(120)
     log = observer.log[start:]
-    step = log[: log.index("step")]
-    assert step[:4] == ["decode", "token", "sampled", "decode"]
+    assert log[: log.index("step")] == ["decode", "decode", "first", "sampled", "decode", "token"]
     handle.cancel()
     assert decoding.done.wait(60)
 
