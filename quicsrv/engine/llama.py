@@ -333,8 +333,9 @@ class LlamaEngine(ModelFacts):
 
     def _step(self) -> bool:
         idle = not self._active and not self._waiting
-        handover = self._freed and not self._waiting
-        handover = handover and not any(s.pending_prompt for s in self._active)
+        handover = (
+            self._freed and not self._waiting and not any(s.pending_prompt for s in self._active)
+        )
         self._freed = False
         while idle or handover or not self._inbox.empty():
             if idle:
@@ -441,8 +442,11 @@ class LlamaEngine(ModelFacts):
             # finds it done, not ahead of it (loadtest/README.md, "a closed loop's TTFT").
             # First while a reader awaits its first text, though: its next token may be it.
             awaiting_text = not all(e[0].first_text.shown for e in decoding)
-            rows = self.settings.flash_attn and not awaiting_text
-            rows = rows and all(e[2] < ROWS_CELLS for e in decoding)
+            rows = (
+                self.settings.flash_attn
+                and not awaiting_text
+                and all(e[2] < ROWS_CELLS for e in decoding)
+            )
             fed = [[entry] for entry in decoding] if rows else []
             shared = share_calls(
                 [(Shape(p[0][0].seq_id, len(p), p[-1][2] + 1, p[-1][3]), p) for p in fed + pieces],

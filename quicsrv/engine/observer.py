@@ -1,5 +1,4 @@
-"""What the engine's worker thread tells whoever watches it (the engine worker process meters
-and reports through it): pure hooks, called on that thread."""
+"""The engine's worker-thread hooks (:class:`EngineObserver`)."""
 
 from __future__ import annotations
 
