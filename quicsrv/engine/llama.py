@@ -3,10 +3,10 @@
 A single worker thread owns the llama.cpp context. Each step it feeds a piece of the prompt of
 as many pending sequences as fit in ``n_batch`` tokens, oldest first, until the step holds half
 the waiting prompt tokens, in as few calls as :mod:`.pieces` allows without changing any
-sequence's numbers, then the next token of every decoding sequence, and samples each sequence
-whose logits came out, after its call: a first token is sent then, not at the step's end. New
-sequences join at the next step; finished or cancelled ones release their KV cells at once.
-The event loop never touches llama.cpp.
+sequence's numbers, then the next token of each decoding sequence (some wait: ``_decode_step``),
+and samples each whose logits came out, after its call: a first token is sent then, not at the
+step's end. New sequences join at the next step; finished or cancelled ones release their KV
+cells at once. The event loop never touches llama.cpp.
 """
 
 from __future__ import annotations
@@ -223,6 +223,7 @@ class LlamaEngine(ModelFacts):
         self._active: list[LlamaSequence] = []
         self._free_ids = list(range(settings.n_seq_max - 1, -1, -1))
         self._freed = False  # an id was freed in the last step (HANDOVER_S)
+        self._deferred: frozenset[int] = frozenset()  # orders the half rule put off (_decode_step)
         self._placement = SlotPlacement.open(
             self._cells,
             enabled=settings.prefix_cache,
@@ -425,12 +426,15 @@ class LlamaEngine(ModelFacts):
         return self.settings.n_batch - self.settings.n_seq_max
 
     def _decode_step(self) -> None:
+        # What the half rule put off would have fitted the last step, as in llama-server's one
+        # batch: decoders whose readers see text wait for it (a burst's last first token).
+        owed = any(s.order in self._deferred for s in self._active)
         decoding: list[BatchEntry] = []
         for sequence in self._active:
-            if not sequence.pending_prompt:
+            if not sequence.pending_prompt and not (owed and sequence.first_text.shown):
                 decoding.append((sequence, sequence.last_token, sequence.n_past, True))
                 sequence.n_past += 1
-        pieces = self._prompt_pieces(decoding=len(decoding))
+        pieces = self._prompt_pieces(decoding=len(decoding), owed=owed)
         if self.settings.batch_invariant:
             # Each sequence in its own micro-batch: its logits cannot depend on its neighbours.
             calls = [[entry] for entry in decoding] + pieces
@@ -465,7 +469,7 @@ class LlamaEngine(ModelFacts):
                 # long prompts each completes early in a step that then runs a second on.
                 self._observer.tokens_sampled()
 
-    def _prompt_pieces(self, *, decoding: int) -> list[list[BatchEntry]]:
+    def _prompt_pieces(self, *, decoding: int, owed: bool) -> list[list[BatchEntry]]:
         """This step's prompt pieces, oldest sequence first: the oldest's up to ``n_batch``
         tokens (a prompt of ``n_batch`` completes in one step, as in llama-server), then the
         others' that fit beside the ``decoding`` sequences' tokens, until they hold half the
@@ -481,8 +485,11 @@ class LlamaEngine(ModelFacts):
         pieces: list[list[BatchEntry]] = []
         half = sum(len(s.pending_prompt) for s in waiting) / 2
         taken = 0
+        deferred: frozenset[int] = frozenset()
         for i, sequence in enumerate(waiting):
-            if taken >= half:
+            if taken >= half:  # what would have fitted is put off: the next step owes it
+                if sum(len(s.pending_prompt) for s in waiting[i:]) <= room - decoding:
+                    deferred = frozenset(s.order for s in waiting[i:])
                 break
             # The oldest may fill a call (the decoded tokens have theirs, or the short pieces'):
             # a prompt of n_batch tokens then completes in one step, as in llama-server, where
@@ -507,6 +514,7 @@ class LlamaEngine(ModelFacts):
                 n_prompt = len(sequence.request.prompt_tokens)
                 self.prefix_stats.count(reused=plan.reused, n_prompt=n_prompt)
                 sequence.sink.sequence_planned(plan)
+        self._deferred = deferred & self._deferred if owed else deferred  # a chain: the first's
         return pieces
 
     def _start_from_end_logits(self, sequence: LlamaSequence, end: EndLogits) -> None:

@@ -19,6 +19,7 @@ from quicsrv.engine import (
     SequenceHandle,
     SequenceRequest,
 )
+from quicsrv.engine.first_text import FirstText
 from quicsrv.engine.llama import EngineObserver, LlamaEngine
 from quicsrv.settings import engine_settings_for
 from tests.engine.sinks import RecordingSink
@@ -128,8 +129,26 @@ def _alone(engine: LlamaEngine, observer: Counting, request: SequenceRequest) ->
     return sink
 
 
+class Stepped(FirstToken):
+    """Also notes the step in which each of its tokens came."""
+
+    def __init__(self, observer: Counting) -> None:
+        super().__init__(observer)
+        self.steps: list[int] = []
+
+    def token_generated(
+        self, index: int, token_id: int, piece: bytes, logprobs: object = None
+    ) -> None:
+        self.steps.append(self.observer.steps)
+        super().token_generated(index, token_id, piece, logprobs)
+
+
 def _burst(
-    engine: LlamaEngine, observer: Counting, requests: list[SequenceRequest], allow: int = 0
+    engine: LlamaEngine,
+    observer: Counting,
+    requests: list[SequenceRequest],
+    allow: int = 0,
+    sink_type: type[FirstToken] = FirstToken,
 ) -> tuple[list[FirstToken], int, int]:
     """Submit ``requests`` while the engine thread waits between two steps, so that they all
     reach the same step (``allow``: each pauses itself after that many tokens): their sinks,
@@ -139,7 +158,7 @@ def _burst(
     opener = FirstToken(observer)
     engine.submit(dataclasses.replace(_request(engine, "Hi", None), max_tokens=1), opener)
     assert observer.waiting.wait(60) and opener.done.wait(60)  # its slot is free again
-    sinks = [FirstToken(observer) for _ in requests]
+    sinks = [sink_type(observer) for _ in requests]
     for request, sink in zip(requests, sinks, strict=True):
         handle = engine.submit(request, sink)
         if allow:
@@ -293,6 +312,30 @@ def test_a_reader_without_text_gets_its_next_token_before_a_prompts_call(packing
     assert decoding.pieces[1]  # the text it waited for
     handle.cancel()
     assert decoding.done.wait(60)
+
+
+def test_a_burst_that_fits_one_call_gets_every_first_token_before_a_readers_next_token(
+    packing,
+):
+    # Six short prompts fit one call, as in llama-server's one batch. The half rule feeds the
+    # oldest half a step ahead of the rest; the decoders whose readers see text then wait for
+    # the rest, so the burst's last first token waits for no decoded token.
+    engine, observer = packing
+    requests = [_request(engine, text, None) for text in SHORT]
+    solo = [_alone(engine, observer, r).tokens for r in requests]
+    sinks, _, steps = _burst(engine, observer, requests, sink_type=Stepped)
+    assert [s.tokens for s in sinks] == solo
+    stepped = [s for s in sinks if isinstance(s, Stepped)]
+    last_first = max(s.steps[0] for s in stepped)
+    assert last_first > steps  # the half rule took more than one step
+    showing = []
+    for sink in stepped:
+        text = FirstText()
+        text.feed(sink.pieces[0])
+        if text.shown and sink.steps[0] < last_first:
+            showing.append(sink)
+    assert showing  # a reader with text had its first token before the last one
+    assert all(s.steps[1] > last_first for s in showing)
 
 
 def test_a_sequence_prefilled_in_a_burst_resumes_exactly_by_replay_and_by_kv_restore(packing):
