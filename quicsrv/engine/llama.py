@@ -426,8 +426,8 @@ class LlamaEngine(ModelFacts):
         return self.settings.n_batch - self.settings.n_seq_max
 
     def _decode_step(self) -> None:
-        # What the half rule put off would have fitted the last step, as in llama-server's one
-        # batch: decoders whose readers see text wait for it (a burst's last first token).
+        # What the half rule put off would have fitted the last step (llama-server's one batch):
+        # the decoders whose readers see text wait for it, and for no prompt that came after it.
         owed = any(s.order in self._deferred for s in self._active)
         decoding: list[BatchEntry] = []
         for sequence in self._active:
@@ -514,7 +514,7 @@ class LlamaEngine(ModelFacts):
                 n_prompt = len(sequence.request.prompt_tokens)
                 self.prefix_stats.count(reused=plan.reused, n_prompt=n_prompt)
                 sequence.sink.sequence_planned(plan)
-        self._deferred = deferred & self._deferred if owed else deferred  # a chain: the first's
+        self._deferred = deferred & self._deferred if owed else deferred
         return pieces
 
     def _start_from_end_logits(self, sequence: LlamaSequence, end: EndLogits) -> None:
