@@ -33,7 +33,7 @@ from typing import Any
 import httpx
 
 from loadtest.bench.llama_server import llama_server
-from loadtest.bench.llama_server_build import find_llama_server
+from loadtest.bench.llama_server_build import chosen_llama_server
 from loadtest.bench.machine import wait_until_quiet
 from loadtest.bench.servers import ServerSettings, quicsrv_server
 from loadtest.bench.stats import PROMPTS, percentile
@@ -153,7 +153,7 @@ async def _measure(args: argparse.Namespace, logs: Path) -> list[Sample]:
             )
             url = f"https://localhost:{child.port}"
             endpoints.append(Endpoint(name=name, base_url=url, verify=str(certs.ca_cert)))
-        binary = _llama_server_binary(args.llama_server)
+        binary = chosen_llama_server(args.llama_server)
         if binary is not None:
             child = await stack.enter_async_context(
                 llama_server(binary, settings, logs / "llama-server.log")
@@ -189,14 +189,6 @@ async def _measure(args: argparse.Namespace, logs: Path) -> list[Sample]:
                 line = "  ".join(f"{w} {ms:5.0f}" for w, ms in medians.items())
                 print(f"round {r} {endpoint.name:28} TTFT ms (median): {line}", flush=True)
     return samples
-
-
-def _llama_server_binary(choice: str) -> Path | None:
-    if choice == "none":
-        return None
-    if choice == "auto":
-        return find_llama_server()
-    return Path(choice)
 
 
 def _table(samples: list[Sample], args: argparse.Namespace) -> str:

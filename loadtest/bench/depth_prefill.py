@@ -40,7 +40,7 @@ import httpx
 
 from loadtest.bench.conversation_raw import _Context
 from loadtest.bench.llama_server import llama_server
-from loadtest.bench.llama_server_build import find_llama_server
+from loadtest.bench.llama_server_build import chosen_llama_server
 from loadtest.bench.machine import machine_name
 from loadtest.bench.servers import ServerSettings
 from quicsrv.engine import default_model_path
@@ -153,11 +153,7 @@ def main(argv: list[str] | None = None) -> int:
     settings = ServerSettings(model_path=model, cpu_extra_buffers=probe_cpu_extra_buffers(model))
     if args.depth + args.new > settings.context_per_sequence:
         parser.error(f"--depth + --new must fit a slot's {settings.context_per_sequence} cells")
-    binary = None
-    if args.llama_server == "auto":
-        binary = find_llama_server()
-    elif args.llama_server != "none":
-        binary = Path(args.llama_server)
+    binary = chosen_llama_server(args.llama_server)
     kept, news = _tokens(args.seed, args.depth, args.new, args.repeats)
     stamp = datetime.now(UTC).strftime("%Y%m%d-%H%M%S")
     args.out.mkdir(parents=True, exist_ok=True)

@@ -26,7 +26,14 @@ import tarfile
 from collections.abc import Sequence
 from pathlib import Path
 
-__all__ = ["build_llama_server", "cache_dir", "cmake_options", "find_llama_server", "main"]
+__all__ = [
+    "build_llama_server",
+    "cache_dir",
+    "chosen_llama_server",
+    "cmake_options",
+    "find_llama_server",
+    "main",
+]
 
 DISTRIBUTION = "llama_cpp_python"
 
@@ -68,6 +75,16 @@ def find_llama_server(version: str | None = None) -> Path | None:
     or None. Never builds."""
     binary = cache_dir(version) / "bin" / "llama-server"
     return binary if binary.is_file() and os.access(binary, os.X_OK) else None
+
+
+def chosen_llama_server(choice: str) -> Path | None:
+    """A benchmark's ``--llama-server`` choice: ``auto`` the cached build (None without one),
+    ``none`` None, anything else that binary's path."""
+    if choice == "none":
+        return None
+    if choice == "auto":
+        return find_llama_server()
+    return Path(choice)
 
 
 def cmake_options() -> list[str]:

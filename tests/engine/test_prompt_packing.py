@@ -328,12 +328,7 @@ def test_a_burst_that_fits_one_call_gets_every_first_token_before_a_readers_next
     stepped = [s for s in sinks if isinstance(s, Stepped)]
     last_first = max(s.steps[0] for s in stepped)
     assert last_first > steps  # the half rule took more than one step
-    showing = []
-    for sink in stepped:
-        text = FirstText()
-        text.feed(sink.pieces[0])
-        if text.shown and sink.steps[0] < last_first:
-            showing.append(sink)
+    showing = [s for s in stepped if s.steps[0] < last_first and FirstText().feed(s.pieces[0])]
     assert showing  # a reader with text had its first token before the last one
     assert all(s.steps[1] > last_first for s in showing)
 
