@@ -18,7 +18,6 @@ import asyncio
 import contextlib
 import dataclasses
 import itertools
-import multiprocessing
 import os
 import signal
 import subprocess
@@ -26,13 +25,13 @@ import sys
 import tempfile
 import time
 from collections.abc import Awaitable, Callable
-from concurrent.futures import ProcessPoolExecutor
 from dataclasses import dataclass
 from datetime import UTC, datetime
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import Any
 
 from loadtest.bench.engine import ENGINE, measure_engine
+from loadtest.bench.isolated import isolated
 from loadtest.bench.llama_server import llama_server, llama_server_argv
 from loadtest.bench.llama_server_build import find_llama_server
 from loadtest.bench.load import run_quicsrv_load, run_sse_load
@@ -58,7 +57,6 @@ LLAMA_CPP_SERVER = "llama-server (llama.cpp)"
 WARMUP_TOKENS = 8
 
 _Driver = Callable[[int, int, float], Awaitable[tuple[float, list[StreamResult]]]]
-_T = TypeVar("_T")
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -250,16 +248,6 @@ async def _measure_interleaved(
                 )
                 results.append(result)
     return results
-
-
-def isolated(function: Callable[..., _T], *args: Any, **kwargs: Any) -> _T:
-    """``function(*args, **kwargs)`` in a fresh interpreter. llama.cpp's OpenMP threads belong
-    to the thread that decodes: once two threads of one process have decoded, every decode in
-    it is ~50% slower (measured: main thread 7.4-7.9 ms/step, then 11.4-11.9 in a worker thread
-    and after it on the main thread again). Each in-process measurement gets its own process,
-    as quicsrv's engine worker has its own."""
-    with ProcessPoolExecutor(max_workers=1, mp_context=multiprocessing.get_context("spawn")) as ex:
-        return ex.submit(function, *args, **kwargs).result()
 
 
 def _fastest(settings: ServerSettings) -> ServerSettings:

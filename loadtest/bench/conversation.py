@@ -25,15 +25,13 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
-import multiprocessing
 import sys
 import time
-from collections.abc import AsyncIterator, Callable, Sequence
-from concurrent.futures import ProcessPoolExecutor
+from collections.abc import AsyncIterator, Sequence
 from dataclasses import asdict, dataclass, replace
 from datetime import UTC, datetime
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import Any
 
 import httpx
 
@@ -48,6 +46,7 @@ from loadtest.bench.conversation_report import (
     render,
 )
 from loadtest.bench.conversation_script import history, user_turns
+from loadtest.bench.isolated import isolated
 from loadtest.bench.llama_server import llama_server, llama_server_argv
 from loadtest.bench.llama_server_build import cmake_options, find_llama_server
 from loadtest.bench.machine import CpuMeter, Quiet
@@ -62,7 +61,6 @@ __all__ = ["main"]
 
 MODEL_NAME = "bench"
 REQUEST_TIMEOUT_S = 300.0
-_T = TypeVar("_T")
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -283,13 +281,6 @@ async def _llama_server(
     return [replace(result, others_cpu_share=others) for result in results]
 
 
-def _isolated(function: Callable[..., _T], *args: Any) -> _T:
-    """``function(*args)`` in a fresh interpreter: llama.cpp decodes ~50% slower in a process
-    whose other threads have decoded before (see ``loadtest.bench.__main__.isolated``)."""
-    with ProcessPoolExecutor(max_workers=1, mp_context=multiprocessing.get_context("spawn")) as ex:
-        return ex.submit(function, *args).result()
-
-
 def _llama_server_binary(choice: str) -> tuple[Path | None, str]:
     """The binary to run and, if none, why (the report's note)."""
     if choice == "none":
@@ -324,7 +315,7 @@ def _measure(
             busy = quiet()
             print(f"repeat {r + 1}/{args.repeats}: {system} (others' CPU {busy:.0%})", flush=True)
             if system == RAW_INCREMENTAL:
-                runs = _isolated(converse_raw, settings, users, args.max_tokens, r)
+                runs = isolated(converse_raw, settings, users, args.max_tokens, r)
                 for run in runs:
                     print(
                         f"  {run.system} turn {run.turn}: TTFT {run.ttft_s * 1000:6.0f} ms, "

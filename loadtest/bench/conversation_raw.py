@@ -73,8 +73,8 @@ def converse_raw(
 ) -> list[TurnResult]:
     """One conversation over ``users``: per turn a raw incremental and a raw cold result.
 
-    Run it in a process of its own (``isolated``): llama.cpp decodes slower in a process whose
-    other threads have decoded before."""
+    Run it in a process of its own (``loadtest.bench.isolated``): llama.cpp decodes slower in a
+    process whose other threads have decoded before."""
     vocabulary = Vocabulary.load(settings.model_path)
     context = _Context(settings)
     meter = CpuMeter([os.getpid()])

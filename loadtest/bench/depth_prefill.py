@@ -26,12 +26,10 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
-import multiprocessing
 import random
 import statistics
 import sys
 import time
-from concurrent.futures import ProcessPoolExecutor
 from dataclasses import asdict, dataclass
 from datetime import UTC, datetime
 from pathlib import Path
@@ -39,6 +37,7 @@ from pathlib import Path
 import httpx
 
 from loadtest.bench.conversation_raw import _Context
+from loadtest.bench.isolated import isolated
 from loadtest.bench.llama_server import llama_server
 from loadtest.bench.llama_server_build import chosen_llama_server
 from loadtest.bench.machine import machine_name
@@ -158,12 +157,10 @@ def main(argv: list[str] | None = None) -> int:
     stamp = datetime.now(UTC).strftime("%Y%m%d-%H%M%S")
     args.out.mkdir(parents=True, exist_ok=True)
     starts: list[Start] = []
-    spawn = multiprocessing.get_context("spawn")
     for start in range(args.starts):
         before = len(starts)
-        with ProcessPoolExecutor(max_workers=1, mp_context=spawn) as pool:
-            for result in pool.submit(_raw_start, settings, kept, news).result():
-                starts.append(Start(result.system, start, result.ms))
+        for result in isolated(_raw_start, settings, kept, news):
+            starts.append(Start(result.system, start, result.ms))
         if binary is not None:
             log = args.out / f"depth-prefill-{stamp}-llama-server-{start}.log"
             result = asyncio.run(_server_start(binary, settings, kept, news, log))
