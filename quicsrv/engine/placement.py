@@ -218,16 +218,16 @@ class SlotPlacement:
         where there is a cache."""
         return self._cache is not None
 
-    def snapshot_one(self) -> bool:
+    def snapshot_one(self, *, spare_last: bool = False) -> bool:
         """While the engine waits for work: save the cells of the kept entry next to leave its
-        slot (:meth:`.prefix_cache.PrefixCache.unsaved`) within the blob budget, so that a new
-        prompt given that slot copies nothing first. Measured before: a burst after long
-        generations saved one 12 MB entry per prompt ahead of its first step. False: none
-        saved (none left, or no room)."""
+        slot (:meth:`.prefix_cache.PrefixCache.unsaved`, with ``spare_last``) within the blob
+        budget, so that a new prompt given that slot copies nothing first. Measured before: a
+        burst after long generations saved one 12 MB entry per prompt ahead of its first step.
+        False: none saved (none left, or no room)."""
         cache = self._cache
         if cache is None or cache.max_blob_bytes <= 0:
             return False
-        entry = cache.unsaved()
+        entry = cache.unsaved(spare_last=spare_last)
         if entry is None or entry.slot is None:
             return False
         if not cache.has_room(self._cells.size(entry.slot)):

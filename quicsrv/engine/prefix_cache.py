@@ -503,10 +503,13 @@ class PrefixCache:
         """The entry's cells (or blob) go to a new sequence: it is no longer the cache's."""
         self.drop(entry)
 
-    def unsaved(self) -> Entry | None:
+    def unsaved(self, *, spare_last: bool = False) -> Entry | None:
         """The resident entry with blocks and no snapshot that was used longest ago: the next
-        to leave its slot (a scrap never becomes a blob)."""
-        held = [e for e in self._by_slot.values() if e.blocks and e.snapshot is None]
+        to leave its slot (a scrap never becomes a blob). ``spare_last``: never the resident
+        entry used last, the one a client most likely goes on from in its slot."""
+        resident = self._by_slot.values()
+        last = max(resident, key=lambda e: e.used, default=None) if spare_last else None
+        held = [e for e in resident if e.blocks and e.snapshot is None and e is not last]
         return min(held, key=lambda e: e.used, default=None)
 
     def has_room(self, size: int) -> bool:

@@ -69,6 +69,22 @@ def test_kept_cells_are_saved_one_at_a_time_oldest_first_then_a_new_prompt_copie
     assert cache.stats.blob_bytes == 100
 
 
+def test_the_entry_used_last_is_spared_until_asked_for_then_saved_last():
+    cells = FakeCells()
+    placement, cache = _placement(cells)
+    _keep(placement, 0, 0)
+    assert not placement.snapshot_one(spare_last=True)  # a chat's only entry: its next turn
+    _keep(placement, 1, 1000)
+    assert placement.snapshot_one(spare_last=True) and cells.saves == [0]
+    assert not placement.snapshot_one(spare_last=True) and cells.saves == [0]
+    # A hit makes slot 0's entry the one used last: slot 1's is the one to save now.
+    hit = cache.find("", [*range(2 * BLOCK_TOKENS), 5])
+    assert hit is not None and hit.entry.slot == 0
+    cache.touch(hit.entry)
+    assert placement.snapshot_one(spare_last=True) and cells.saves == [0, 1]
+    assert not placement.snapshot_one()  # both saved: nothing left, spared or not
+
+
 def test_no_save_past_the_blob_budget_and_none_without_one():
     cells = FakeCells(size=600)
     placement, cache = _placement(cells)
