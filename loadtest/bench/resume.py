@@ -120,7 +120,7 @@ async def _paused_memory(engine: LlamaEngine, certs: Any, context: int) -> dict[
             await server.shutdown(5.0)
     return {
         "kv_bytes": usage.memory_bytes,
-        "kv_bytes_per_token": usage.memory_bytes / (context + len(live.record.prompt_tokens)),
+        "kv_bytes_per_token": usage.memory_bytes / (context + len(live.record.spec.prompt_tokens)),
         "record_disk_bytes": record.disk_bytes,
     }
 
