@@ -65,7 +65,7 @@ class KvCells:
         twice the time at 1594 cells (35 MiB: 57 ms, not 28), the first touch of their pages."""
         size = self.size(seq_id)
         if size <= 1:
-            return None  # not even a header
+            return None  # no cells' header; and CPython shares the empty bytes object
         blob: bytes = _new_bytes(None, size)
         target = ctypes.cast(_bytes_data(blob), ctypes.POINTER(ctypes.c_uint8))
         written = llama_cpp.llama_state_seq_get_data(self._ctx, target, size, seq_id)

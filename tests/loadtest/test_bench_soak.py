@@ -4,59 +4,46 @@ runs in tests/quicsrv/test_leaks_e2e.py)."""
 
 from __future__ import annotations
 
-import json
 import os
 import subprocess
 import sys
-from pathlib import Path
+import threading
 
 import pytest
 
+from loadtest.bench.isolated import isolated
 from loadtest.bench.soak import (
     POOL_MAX_THREADS,
     Census,
     ProcessCensus,
     main,
+    process_census,
     thread_namer,
 )
 
-#: Run in a fresh interpreter: the test process's own threads (llama.cpp's, executors' of
-#: earlier tests) may start or end while it counts, which is no leak of the census's.
-_CENSUS_CHILD = """
-import json, os, sys, threading
-from loadtest.bench.soak import process_census
 
-def counted():
-    census = process_census(os.getpid())
-    return {"fds": list(census.fds), "threads": list(census.threads), "rss": census.rss_kib}
-
-before = counted()
-stop = threading.Event()
-thread = threading.Thread(target=stop.wait)
-with open(sys.argv[1], "w"):
-    thread.start()
-    during = counted()
-    stop.set()
-    thread.join()
-after = counted()
-print(json.dumps([before, during, after]))
-"""
+def _census_round(held: str) -> tuple[ProcessCensus, ProcessCensus, ProcessCensus]:
+    """This process's census before, while and after it holds ``held`` open and a thread."""
+    before = process_census(os.getpid())
+    stop = threading.Event()
+    thread = threading.Thread(target=stop.wait)
+    with open(held, "w"):
+        thread.start()
+        during = process_census(os.getpid())
+        stop.set()
+        thread.join()
+    return before, during, process_census(os.getpid())
 
 
 def test_the_census_sees_a_descriptor_and_a_thread_come_and_go(tmp_path):
+    # In a fresh interpreter: the test process's own threads (llama.cpp's, earlier tests'
+    # executors') may start or end while it counts, which is no leak of the census's.
     held = str(tmp_path / "held")
-    child = subprocess.run(
-        [sys.executable, "-c", _CENSUS_CHILD, held],
-        cwd=Path(__file__).parents[2],
-        capture_output=True,
-        text=True,
-        check=True,
-    )
-    before, during, after = json.loads(child.stdout)
-    assert len(during["fds"]) == len(before["fds"]) + 1 and held in during["fds"]
-    assert len(during["threads"]) == len(before["threads"]) + 1
-    assert (after["fds"], after["threads"]) == (before["fds"], before["threads"])
-    assert before["rss"] > 0
+    before, during, after = isolated(_census_round, held)
+    assert len(during.fds) == len(before.fds) + 1 and held in during.fds
+    assert len(during.threads) == len(before.threads) + 1
+    assert (after.fds, after.threads) == (before.fds, before.threads)
+    assert before.rss_kib > 0
 
 
 def _census(server_threads: tuple[str, ...], kv: tuple[str, ...] = ()) -> Census:
